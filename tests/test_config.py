@@ -1,0 +1,54 @@
+import dataclasses
+import re
+from typing import Literal
+
+import pytest
+
+from wan_diloco.config import ConfigError, from_mapping, load_toml, require
+
+
+@dataclasses.dataclass(frozen=True)
+class Inner:
+    rate_gbit_s: float = 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Outer:
+    name: str = "x"
+    learners: int = 4
+    mode: Literal["a", "b"] = "a"
+    inner: Inner = Inner()
+    speeds: tuple[float, ...] = ()
+
+    def validate(self):
+        require(self.learners >= 1, "learners", "must be >= 1")
+
+
+def test_from_mapping_builds_nested_and_coerces():
+    cfg = from_mapping(Outer, {"learners": 2, "inner": {"rate_gbit_s": 5}, "speeds": [1, 1.2]})
+    assert cfg.learners == 2 and cfg.inner.rate_gbit_s == 5.0 and cfg.speeds == (1.0, 1.2)
+
+
+@pytest.mark.parametrize(
+    "data, field",
+    [
+        ({"learnerz": 2}, "learnerz"),
+        ({"learners": "2"}, "learners"),
+        ({"learners": 0}, "learners"),
+        ({"mode": "c"}, "mode"),
+        ({"inner": {"rate": 1}}, "inner.rate"),
+        ({"learners": True}, "learners"),
+    ],
+)
+def test_bad_values_name_the_field(data, field):
+    with pytest.raises(ConfigError, match="^" + re.escape(field) + ":"):
+        from_mapping(Outer, data)
+
+
+def test_load_toml_errors(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        load_toml(tmp_path / "nope.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("x = = 1")
+    with pytest.raises(ConfigError, match="invalid TOML"):
+        load_toml(bad)
