@@ -1,0 +1,71 @@
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from wan_diloco import merge
+
+
+def test_token_weights_quantity_times_quality():
+    w = merge.token_weights([100, 100, 50], [10, 5, 5])
+    np.testing.assert_allclose(w, [100 * 10, 100 * 20, 50 * 10])
+    assert merge.token_weights([10], [0])[0] == 0.0
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.integers(1, 12), st.integers(0, 2**31 - 1))
+def test_rda_norm_is_weighted_mean_norm(m, seed):
+    rng = np.random.default_rng(seed)
+    ds = [rng.normal(size=64).astype(np.float32) * rng.uniform(0.1, 3) for _ in range(m)]
+    w = rng.uniform(0.1, 2, size=m)
+    out = merge.rda(ds, w)
+    expected = (w * [np.linalg.norm(d) for d in ds]).sum() / w.sum()
+    np.testing.assert_allclose(np.linalg.norm(out), expected, rtol=1e-5)
+
+
+def test_identical_deltas_return_delta():
+    d = np.arange(12, dtype=np.float32).reshape(3, 4) - 5
+    for m in (1, 3, 7):
+        np.testing.assert_allclose(merge.rda([d] * m, np.linspace(1, 2, m)), d, rtol=1e-6)
+
+
+def test_orthogonal_units_keep_norm_where_mean_shrinks():
+    for m in (2, 4, 16):
+        ds = list(np.eye(m, dtype=np.float32))
+        w = np.ones(m)
+        assert np.linalg.norm(merge.rda(ds, w)) == pytest.approx(1.0, rel=1e-6)
+        assert np.linalg.norm(merge.weighted_mean(ds, w)) == pytest.approx(1 / np.sqrt(m), rel=1e-6)
+
+
+def test_zero_norm_delta_is_skipped():
+    d = np.array([3.0, 4.0], dtype=np.float32)
+    out = merge.rda([d, np.zeros(2, np.float32)], [1.0, 1.0])
+    np.testing.assert_allclose(out, d)  # the zero delta neither shrinks the norm nor the direction
+    assert not merge.rda([np.zeros(2, np.float32)], [1.0]).any()
+
+
+def test_weighted_mean_uses_weights():
+    out = merge.weighted_mean([np.ones(3, np.float32), np.zeros(3, np.float32)], [3, 1])
+    np.testing.assert_allclose(out, 0.75)
+
+
+def test_merge_fragment_embeddings_use_mean():
+    a = {"embed/embedding": np.array([1.0, 0.0], np.float32), "block_0/w": np.array([1.0, 0.0], np.float32)}
+    b = {"embed/embedding": np.array([0.0, 1.0], np.float32), "block_0/w": np.array([0.0, 1.0], np.float32)}
+    out = merge.merge_fragment([a, b], [1, 1], "rda", lambda n: n.startswith("embed"))
+    assert np.linalg.norm(out["embed/embedding"]) == pytest.approx(np.sqrt(0.5))
+    assert np.linalg.norm(out["block_0/w"]) == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize(
+    "deltas, weights, match",
+    [
+        ([], [], "0 deltas"),
+        ([np.ones(2)], [1, 2], "1 deltas but 2"),
+        ([np.ones(2), np.ones(3)], [1, 1], "shape mismatch"),
+        ([np.ones(2)], [0], "not all zero"),
+        ([np.ones(2)], [np.nan], "finite"),
+    ],
+)
+def test_bad_inputs(deltas, weights, match):
+    with pytest.raises(ValueError, match=match):
+        merge.rda(deltas, weights)

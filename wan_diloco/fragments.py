@@ -1,0 +1,158 @@
+"""Parameter fragments and their sync schedule (SPEC §3, from Streaming DiLoCo).
+
+A fragmentation is a list of P fragments, each a tuple of flat tensor names.
+Fragment p syncs every H learner steps at offset t_p = floor(p·H/P), so one
+fragment is due every H/P steps and the WAN carries a steady stream.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Literal, Mapping, Sequence
+
+import numpy as np
+
+Strategy = Literal["layer", "tensor", "balanced"]
+STRATEGIES: tuple[str, ...] = ("layer", "tensor", "balanced")
+
+Fragments = list[tuple[str, ...]]
+
+
+def _check(sizes: Mapping[str, int], num_fragments: int) -> None:
+    if num_fragments < 1:
+        raise ValueError(f"fragments: need at least 1 fragment, got {num_fragments}")
+    if not sizes:
+        raise ValueError("fragments: no tensors to split")
+
+
+def layer_fragments(
+    sizes: Mapping[str, int], num_fragments: int, layer_of: Callable[[str], int | None], strided: bool = False
+) -> Fragments:
+    """Consecutive (or strided) transformer blocks per fragment.
+
+    Tensors outside blocks travel with the first block (inputs side) or the last
+    (outputs side): names sorting before the first block go first. With fewer
+    blocks than fragments, the surplus fragments are empty: that is the burst
+    problem the balanced strategy avoids, kept here so it can be measured.
+    """
+    _check(sizes, num_fragments)
+    layers = sorted({l for n in sizes if (l := layer_of(n)) is not None})
+    if not layers:
+        raise ValueError("fragments: layer strategy found no transformer blocks")
+    frags: list[list[str]] = [[] for _ in range(num_fragments)]
+    n_used = min(num_fragments, len(layers))
+    home = {layer: (i % n_used if strided else i * n_used // len(layers)) for i, layer in enumerate(layers)}
+    for n in sizes:
+        layer = layer_of(n)
+        if layer is None:
+            # Embeddings travel with the first block, the final norm and head with the last.
+            layer = layers[0] if n.startswith(("embed", "pos_embed")) else layers[-1]
+        frags[home[layer]].append(n)
+    return [tuple(f) for f in frags]
+
+
+def tensor_fragments(sizes: Mapping[str, int], num_fragments: int, layer_of: Callable[[str], int | None]) -> Fragments:
+    """All non-block tensors in fragment 0; block tensors dealt out by index to fragments 1..P-1.
+
+    Every fragment gets something when there are enough block tensors, but sizes vary a lot.
+    """
+    _check(sizes, num_fragments)
+    frags: list[list[str]] = [[] for _ in range(num_fragments)]
+    block = [n for n in sizes if layer_of(n) is not None]
+    frags[0].extend(n for n in sizes if layer_of(n) is None)
+    rest = max(1, num_fragments - 1)
+    for i, n in enumerate(block):
+        frags[(1 + i % rest) if num_fragments > 1 else 0].append(n)
+    return [tuple(f) for f in frags]
+
+
+def balanced_fragments(sizes: Mapping[str, int], num_fragments: int) -> Fragments:
+    """Greedy bin packing: largest tensor first, into the currently lightest fragment.
+
+    Sizes come out nearly equal, so the peak bytes per sync slot is lowest.
+    """
+    _check(sizes, num_fragments)
+    totals = [0] * num_fragments
+    frags: list[list[str]] = [[] for _ in range(num_fragments)]
+    for name in sorted(sizes, key=lambda n: (-sizes[n], n)):
+        p = min(range(num_fragments), key=lambda i: (totals[i], i))
+        frags[p].append(name)
+        totals[p] += sizes[name]
+    order = {n: i for i, n in enumerate(sizes)}
+    return [tuple(sorted(f, key=order.__getitem__)) for f in frags]
+
+
+def make_fragments(
+    strategy: Strategy, sizes: Mapping[str, int], num_fragments: int, layer_of: Callable[[str], int | None]
+) -> Fragments:
+    """Split tensors (name -> element count, in model order) into ``num_fragments`` fragments."""
+    if strategy == "layer":
+        return layer_fragments(sizes, num_fragments, layer_of)
+    if strategy == "tensor":
+        return tensor_fragments(sizes, num_fragments, layer_of)
+    if strategy == "balanced":
+        return balanced_fragments(sizes, num_fragments)
+    raise ValueError(f"fragments: unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Fragment p is due at steps s > 0 with s ≡ offset(p) (mod H)."""
+
+    sync_every: int
+    num_fragments: int
+
+    def __post_init__(self) -> None:
+        if self.sync_every < 1:
+            raise ValueError(f"schedule: sync_every (H) must be >= 1, got {self.sync_every}")
+        if self.num_fragments < 1:
+            raise ValueError(f"schedule: num_fragments (P) must be >= 1, got {self.num_fragments}")
+
+    def offset(self, p: int) -> int:
+        return (p * self.sync_every) // self.num_fragments
+
+    def due(self, step: int) -> list[int]:
+        """Fragments due at ``step`` (step 0 is the shared starting point: nothing is due)."""
+        if step <= 0:
+            return []
+        r = step % self.sync_every
+        return [p for p in range(self.num_fragments) if self.offset(p) == r]
+
+    def due_between(self, after: int, upto: int) -> list[tuple[int, int]]:
+        """(step, fragment) pairs due in (after, upto], in order."""
+        return [(s, p) for s in range(after + 1, upto + 1) for p in self.due(s)]
+
+
+@dataclass(frozen=True)
+class BytesPerStep:
+    peak_bytes: int
+    mean_bytes: float
+    empty_slots: int  # scheduled sync slots whose fragment is empty: bursts elsewhere
+    slots: int
+
+
+def bytes_per_step(fragments: Fragments, sizes: Mapping[str, int], sync_every: int, bytes_per_param: float = 4.0) -> BytesPerStep:
+    """Bytes one learner sends at each of the H steps of a sync period."""
+    sched = Schedule(sync_every, len(fragments))
+    frag_bytes = [sum(sizes[n] for n in f) * bytes_per_param for f in fragments]
+    per_step = np.zeros(sync_every)
+    for p, b in enumerate(frag_bytes):
+        per_step[sched.offset(p)] += b
+    return BytesPerStep(
+        peak_bytes=int(per_step.max()),
+        mean_bytes=float(per_step.mean()),
+        empty_slots=sum(1 for b in frag_bytes if b == 0),
+        slots=len(fragments),
+    )
+
+
+def check_cover(fragments: Sequence[Sequence[str]], names: Sequence[str]) -> None:
+    """Every tensor in exactly one fragment; raises ValueError otherwise."""
+    seen: dict[str, int] = {}
+    for p, f in enumerate(fragments):
+        for n in f:
+            if n in seen:
+                raise ValueError(f"fragments: {n!r} is in fragments {seen[n]} and {p}")
+            seen[n] = p
+    missing = [n for n in names if n not in seen]
+    if missing or len(seen) != len(names):
+        raise ValueError(f"fragments: tensors not covered: {missing[:3]}")

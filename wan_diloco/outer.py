@@ -1,0 +1,54 @@
+"""Outer optimizer (SPEC §5 step 5): optax Nesterov SGD on pseudo-gradients, per fragment."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from wan_diloco.config import require
+
+
+@dataclass(frozen=True)
+class OuterConfig:
+    """DiLoCo used lr 0.7 / momentum 0.9; Streaming DiLoCo lr 0.4."""
+
+    lr: float = 0.7
+    momentum: float = 0.9
+    nesterov: bool = True
+
+    def validate(self) -> None:
+        require(self.lr > 0, "lr", f"must be > 0, got {self.lr}")
+        require(0 <= self.momentum < 1, "momentum", f"must be in [0, 1), got {self.momentum}")
+
+
+def make_outer_optimizer(cfg: OuterConfig) -> optax.GradientTransformation:
+    return optax.sgd(cfg.lr, momentum=cfg.momentum or None, nesterov=cfg.nesterov and cfg.momentum > 0)
+
+
+class OuterOptimizer:
+    """Holds one optax state per fragment; ``step`` applies a merged Δ to Θ_p.
+
+    The pseudo-gradient Δ = Θ − θ points like a gradient, so Θ ← Θ + update(Δ).
+    """
+
+    def __init__(self, cfg: OuterConfig, fragments: Mapping[int, Mapping[str, np.ndarray]]):
+        self.cfg = cfg
+        self.tx = make_outer_optimizer(cfg)
+        self.states: dict[int, Any] = {p: self.tx.init(dict(params)) for p, params in fragments.items()}
+        tx = self.tx
+
+        @jax.jit
+        def _step(params, delta, state):
+            updates, state = tx.update(delta, state, params)
+            return optax.apply_updates(params, updates), state
+
+        self._step = _step
+
+    def step(self, p: int, params: Mapping[str, np.ndarray], delta: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Return the new Θ_p (float32 numpy) and advance fragment p's momentum."""
+        new, self.states[p] = self._step(dict(params), {k: jnp.asarray(v) for k, v in delta.items()}, self.states[p])
+        return {k: np.asarray(v, dtype=np.float32) for k, v in new.items()}
