@@ -1,0 +1,111 @@
+import numpy as np
+import pytest
+
+from wan_diloco.clock import VectorClock
+from wan_diloco.core import (
+    ApplyGlobal, GlobalUpdate, LearnerConfig, LearnerCore, Resync, SendFragment, SendMetadata, Snapshot,
+)
+
+from .helpers import FRAGS, PARAMS
+
+
+def make(**kw):
+    cfg = LearnerConfig(**{"sync_every": 4, "num_fragments": 2, "tau": 1, **kw})
+    return LearnerCore(cfg, 0, FRAGS, PARAMS)
+
+
+def step(lc, t, tokens=100):
+    lc.begin_step(t)
+    return lc.step_done(t + 1.0, tokens)
+
+
+def update(p, frm, to, values, global_step=0, held=None):
+    return GlobalUpdate(fragment=p, from_version=frm, to_version=to, due_step=4, global_step=global_step,
+                        clock=VectorClock({"syncer": to}), update=values, nbytes=0, held_s=held or {})
+
+
+def test_counts_and_due_fragments():
+    lc = make()
+    kinds = []
+    for t in range(8):
+        acts = step(lc, float(t))
+        assert isinstance(acts[-1], SendMetadata)
+        kinds += [(lc.step, a.fragment) for a in acts if isinstance(a, Snapshot)]
+    assert kinds == [(2, 1), (4, 0), (6, 1), (8, 0)]  # offsets 0 and 2 in a period of 4
+    assert lc.c_steps == [8, 8] and lc.c_tokens == [800, 800]
+    assert lc.metadata().step_s == pytest.approx(1.0)
+
+
+def test_snapshot_sends_base_minus_theta():
+    lc = make()
+    theta = {"block_0/w": PARAMS["block_0/w"] + 0.5}
+    [send] = lc.snapshot(0.0, 0, 4, theta)
+    assert isinstance(send, SendFragment)
+    np.testing.assert_allclose(send.msg.delta["block_0/w"], -0.5)
+    assert send.msg.base_version == 0 and send.msg.due_step == 4 and send.msg.nbytes == 12
+
+
+def test_update_between_steps_applies_and_resets_counters():
+    lc = make()
+    for t in range(3):
+        step(lc, float(t))
+    acts = lc.on_update(5.0, update(0, 0, 1, {"block_0/w": np.ones(3, np.float32)}, global_step=7))
+    [apply] = acts
+    assert isinstance(apply, ApplyGlobal) and apply.alpha == 0.0
+    np.testing.assert_allclose(apply.values["block_0/w"], PARAMS["block_0/w"] + 1)
+    assert lc.c_steps == [0, 3] and lc.version == [1, 0]
+    assert lc.step == 7  # adopted the global step
+
+
+def test_update_during_step_is_buffered_until_step_done():
+    lc = make()
+    lc.begin_step(0.0)
+    assert lc.on_update(0.5, update(0, 0, 1, {"block_0/w": np.ones(3, np.float32)})) == []
+    acts = lc.step_done(1.0, 100)
+    assert any(isinstance(a, ApplyGlobal) for a in acts)
+    assert lc.c_steps[0] == 0  # reset after this step's count: the update came last
+
+
+def test_version_gap_asks_for_resync_and_duplicates_are_ignored():
+    lc = make()
+    [r] = lc.on_update(0.0, update(0, 1, 2, {"block_0/w": np.ones(3, np.float32)}))
+    assert isinstance(r, Resync) and (r.have_version, r.want_version) == (0, 2)
+    lc.resync(0, {"block_0/w": np.zeros(3, np.float32)}, 2)
+    assert lc.on_update(0.0, update(0, 1, 2, {"block_0/w": np.ones(3, np.float32)})) == []
+    assert lc.version[0] == 2 and not lc.base[0]["block_0/w"].any()
+
+
+def test_blocking_learner_waits_tau_steps_after_sending():
+    lc = make(blocking=True, tau=1)
+    for t in range(4):
+        step(lc, float(t))
+    lc.snapshot(4.0, 0, 4, {"block_0/w": PARAMS["block_0/w"]})
+    assert not lc.blocked  # may still train τ = 1 step
+    step(lc, 4.0)
+    assert lc.blocked
+    lc.on_update(6.0, update(0, 0, 1, {"block_0/w": np.zeros(3, np.float32)}, held={0: 0.5}))
+    assert not lc.blocked
+    assert lc.sync_s.value == pytest.approx(6.0 - 4.0 - 0.5)
+    assert not make(blocking=False).blocked
+
+
+def test_error_feedback_carries_what_was_dropped():
+    class Round1:  # a "codec" that rounds to 1 decimal
+        def roundtrip(self, values):
+            from wan_diloco.core import Encoded
+            return Encoded({n: np.round(v, 1) for n, v in values.items()}, 0)
+
+    lc = LearnerCore(LearnerConfig(sync_every=4, num_fragments=2, error_feedback=True), 0, FRAGS, PARAMS, codec=Round1())
+    true_sum, sent_sum = np.zeros(3), np.zeros(3)
+    for i in range(20):
+        theta = {"block_0/w": PARAMS["block_0/w"] - 0.04}  # true Δ = 0.04 every time
+        [s] = lc.snapshot(float(i), 0, 4 * (i + 1), theta)
+        true_sum += 0.04
+        sent_sum += s.msg.delta["block_0/w"]
+        assert np.all(np.abs(true_sum - sent_sum) <= 0.05 + 1e-6)  # bounded by one rounding step
+    assert abs(sent_sum[0] - 0.8) < 0.06  # without feedback every round sends 0.0
+
+
+def test_step_done_without_begin_is_an_error():
+    with pytest.raises(RuntimeError):
+        make().step_done(0.0, 1)

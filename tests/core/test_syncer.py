@@ -1,0 +1,123 @@
+import dataclasses
+
+import numpy as np
+import pytest
+
+from wan_diloco.core import Broadcast, LearnerConfig, LearnerCore, ProtocolError, SetTimer, SyncerConfig, SyncerCore
+from wan_diloco.outer import OuterConfig
+
+from .helpers import FRAGS, PARAMS, is_embedding, meta, upload
+
+
+def make(**kw):
+    cfg = SyncerConfig(**{"num_learners": 3, "tau": 2, **kw})
+    return SyncerCore(cfg, FRAGS, PARAMS, is_embedding)
+
+
+def test_quorum_one_without_grace_merges_at_once():
+    s = make(quorum=1, grace=False, outer=OuterConfig(lr=1.0, momentum=0.0))
+    [b] = s.on_fragment(0.0, upload(0))
+    assert isinstance(b, Broadcast) and b.msg.contributors == (0,)
+    assert (b.msg.from_version, b.msg.to_version) == (0, 1)
+    np.testing.assert_allclose(s.theta[0]["block_0/w"], PARAMS["block_0/w"] - 0.1, rtol=1e-6)
+    assert s.stats.fragment_syncs == [1, 0]
+
+
+def test_quorum_then_grace_then_everyone_in_closes_early():
+    s = make(quorum=2, grace=True)
+    for m in range(3):
+        s.on_metadata(0.0, meta(m, step_s=1.0))
+    assert s.on_fragment(1.0, upload(0)) == []  # below quorum
+    [timer] = s.on_fragment(1.2, upload(1))  # quorum reached: grace = 0.8 * (2*1.0 - 0.2 - 0) = 1.44
+    assert isinstance(timer, SetTimer)
+    assert timer.at_s == pytest.approx(1.2 + 0.8 * (2.0 - 0.2))
+    [b] = s.on_fragment(1.5, upload(2))  # last live learner arrives inside the grace: close now
+    assert b.msg.contributors == (0, 1, 2)
+    assert s.on_timer(timer.at_s, timer.key) == []  # the round is gone
+    assert s.stats.quorum_sizes == [3]
+
+
+def test_grace_expiry_closes_with_quorum_and_late_one_is_dropped():
+    s = make(quorum=1, grace=True)
+    for m in range(3):
+        s.on_metadata(0.0, meta(m, step_s=1.0))
+    [timer] = s.on_fragment(1.0, upload(0))
+    [b] = s.on_timer(timer.at_s, timer.key)
+    assert b.msg.contributors == (0,)
+    assert s.on_fragment(timer.at_s + 0.1, upload(1)) == []
+    assert s.stats.late_dropped == 1
+
+
+def test_no_grace_flag_and_no_estimates_give_zero_grace():
+    assert make(grace=False).grace_window_s() == 0.0
+    assert make(grace=True).grace_window_s() == 0.0  # nothing measured yet
+    s = make(grace=True)
+    s.on_metadata(0.0, meta(0, step_s=1.0, sync_s=5.0))  # sync slower than τ steps: no slack
+    assert s.grace_window_s() == 0.0
+
+
+def test_lost_peer_is_not_waited_for():
+    s = make(quorum=3, grace=False)
+    for m in range(3):
+        s.on_metadata(0.0, meta(m))
+    s.on_fragment(1.0, upload(0))
+    assert s.on_fragment(1.0, upload(1)) == []
+    [b] = s.on_peer_lost(2.0, 2)
+    assert b.msg.contributors == (0, 1)
+
+
+def test_liveness_timeout_via_tick():
+    s = make(quorum=2, grace=False, liveness_timeout_s=5.0)
+    s.on_metadata(0.0, meta(0))
+    s.on_metadata(0.0, meta(1))
+    assert s.on_fragment(4.0, upload(0)) == []
+    assert s.tick(4.5) == []
+    [b] = s.tick(6.0)  # learner 1 silent for 6 s > 5 s
+    assert b.msg.contributors == (0,)
+
+
+def test_token_weights_shape_the_merge():
+    s = make(quorum=2, grace=False, merge="mean", outer=OuterConfig(lr=1.0, momentum=0.0))
+    s.on_fragment(0.0, upload(0, delta=np.ones(3, np.float32), c_tokens=300, c_steps=3))
+    [b] = s.on_fragment(0.0, upload(1, delta=np.zeros(3, np.float32), c_tokens=100, c_steps=1))
+    # w0 = 300*100 = 30000, w1 = 100*100 = 10000 -> mean 0.75
+    np.testing.assert_allclose(b.msg.update["block_0/w"], -0.75, rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (dict(learner=7), "learner id 7"),
+        (dict(fragment=5), "fragment 5"),
+        (dict(delta={"block_0/w": np.ones(4, np.float32)}), "shape"),
+        (dict(delta={"block_0/w": np.array([1.0, np.nan, 0.0], np.float32)}), "NaN"),
+        (dict(delta={"other": np.ones(3, np.float32)}), "missing"),
+        (dict(c_steps=-1), "negative"),
+    ],
+)
+def test_malformed_upload_rejected_without_state_change(bad, match):
+    s = make(quorum=2)
+    s.on_fragment(0.0, upload(0))
+    snapshot = lambda: (repr(s.rounds), s.stats, [dict(f) for f in s.theta], list(s.version), s.clock)
+    before = snapshot()
+    with pytest.raises(ProtocolError, match=match):
+        s.on_fragment(0.1, dataclasses.replace(upload(1), **bad))
+    assert repr(snapshot()) == repr(before)
+
+
+def test_stale_base_dropped():
+    s = make(quorum=1, grace=False, max_staleness=0)
+    s.on_fragment(0.0, upload(0, due=8))
+    assert s.version[0] == 1
+    assert s.on_fragment(0.1, upload(1, due=16, base_version=0)) == []
+    assert s.stats.stale_dropped == 1
+
+
+def test_learner_copy_is_bit_identical_to_syncer():
+    s = make(quorum=1, grace=False)
+    lc = LearnerCore(LearnerConfig(sync_every=8, num_fragments=2), 0, FRAGS, PARAMS)
+    for due in (8, 16, 24):
+        [b] = s.on_fragment(float(due), upload(0, due=due, base_version=s.version[0]))
+        lc.on_update(float(due), b.msg)
+    np.testing.assert_array_equal(lc.base[0]["block_0/w"], s.theta[0]["block_0/w"])
+    assert lc.version[0] == s.version[0] == 3

@@ -1,0 +1,206 @@
+"""Sans-IO learner protocol (SPEC §4): counters, fragment sends, merges of global fragments.
+
+The driver owns the model and the clock. It calls ``begin_step``/``step_done``
+around each inner step, answers ``Snapshot`` actions with the fragment's
+current parameters, and applies ``ApplyGlobal`` actions to its parameters.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from wan_diloco.clock import VectorClock
+from wan_diloco.config import require
+from wan_diloco.core.protocol import (
+    ApplyGlobal,
+    Codec,
+    Ema,
+    Float32Codec,
+    FragmentUpload,
+    GlobalUpdate,
+    Metadata,
+    ProtocolError,
+    Resync,
+    SendFragment,
+    SendMetadata,
+    Snapshot,
+    Tensors,
+    learner_node,
+)
+from wan_diloco.fragments import Schedule
+
+
+@dataclass(frozen=True)
+class LearnerConfig:
+    sync_every: int = 16  # H
+    num_fragments: int = 4  # P
+    tau: int = 1  # overlap: steps a fragment may travel while the learner keeps training
+    alpha: float = 0.0  # θ_p ← α·θ_local + (1−α)·Θ_global; 0 overwrites (Decoupled default)
+    blocking: bool = False  # wait for fragment p's update τ steps after sending it (synchronous baselines)
+    error_feedback: bool = False
+
+    def validate(self) -> None:
+        require(self.sync_every >= 1, "sync_every", f"must be >= 1, got {self.sync_every}")
+        require(self.num_fragments >= 1, "num_fragments", f"must be >= 1, got {self.num_fragments}")
+        require(self.tau >= 0, "tau", f"must be >= 0, got {self.tau}")
+        require(0.0 <= self.alpha <= 1.0, "alpha", f"must be in [0, 1], got {self.alpha}")
+
+
+@dataclass
+class _InFlight:
+    due_step: int
+    sent_at_s: float
+    sent_at_step: int
+
+
+class LearnerCore:
+    def __init__(
+        self,
+        cfg: LearnerConfig,
+        learner: int,
+        fragments: list[tuple[str, ...]],
+        global_params: Tensors,
+        codec: Codec | None = None,
+        region: str = "",
+    ):
+        cfg.validate()
+        require(len(fragments) == cfg.num_fragments, "num_fragments", f"config says {cfg.num_fragments}, got {len(fragments)} fragments")
+        self.cfg, self.learner, self.region = cfg, learner, region
+        self.node = learner_node(learner)
+        self.fragments = fragments
+        self.schedule = Schedule(cfg.sync_every, cfg.num_fragments)
+        self.codec = codec or Float32Codec()
+        P = cfg.num_fragments
+        self.base = [{n: np.array(global_params[n], dtype=np.float32) for n in f} for f in fragments]
+        self.version = [0] * P
+        self.residual = [{n: np.zeros_like(a) for n, a in b.items()} for b in self.base] if cfg.error_feedback else None
+        self.step = 0
+        self.c_steps = [0] * P
+        self.c_tokens = [0] * P
+        self.clock = VectorClock()
+        self.in_flight: dict[int, _InFlight] = {}
+        self.buffer: list[GlobalUpdate] = []
+        self.in_step = False
+        self._step_began_s: float | None = None
+        self.step_s = Ema()
+        self.sync_s = Ema()
+        self.bytes_sent = 0
+
+    # ---- driver calls ---------------------------------------------------------------
+
+    def begin_step(self, now_s: float) -> None:
+        self.in_step = True
+        self._step_began_s = now_s
+
+    def step_done(self, now_s: float, n_tokens: int) -> list:
+        """One inner step finished: count it, merge buffered updates, send what is due."""
+        if not self.in_step:
+            raise RuntimeError("step_done without begin_step")
+        self.in_step = False
+        if self._step_began_s is not None:
+            self.step_s.add(now_s - self._step_began_s)
+        self.step += 1
+        for p in range(self.cfg.num_fragments):
+            self.c_steps[p] += 1
+            self.c_tokens[p] += n_tokens
+        actions: list = []
+        for update in self.buffer:
+            actions += self._apply(now_s, update)
+        self.buffer.clear()
+        for p in self.schedule.due(self.step):
+            actions.append(Snapshot(p, self.step))
+        self.clock = self.clock.tick(self.node)
+        actions.append(SendMetadata(self.metadata()))
+        return actions
+
+    def snapshot(self, now_s: float, fragment: int, due_step: int, theta: Tensors) -> list:
+        """θ_p after the due step -> the outer gradient Δ = Θ_base − θ_p, encoded for the wire."""
+        base = self.base[fragment]
+        if set(theta) != set(base):
+            raise ProtocolError(f"snapshot of fragment {fragment}: tensor names differ from the fragment's")
+        delta = {n: base[n] - np.asarray(theta[n], dtype=np.float32) for n in base}
+        if self.residual is not None:
+            delta = {n: d + self.residual[fragment][n] for n, d in delta.items()}
+        enc = self.codec.roundtrip(delta)
+        if self.residual is not None:
+            # Error feedback: what quantization dropped now is sent with the next Δ of this fragment.
+            self.residual[fragment] = {n: delta[n] - enc.values[n] for n in delta}
+        self.in_flight[fragment] = _InFlight(due_step, now_s, self.step)
+        self.clock = self.clock.tick(self.node)
+        self.bytes_sent += enc.nbytes
+        msg = FragmentUpload(
+            learner=self.learner, fragment=fragment, due_step=due_step, base_version=self.version[fragment],
+            c_steps=self.c_steps[fragment], c_tokens=self.c_tokens[fragment], clock=self.clock,
+            delta=enc.values, nbytes=enc.nbytes, payload=enc.payload, region=self.region,
+        )
+        return [SendFragment(msg)]
+
+    def on_update(self, now_s: float, update: GlobalUpdate) -> list:
+        """A global fragment arrived; merged now if between steps, else after the current step."""
+        if not 0 <= update.fragment < self.cfg.num_fragments:
+            raise ProtocolError(f"global update for fragment {update.fragment}: only {self.cfg.num_fragments} fragments")
+        if self.in_step:
+            self.buffer.append(update)
+            return []
+        return self._apply(now_s, update)
+
+    def resync(self, fragment: int, values: Tensors, version: int) -> list:
+        """Install the current global fragment after a version gap (or on rejoin)."""
+        self.base[fragment] = {n: np.array(values[n], dtype=np.float32) for n in self.fragments[fragment]}
+        self.version[fragment] = version
+        self.in_flight.pop(fragment, None)
+        self.c_steps[fragment] = self.c_tokens[fragment] = 0
+        return [ApplyGlobal(fragment, self.base[fragment], 0.0)]
+
+    @property
+    def blocked(self) -> bool:
+        """True while a blocking learner must wait for a fragment sent τ or more steps ago."""
+        if not self.cfg.blocking:
+            return False
+        return any(self.step - f.sent_at_step >= self.cfg.tau for f in self.in_flight.values())
+
+    def metadata(self) -> Metadata:
+        return Metadata(
+            learner=self.learner, step=self.step, c_steps=tuple(self.c_steps), c_tokens=tuple(self.c_tokens),
+            clock=self.clock, step_s=self.step_s.value, sync_s=self.sync_s.value, region=self.region,
+        )
+
+    def copy_state_from(self, peer: "LearnerCore") -> None:
+        """Rejoin by copying a healthy peer's global view (the simple recovery; SPEC §6 is later)."""
+        self.base = [{n: a.copy() for n, a in b.items()} for b in peer.base]
+        self.version = list(peer.version)
+        self.step = max(self.step, peer.step)
+        self.clock = self.clock.merge(peer.clock).tick(self.node)
+        self.c_steps = [0] * self.cfg.num_fragments
+        self.c_tokens = [0] * self.cfg.num_fragments
+        self.in_flight.clear()
+        self.buffer.clear()
+        self.in_step = False
+        if self.residual is not None:
+            self.residual = [{n: np.zeros_like(a) for n, a in b.items()} for b in self.base]
+
+    # ---- internals ------------------------------------------------------------------
+
+    def _apply(self, now_s: float, u: GlobalUpdate) -> list:
+        p = u.fragment
+        if u.to_version <= self.version[p]:
+            return []  # already have it (duplicate after a reconnect)
+        if u.from_version != self.version[p]:
+            return [Resync(p, self.version[p], u.to_version)]
+        base = self.base[p]
+        if set(u.update) != set(base):
+            raise ProtocolError(f"global update for fragment {p}: tensor names differ from the fragment's")
+        for n in base:
+            if u.update[n].shape != base[n].shape:
+                raise ProtocolError(f"global update for {n!r}: shape {u.update[n].shape}, expected {base[n].shape}")
+        self.base[p] = {n: base[n] + u.update[n] for n in base}
+        self.version[p] = u.to_version
+        self.c_steps[p] = self.c_tokens[p] = 0
+        sent = self.in_flight.pop(p, None)
+        if sent is not None and self.learner in u.held_s:
+            self.sync_s.add(max(0.0, now_s - sent.sent_at_s - u.held_s[self.learner]))
+        # Adopt the global step: a slow learner jumps forward so fragments stay due together.
+        self.step = max(self.step, u.global_step)
+        self.clock = self.clock.receive(self.node, u.clock)
+        return [ApplyGlobal(p, self.base[p], self.cfg.alpha)]

@@ -1,0 +1,166 @@
+"""Messages, actions and the codec interface shared by the learner and syncer cores.
+
+These are plain values: the drivers turn them into bytes on a socket (network
+driver) or into events on a virtual clock (simulated driver).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping, Protocol
+
+import numpy as np
+
+from wan_diloco.clock import VectorClock
+
+Tensors = Mapping[str, np.ndarray]
+SYNCER = "syncer"
+
+
+def learner_node(learner: int) -> str:
+    """Vector-clock node name of a learner."""
+    return f"learner-{learner}"
+
+
+class ProtocolError(ValueError):
+    """A message that breaks the protocol (wrong fragment, shapes, NaN...): rejected, no state changed."""
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """What crosses the wire for one fragment: the payload, its size, and what the receiver decodes."""
+
+    values: dict[str, np.ndarray]
+    nbytes: int
+    payload: bytes | None = None
+
+
+class Codec(Protocol):
+    def roundtrip(self, values: Tensors) -> Encoded:
+        """Encode ``values``; return the bytes and exactly what ``decode`` of them gives."""
+
+
+class Float32Codec:
+    """No compression: fp32 values as they are, counted at 4 bytes per element."""
+
+    def roundtrip(self, values: Tensors) -> Encoded:
+        out = {}
+        for name, v in values.items():
+            a = np.asarray(v, dtype=np.float32)
+            if not np.all(np.isfinite(a)):
+                raise ProtocolError(f"tensor {name!r} has NaN or Inf values; refusing to send it")
+            out[name] = a.copy()
+        return Encoded(values=out, nbytes=sum(a.nbytes for a in out.values()))
+
+
+# ---- messages -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Metadata:
+    """Learner -> syncer after every step (SPEC §4c)."""
+
+    learner: int
+    step: int
+    c_steps: tuple[int, ...]
+    c_tokens: tuple[int, ...]
+    clock: VectorClock
+    step_s: float | None = None  # learner's measured compute time per step
+    sync_s: float | None = None  # learner's measured fragment sync time, syncer waits excluded
+    region: str = ""
+
+
+@dataclass(frozen=True)
+class FragmentUpload:
+    """Learner -> syncer: outer gradient Δ = Θ_base − θ for one fragment."""
+
+    learner: int
+    fragment: int
+    due_step: int  # the schedule step this contribution belongs to
+    base_version: int
+    c_steps: int
+    c_tokens: int
+    clock: VectorClock
+    delta: dict[str, np.ndarray]
+    nbytes: int
+    payload: bytes | None = None
+    region: str = ""
+
+
+@dataclass(frozen=True)
+class GlobalUpdate:
+    """Syncer -> every learner: Θ_p(to_version) = Θ_p(from_version) + update."""
+
+    fragment: int
+    from_version: int
+    to_version: int
+    due_step: int
+    global_step: int
+    clock: VectorClock
+    update: dict[str, np.ndarray]
+    nbytes: int
+    contributors: tuple[int, ...] = ()
+    held_s: Mapping[int, float] = field(default_factory=dict)  # per contributor: time the syncer held its Δ
+    payload: bytes | None = None
+
+
+# ---- actions --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SendMetadata:
+    msg: Metadata
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """Driver: copy θ_p to host and hand it to ``LearnerCore.snapshot``."""
+
+    fragment: int
+    due_step: int
+
+
+@dataclass(frozen=True)
+class SendFragment:
+    msg: FragmentUpload
+
+
+@dataclass(frozen=True)
+class ApplyGlobal:
+    """Driver: θ_p ← α·θ_p + (1−α)·values."""
+
+    fragment: int
+    values: Mapping[str, np.ndarray]
+    alpha: float
+
+
+@dataclass(frozen=True)
+class Resync:
+    """Driver: the learner missed versions of fragment p; fetch the current global fragment."""
+
+    fragment: int
+    have_version: int
+    want_version: int
+
+
+@dataclass(frozen=True)
+class Broadcast:
+    msg: GlobalUpdate
+
+
+@dataclass(frozen=True)
+class SetTimer:
+    """Driver: call ``SyncerCore.on_timer(key)`` at ``at_s`` (same clock as the events)."""
+
+    key: tuple[int, int]
+    at_s: float
+
+
+class Ema:
+    """Exponential moving average; ``value`` is None until the first sample."""
+
+    def __init__(self, decay: float = 0.8):
+        self.decay = decay
+        self.value: float | None = None
+
+    def add(self, x: float) -> None:
+        self.value = x if self.value is None else self.decay * self.value + (1 - self.decay) * x

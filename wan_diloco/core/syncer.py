@@ -1,0 +1,290 @@
+"""Sans-IO syncer protocol (SPEC §5): quorum, adaptive grace window, merge, outer step, broadcast.
+
+Holds the global parameters Θ per fragment and one outer-optimizer state per
+fragment. Events come in with their time; actions (broadcasts, timers) go out.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from wan_diloco.clock import VectorClock
+from wan_diloco.config import require
+from wan_diloco.core.protocol import (
+    SYNCER,
+    Broadcast,
+    Codec,
+    Ema,
+    Float32Codec,
+    FragmentUpload,
+    GlobalUpdate,
+    Metadata,
+    ProtocolError,
+    SetTimer,
+    Tensors,
+)
+from wan_diloco.merge import MergeMethod, merge_fragment, token_weights
+from wan_diloco.outer import OuterConfig, OuterOptimizer
+
+
+@dataclass(frozen=True)
+class SyncerConfig:
+    num_learners: int = 4  # M
+    quorum: int = 1  # K: 1 maximizes availability, M is synchronous DiLoCo
+    grace: bool = True  # adaptive grace window after the quorum is reached
+    grace_safety: float = 0.8  # γ < 1: the grace never pushes a sync past τ steps
+    max_grace_s: float | None = None
+    tau: int = 1  # the learners' overlap, in steps (bounds the grace window)
+    merge: MergeMethod = "rda"
+    max_staleness: int = 1  # accept a Δ whose base is this many versions behind
+    liveness_timeout_s: float = 30.0
+    outer: OuterConfig = OuterConfig()
+
+    def validate(self) -> None:
+        require(self.num_learners >= 1, "num_learners", f"must be >= 1, got {self.num_learners}")
+        require(1 <= self.quorum <= self.num_learners, "quorum", f"must be in 1..num_learners ({self.num_learners}), got {self.quorum}")
+        require(0 < self.grace_safety < 1, "grace_safety", f"must be in (0, 1), got {self.grace_safety}")
+        require(self.max_grace_s is None or self.max_grace_s >= 0, "max_grace_s", "must be >= 0")
+        require(self.tau >= 0, "tau", f"must be >= 0, got {self.tau}")
+        require(self.merge in ("rda", "mean"), "merge", f"must be 'rda' or 'mean', got {self.merge!r}")
+        require(self.max_staleness >= 0, "max_staleness", "must be >= 0")
+        require(self.liveness_timeout_s > 0, "liveness_timeout_s", "must be > 0")
+        self.outer.validate()
+
+
+@dataclass
+class _Learner:
+    last_seen_s: float
+    step: int = 0
+    alive: bool = True
+    step_s: float | None = None
+    sync_s: float | None = None
+
+
+@dataclass
+class _Round:
+    opened_s: float
+    contributions: dict[int, FragmentUpload] = field(default_factory=dict)
+    received_s: dict[int, float] = field(default_factory=dict)
+    quorum_s: float | None = None
+    deadline_s: float | None = None
+    grace_s: float = 0.0
+    timer_set: bool = False
+
+
+@dataclass
+class SyncerStats:
+    fragment_syncs: list[int]
+    quorum_sizes: list[int] = field(default_factory=list)
+    grace_s: list[float] = field(default_factory=list)
+    late_dropped: int = 0
+    stale_dropped: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0  # one copy per broadcast; the driver multiplies by recipients
+
+
+class SyncerCore:
+    def __init__(
+        self,
+        cfg: SyncerConfig,
+        fragments: list[tuple[str, ...]],
+        params: Tensors,
+        is_embedding: Callable[[str], bool],
+        codec: Codec | None = None,
+    ):
+        cfg.validate()
+        self.cfg = cfg
+        self.fragments = fragments
+        self.is_embedding = is_embedding
+        self.codec = codec or Float32Codec()
+        self.theta = [{n: np.array(params[n], dtype=np.float32) for n in f} for f in fragments]
+        self.version = [0] * len(fragments)
+        self.outer = OuterOptimizer(cfg.outer, dict(enumerate(self.theta)))
+        self.rounds: dict[tuple[int, int], _Round] = {}
+        self.last_closed_due = [0] * len(fragments)
+        self.learners: dict[int, _Learner] = {}
+        self.global_step = 0
+        self.started_s: float | None = None
+        self.clock = VectorClock()
+        self.quorum_wait_s = Ema()
+        self.stats = SyncerStats(fragment_syncs=[0] * len(fragments))
+
+    # ---- events ---------------------------------------------------------------------
+
+    def on_metadata(self, now_s: float, msg: Metadata) -> list:
+        self._check_learner(msg.learner)
+        if len(msg.c_steps) != len(self.fragments) or len(msg.c_tokens) != len(self.fragments):
+            raise ProtocolError(f"metadata from learner {msg.learner}: counters for {len(msg.c_steps)} fragments, expected {len(self.fragments)}")
+        info = self._seen(now_s, msg.learner)
+        info.step = max(info.step, msg.step)
+        info.step_s = msg.step_s if msg.step_s is not None else info.step_s
+        info.sync_s = msg.sync_s if msg.sync_s is not None else info.sync_s
+        self.global_step = max(self.global_step, msg.step)
+        self.clock = self.clock.merge(msg.clock)
+        return []
+
+    def on_fragment(self, now_s: float, msg: FragmentUpload) -> list:
+        """A learner's Δ for fragment p. Validated before any state changes."""
+        self._validate_upload(msg)
+        self._seen(now_s, msg.learner)
+        self.clock = self.clock.merge(msg.clock)
+        self.stats.bytes_in += msg.nbytes
+        p = msg.fragment
+        if msg.due_step <= self.last_closed_due[p]:
+            self.stats.late_dropped += 1  # its round closed without it; the learner gets Θ anyway
+            return []
+        if msg.base_version < self.version[p] - self.cfg.max_staleness:
+            self.stats.stale_dropped += 1
+            return []
+        key = (p, msg.due_step)
+        rnd = self.rounds.setdefault(key, _Round(opened_s=now_s))
+        if msg.learner in rnd.contributions:
+            return []  # a resend after a reconnect
+        rnd.contributions[msg.learner] = msg
+        rnd.received_s[msg.learner] = now_s
+        return self._maybe_close(now_s, key)
+
+    def on_timer(self, now_s: float, key: tuple[int, int]) -> list:
+        if key not in self.rounds:
+            return []
+        return self._maybe_close(now_s, key)
+
+    def on_peer_lost(self, now_s: float, learner: int) -> list:
+        """The driver saw a learner go away (stream closed, process died)."""
+        self._check_learner(learner)
+        self._lose(learner, now_s)
+        return self._recheck(now_s)
+
+    def tick(self, now_s: float) -> list:
+        """Time passed: learners silent for longer than the liveness timeout stop being waited for."""
+        if self.started_s is None:
+            self.started_s = now_s
+        for m in range(self.cfg.num_learners):
+            info = self.learners.get(m)
+            last = info.last_seen_s if info is not None else self.started_s
+            if now_s - last > self.cfg.liveness_timeout_s:
+                self._lose(m, now_s)
+        return self._recheck(now_s)
+
+    # ---- estimates ------------------------------------------------------------------
+
+    def grace_window_s(self) -> float:
+        """ξ_grace = γ·max(0, τ·ξ_step − (ξ_quorum + ξ_sync)), all measured online."""
+        if not self.cfg.grace:
+            return 0.0
+        steps = [l.step_s for l in self.learners.values() if l.alive and l.step_s is not None]
+        if not steps:
+            return 0.0
+        syncs = [l.sync_s for l in self.learners.values() if l.alive and l.sync_s is not None]
+        step_s = float(np.mean(steps))
+        sync_s = float(np.mean(syncs)) if syncs else 0.0
+        slack = self.cfg.tau * step_s - ((self.quorum_wait_s.value or 0.0) + sync_s)
+        grace = self.cfg.grace_safety * max(0.0, slack)
+        return grace if self.cfg.max_grace_s is None else min(grace, self.cfg.max_grace_s)
+
+    def alive(self) -> list[int]:
+        """Learners not known to be down; one never heard from is still expected."""
+        return [m for m in range(self.cfg.num_learners) if m not in self.learners or self.learners[m].alive]
+
+    # ---- internals ------------------------------------------------------------------
+
+    def _check_learner(self, learner: int) -> None:
+        if not isinstance(learner, int) or not 0 <= learner < self.cfg.num_learners:
+            raise ProtocolError(f"learner id {learner!r} out of range 0..{self.cfg.num_learners - 1}")
+
+    def _validate_upload(self, msg: FragmentUpload) -> None:
+        self._check_learner(msg.learner)
+        if not 0 <= msg.fragment < len(self.fragments):
+            raise ProtocolError(f"fragment {msg.fragment} out of range 0..{len(self.fragments) - 1}")
+        if msg.c_steps < 0 or msg.c_tokens < 0 or msg.due_step < 1 or msg.base_version < 0:
+            raise ProtocolError(f"fragment upload from learner {msg.learner}: negative counters or step")
+        theta = self.theta[msg.fragment]
+        if set(msg.delta) != set(theta):
+            missing = sorted(set(theta) - set(msg.delta))[:2]
+            extra = sorted(set(msg.delta) - set(theta))[:2]
+            raise ProtocolError(f"fragment {msg.fragment} from learner {msg.learner}: missing {missing}, unexpected {extra}")
+        for n, d in msg.delta.items():
+            if d.shape != theta[n].shape:
+                raise ProtocolError(f"{n!r} from learner {msg.learner}: shape {d.shape}, expected {theta[n].shape}")
+            if not np.all(np.isfinite(d)):
+                raise ProtocolError(f"{n!r} from learner {msg.learner}: NaN or Inf in the outer gradient")
+
+    def _lose(self, learner: int, now_s: float) -> None:
+        info = self.learners.setdefault(learner, _Learner(last_seen_s=now_s))
+        info.alive = False
+
+    def _seen(self, now_s: float, learner: int) -> _Learner:
+        if self.started_s is None:
+            self.started_s = now_s
+        info = self.learners.get(learner)
+        if info is None:
+            info = self.learners[learner] = _Learner(last_seen_s=now_s)
+        info.last_seen_s = now_s
+        info.alive = True
+        return info
+
+    def _quorum(self) -> int:
+        # A learner known to be down cannot be waited for: K shrinks to the live count (>= 1).
+        return max(1, min(self.cfg.quorum, len(self.alive())))
+
+    def _recheck(self, now_s: float) -> list:
+        actions: list = []
+        for key in sorted(self.rounds):
+            if key in self.rounds:
+                actions += self._maybe_close(now_s, key)
+        return actions
+
+    def _maybe_close(self, now_s: float, key: tuple[int, int]) -> list:
+        rnd = self.rounds[key]
+        if len(rnd.contributions) < self._quorum():
+            return []
+        if rnd.quorum_s is None:
+            rnd.quorum_s = now_s
+            self.quorum_wait_s.add(now_s - rnd.opened_s)
+            rnd.grace_s = self.grace_window_s()
+            rnd.deadline_s = now_s + rnd.grace_s
+        waiting = [m for m in self.alive() if m not in rnd.contributions]
+        if not waiting or now_s >= rnd.deadline_s:
+            return self._close(now_s, key)
+        if not rnd.timer_set:
+            rnd.timer_set = True
+            return [SetTimer(key, rnd.deadline_s)]
+        return []
+
+    def _close(self, now_s: float, key: tuple[int, int]) -> list:
+        p, due = key
+        rnd = self.rounds.pop(key)
+        # Older open rounds of this fragment are now late: their Θ has moved on.
+        for old in [k for k in self.rounds if k[0] == p and k[1] < due]:
+            self.stats.late_dropped += len(self.rounds.pop(old).contributions)
+        learners = sorted(rnd.contributions)
+        ups = [rnd.contributions[m] for m in learners]
+        weights = token_weights([u.c_tokens for u in ups], [u.c_steps for u in ups])
+        if weights.sum() <= 0:
+            weights = np.ones(len(ups))
+        delta = merge_fragment([u.delta for u in ups], weights, self.cfg.merge, self.is_embedding)
+        theta = self.theta[p]
+        new = self.outer.step(p, theta, delta)
+        # Everyone, the syncer included, applies the same decoded update: all copies stay bit-identical.
+        enc = self.codec.roundtrip({n: new[n] - theta[n] for n in theta})
+        self.theta[p] = {n: theta[n] + enc.values[n] for n in theta}
+        from_version = self.version[p]
+        self.version[p] += 1
+        self.last_closed_due[p] = max(self.last_closed_due[p], due)
+        self.clock = self.clock.tick(SYNCER)
+        self.stats.fragment_syncs[p] += 1
+        self.stats.quorum_sizes.append(len(ups))
+        self.stats.grace_s.append(rnd.grace_s)
+        self.stats.bytes_out += enc.nbytes
+        msg = GlobalUpdate(
+            fragment=p, from_version=from_version, to_version=self.version[p], due_step=due,
+            global_step=self.global_step, clock=self.clock, update=enc.values, nbytes=enc.nbytes,
+            contributors=tuple(learners), held_s={m: now_s - rnd.received_s[m] for m in learners},
+            payload=enc.payload,
+        )
+        return [Broadcast(msg)]
+
+    def global_params(self) -> dict[str, np.ndarray]:
+        return {n: a for frag in self.theta for n, a in frag.items()}
