@@ -13,6 +13,7 @@ from wan_diloco.config import ConfigError
 
 # name -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "simulate": ("wan_diloco.sim_cli", "simulated multi-region training run on a virtual clock"),
 }
 
 

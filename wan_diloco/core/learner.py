@@ -80,7 +80,7 @@ class LearnerCore:
         self.c_tokens = [0] * P
         self.clock = VectorClock()
         self.in_flight: dict[int, _InFlight] = {}
-        self.buffer: list[GlobalUpdate] = []
+        self.buffer: list[tuple[float, GlobalUpdate]] = []  # (arrival time, update)
         self.in_step = False
         self._step_began_s: float | None = None
         self.step_s = Ema()
@@ -105,8 +105,8 @@ class LearnerCore:
             self.c_steps[p] += 1
             self.c_tokens[p] += n_tokens
         actions: list = []
-        for update in self.buffer:
-            actions += self._apply(now_s, update)
+        for arrived_s, update in self.buffer:
+            actions += self._apply(arrived_s, update)
         self.buffer.clear()
         for p in self.schedule.due(self.step):
             actions.append(Snapshot(p, self.step))
@@ -141,7 +141,7 @@ class LearnerCore:
         if not 0 <= update.fragment < self.cfg.num_fragments:
             raise ProtocolError(f"global update for fragment {update.fragment}: only {self.cfg.num_fragments} fragments")
         if self.in_step:
-            self.buffer.append(update)
+            self.buffer.append((now_s, update))
             return []
         return self._apply(now_s, update)
 
@@ -182,7 +182,7 @@ class LearnerCore:
 
     # ---- internals ------------------------------------------------------------------
 
-    def _apply(self, now_s: float, u: GlobalUpdate) -> list:
+    def _apply(self, arrived_s: float, u: GlobalUpdate) -> list:
         p = u.fragment
         if u.to_version <= self.version[p]:
             return []  # already have it (duplicate after a reconnect)
@@ -199,7 +199,7 @@ class LearnerCore:
         self.c_steps[p] = self.c_tokens[p] = 0
         sent = self.in_flight.pop(p, None)
         if sent is not None and self.learner in u.held_s:
-            self.sync_s.add(max(0.0, now_s - sent.sent_at_s - u.held_s[self.learner]))
+            self.sync_s.add(max(0.0, arrived_s - sent.sent_at_s - u.held_s[self.learner]))
         # Adopt the global step: a slow learner jumps forward so fragments stay due together.
         self.step = max(self.step, u.global_step)
         self.clock = self.clock.receive(self.node, u.clock)

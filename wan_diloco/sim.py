@@ -1,0 +1,438 @@
+"""Simulated driver: M learners training real JAX models in one process on a virtual clock.
+
+Per-learner step time = base × speed factor × lognormal noise; per-link
+transfer time = bytes / bandwidth + RTT/2, with each link a FIFO, so τ and the
+grace window matter. Learners go down and come back by a failure tape. The
+same sans-IO cores as the network driver decide everything else.
+Deterministic for a seed.
+"""
+from __future__ import annotations
+
+import heapq
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Iterable, Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from wan_diloco import data as data_lib
+from wan_diloco import model as model_lib
+from wan_diloco import train as train_lib
+from wan_diloco import tree
+from wan_diloco.config import require
+from wan_diloco.core import (
+    ApplyGlobal, Broadcast, LearnerConfig, LearnerCore, Resync, SendFragment, SendMetadata, SetTimer, Snapshot,
+    SyncerConfig, SyncerCore,
+)
+from wan_diloco.fragments import STRATEGIES, make_fragments
+from wan_diloco.outer import OuterConfig
+from wan_diloco.planning.tape import Outage
+
+Baseline = Literal["dp", "diloco", "streaming", "decoupled"]
+BASELINES = ("dp", "diloco", "streaming", "decoupled")
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """One simulated run. Times are virtual seconds; ``speeds`` are step-time factors (1.2 = 20 % slower)."""
+
+    preset: str = "tiny"
+    baseline: Baseline = "decoupled"
+    learners: int = 4
+    quorum: int = 1
+    grace: bool = True
+    fragments: int = 4
+    sync_every: int = 16
+    tau: int = 2
+    alpha: float = 0.0
+    merge: Literal["rda", "mean"] = "rda"
+    fragmenter: Literal["layer", "tensor", "balanced"] = "balanced"
+    steps: int = 300  # global step budget
+    tokens: int = 0  # if > 0, a token budget (all learners together) replaces the step budget
+    batch_size: int = 16
+    inner_lr: float = 3e-3
+    warmup_steps: int = 50
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    speeds: tuple[float, ...] = ()
+    step_noise: float = 0.0  # sigma of the lognormal step-time noise
+    step_time_s: float = 0.5
+    bandwidth_gbit_s: float = 0.1  # per learner link, each direction
+    rtt_s: float = 0.06
+    seed: int = 0
+    eval_every: int = 50  # global steps between eval points on the curve
+    eval_batches: int = 8
+    corpus: str = "stdlib"
+
+    def validate(self) -> None:
+        require(self.baseline in BASELINES, "baseline", f"must be one of {', '.join(BASELINES)}, got {self.baseline!r}")
+        require(self.learners >= 1, "learners", f"must be >= 1, got {self.learners}")
+        require(1 <= self.quorum <= self.learners, "quorum", f"must be in 1..learners ({self.learners}), got {self.quorum}")
+        require(self.fragments >= 1, "fragments", f"must be >= 1, got {self.fragments}")
+        require(self.sync_every >= 1, "sync_every", f"must be >= 1, got {self.sync_every}")
+        require(self.tau >= 0, "tau", f"must be >= 0, got {self.tau}")
+        require(0.0 <= self.alpha <= 1.0, "alpha", f"must be in [0, 1], got {self.alpha}")
+        require(self.fragmenter in STRATEGIES, "fragmenter", f"must be one of {', '.join(STRATEGIES)}")
+        require(self.steps >= 1, "steps", f"must be >= 1, got {self.steps}")
+        require(self.tokens >= 0, "tokens", f"must be >= 0, got {self.tokens}")
+        require(self.batch_size >= 1, "batch_size", f"must be >= 1, got {self.batch_size}")
+        require(not self.speeds or len(self.speeds) == self.learners, "speeds",
+                f"needs one factor per learner ({self.learners}), got {len(self.speeds)}")
+        require(all(s > 0 for s in self.speeds), "speeds", "factors must be > 0")
+        require(self.step_noise >= 0, "step_noise", "must be >= 0")
+        require(self.step_time_s > 0, "step_time_s", "must be > 0")
+        require(self.bandwidth_gbit_s > 0, "bandwidth_gbit_s", "must be > 0")
+        require(self.rtt_s >= 0, "rtt_s", "must be >= 0")
+        require(self.eval_every >= 1 and self.eval_batches >= 1, "eval_every", "eval_every and eval_batches must be >= 1")
+        model_lib.preset(self.preset)
+        OuterConfig(self.outer_lr, self.outer_momentum).validate()
+
+    def learner_config(self) -> LearnerConfig:
+        """The baselines are settings of the same protocol (SPEC §5: K = M is synchronous DiLoCo)."""
+        if self.baseline == "diloco":  # whole model every H steps, blocking
+            return LearnerConfig(self.sync_every, 1, tau=0, alpha=self.alpha, blocking=True)
+        blocking = self.baseline == "streaming"
+        return LearnerConfig(self.sync_every, self.fragments, tau=self.tau, alpha=self.alpha, blocking=blocking)
+
+    def syncer_config(self) -> SyncerConfig:
+        sync = self.baseline in ("diloco", "streaming")
+        return SyncerConfig(
+            num_learners=self.learners, quorum=self.learners if sync else self.quorum,
+            grace=self.grace and not sync, tau=self.learner_config().tau, merge=self.merge,
+            outer=OuterConfig(self.outer_lr, self.outer_momentum),
+        )
+
+
+@dataclass
+class SimResult:
+    config: dict
+    initial_eval_loss: float
+    final_eval_loss: float
+    tokens: int
+    goodput: float
+    uptime: float
+    fragment_syncs: list[int]
+    bytes_sent: int
+    global_steps: int
+    virtual_time_s: float
+    wall_s: float
+    curve: list[dict] = field(default_factory=list)  # {step, tokens, time_s, eval_loss}
+    late_dropped: int = 0
+    mean_quorum: float = 0.0
+    mean_grace_s: float = 0.0
+    params_count: int = 0
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+class _Link:
+    """One direction of a learner <-> syncer link: FIFO, bandwidth then half the RTT."""
+
+    def __init__(self, gbit_s: float, rtt_s: float):
+        self.bytes_per_s = gbit_s * 1e9 / 8
+        self.half_rtt_s = rtt_s / 2
+        self.free_at_s = 0.0
+
+    def send(self, now_s: float, nbytes: int) -> float:
+        start = max(now_s, self.free_at_s)
+        self.free_at_s = start + nbytes / self.bytes_per_s
+        return self.free_at_s + self.half_rtt_s
+
+
+@dataclass
+class _Learner:
+    core: LearnerCore
+    state: Any
+    batches: Any
+    rng: np.random.Generator
+    speed: float
+    up_link: _Link
+    down_link: _Link
+    up: bool = True
+    stepping: bool = False
+    waiting: bool = False
+    epoch: int = 0  # bumped on failure: events of a dead incarnation are ignored
+    useful_s: float = 0.0
+    intervals: list[tuple[float, float]] = field(default_factory=list)
+
+
+class _Setup:
+    """What every baseline shares: model, data, step and eval functions, the initial state."""
+
+    def __init__(self, cfg: SimConfig):
+        self.model_cfg = model_lib.preset(cfg.preset)
+        corpus = data_lib.load_corpus(data_lib.DataConfig(corpus=cfg.corpus))
+        self.seq_len = self.model_cfg.seq_len
+        per_step = cfg.batch_size * self.seq_len * cfg.learners
+        inner_steps = max(2, -(-cfg.tokens // per_step)) if cfg.tokens else cfg.steps
+        self.inner_steps = inner_steps
+        train_cfg = train_lib.TrainConfig(
+            lr=cfg.inner_lr, warmup_steps=min(cfg.warmup_steps, inner_steps // 10), total_steps=inner_steps
+        )
+        mesh = train_lib.local_mesh()
+        self.step_fn = train_lib.make_train_step(self.model_cfg, train_cfg, mesh)
+        evaluate = train_lib.make_eval_fn(self.model_cfg, mesh)
+        ev = data_lib.eval_batches(corpus.eval, cfg.batch_size, self.seq_len, cfg.eval_batches)
+        self.evaluate = lambda params: evaluate(params, ev)
+        self.state0 = train_lib.init_state(self.model_cfg, train_cfg, jax.random.PRNGKey(cfg.seed))
+        self.shards = [data_lib.shard(corpus.train, m, cfg.learners).tokens for m in range(cfg.learners)]
+
+    def batches(self, cfg: SimConfig, m: int):
+        return data_lib.batches(self.shards[m], cfg.batch_size, self.seq_len, seed=cfg.seed * 1009 + m)
+
+
+def _step_time(cfg: SimConfig, speed: float, rng: np.random.Generator) -> float:
+    noise = rng.lognormal(0.0, cfg.step_noise) if cfg.step_noise else 1.0
+    return cfg.step_time_s * speed * noise
+
+
+def _uptime(intervals: Iterable[tuple[float, float]], end_s: float) -> float:
+    """Share of [0, end] covered by at least one interval."""
+    covered, reach = 0.0, 0.0
+    for a, b in sorted(intervals):
+        a, b = max(a, reach), min(b, end_s)
+        if b > a:
+            covered += b - a
+            reach = b
+    return covered / end_s if end_s > 0 else 0.0
+
+
+def _mix(params: Any, values: dict[str, np.ndarray], alpha: float) -> Any:
+    flat = tree.flatten(params)
+    for n, v in values.items():
+        flat[n] = jnp.asarray(v) if alpha == 0 else alpha * flat[n] + (1 - alpha) * jnp.asarray(v)
+    return tree.unflatten(flat, params)
+
+
+Progress = Callable[[float, dict], None]
+
+
+def run(cfg: SimConfig, outages: Iterable[Outage] = (), progress: Progress | None = None) -> SimResult:
+    """Run one simulated training run and return its figures."""
+    cfg.validate()
+    outages = list(outages)
+    for o in outages:
+        require(0 <= o.learner < cfg.learners, "failures", f"outage names learner {o.learner}, run has {cfg.learners}")
+        require(0 <= o.down_at < o.up_at, "failures", f"outage of learner {o.learner}: needs 0 <= down_at < up_at")
+    setup = _Setup(cfg)
+    if cfg.baseline == "dp":
+        from wan_diloco.sim_dp import run_dp
+
+        return run_dp(cfg, setup, outages, progress)
+    return _Simulation(cfg, setup, outages, progress).run()
+
+
+class _Simulation:
+    def __init__(self, cfg: SimConfig, setup: _Setup, outages: list[Outage], progress: Progress | None):
+        self.cfg, self.setup, self.progress = cfg, setup, progress
+        flat0 = {n: np.asarray(a) for n, a in tree.flatten(setup.state0.params).items()}
+        lcfg = cfg.learner_config()
+        sizes = {n: int(a.size) for n, a in flat0.items()}
+        self.frags = make_fragments(cfg.fragmenter, sizes, lcfg.num_fragments, model_lib.layer_index)
+        self.syncer = SyncerCore(cfg.syncer_config(), self.frags, flat0, model_lib.is_embedding)
+        rtt, bw = cfg.rtt_s, cfg.bandwidth_gbit_s
+        self.learners = [
+            _Learner(
+                core=LearnerCore(lcfg, m, self.frags, flat0, region=f"region-{m % 2}"),
+                state=setup.state0, batches=setup.batches(cfg, m), rng=np.random.default_rng([cfg.seed, m]),
+                speed=cfg.speeds[m] if cfg.speeds else 1.0, up_link=_Link(bw, rtt), down_link=_Link(bw, rtt),
+            )
+            for m in range(cfg.learners)
+        ]
+        self.state_bytes = sum(a.nbytes for a in flat0.values()) * 3  # params + two Adam moments
+        self.heap: list = []
+        self.seq = 0
+        self.now = 0.0
+        self.tokens = 0
+        self.bytes_sent = 0
+        self.done = False
+        self.curve: list[dict] = []
+        self.next_eval = cfg.eval_every
+        for o in outages:
+            self._at(o.down_at, self._go_down, o.learner)
+            self._at(o.up_at, self._come_up, o.learner)
+
+    # ---- event plumbing -------------------------------------------------------------
+
+    def _at(self, t: float, fn: Callable, *args: Any) -> None:
+        heapq.heappush(self.heap, (t, self.seq, fn, args))
+        self.seq += 1
+
+    def run(self) -> SimResult:
+        t0 = time.perf_counter()
+        self._eval_point(force=True)
+        for m in range(self.cfg.learners):
+            self._start_step(m)
+        while self.heap and not self.done:
+            self.now, _, fn, args = heapq.heappop(self.heap)
+            fn(*args)
+        if not self.done:
+            raise RuntimeError("simulation stalled: every learner is down or blocked and nothing is in flight")
+        self._final_sync()
+        self._eval_point(force=True)
+        end = self.now
+        busy = [iv for l in self.learners for iv in l.intervals]
+        st = self.syncer.stats
+        return SimResult(
+            config=asdict(self.cfg), initial_eval_loss=self.curve[0]["eval_loss"],
+            final_eval_loss=self.curve[-1]["eval_loss"], tokens=self.tokens,
+            goodput=sum(l.useful_s for l in self.learners) / (self.cfg.learners * end),
+            uptime=_uptime(busy, end), fragment_syncs=list(st.fragment_syncs), bytes_sent=self.bytes_sent,
+            global_steps=self._global_step(), virtual_time_s=end, wall_s=time.perf_counter() - t0,
+            curve=self.curve, late_dropped=st.late_dropped,
+            mean_quorum=float(np.mean(st.quorum_sizes)) if st.quorum_sizes else 0.0,
+            mean_grace_s=float(np.mean(st.grace_s)) if st.grace_s else 0.0,
+            params_count=model_lib.param_count(self.setup.state0.params),
+        )
+
+    def _global_step(self) -> int:
+        return max(l.core.step for l in self.learners)
+
+    def _finished(self) -> bool:
+        if self.cfg.tokens:
+            return self.tokens >= self.cfg.tokens
+        return self._global_step() >= self.cfg.steps
+
+    def _eval_point(self, force: bool = False) -> None:
+        step = self._global_step()
+        if not force and step < self.next_eval:
+            return
+        while self.next_eval <= step:
+            self.next_eval += self.cfg.eval_every
+        params = tree.unflatten(self.syncer.global_params(), self.setup.state0.params)
+        point = {"step": step, "tokens": self.tokens, "time_s": self.now, "eval_loss": self.setup.evaluate(params)}
+        if not self.curve or point != self.curve[-1]:
+            self.curve.append(point)
+        if self.progress:
+            budget = self.cfg.tokens or self.cfg.steps
+            self.progress(min(1.0, (self.tokens if self.cfg.tokens else step) / budget), point)
+
+    # ---- learners -------------------------------------------------------------------
+
+    def _start_step(self, m: int) -> None:
+        l = self.learners[m]
+        if self.done or not l.up or l.stepping:
+            return
+        if l.core.blocked:
+            l.waiting = True
+            return
+        batch = next(l.batches)
+        l.state, _ = self.setup.step_fn(l.state, batch.tokens)
+        dt = _step_time(self.cfg, l.speed, l.rng)
+        l.core.begin_step(self.now)
+        l.stepping = True
+        self._at(self.now + dt, self._end_step, m, l.epoch, batch.n_tokens, dt)
+
+    def _end_step(self, m: int, epoch: int, n_tokens: int, dt: float) -> None:
+        l = self.learners[m]
+        if epoch != l.epoch:
+            return  # the learner failed during this step: its work is lost
+        l.stepping = False
+        l.useful_s += dt
+        l.intervals.append((self.now - dt, self.now))
+        self.tokens += n_tokens
+        self._learner_actions(m, l.core.step_done(self.now, n_tokens))
+        self._eval_point()
+        if self._finished():
+            self.done = True
+            return
+        self._start_step(m)
+
+    def _learner_actions(self, m: int, actions: list) -> None:
+        l = self.learners[m]
+        for a in actions:
+            if isinstance(a, SendMetadata):
+                self._at(self.now + self.cfg.rtt_s / 2, self._syncer_event, self.syncer.on_metadata, a.msg)
+            elif isinstance(a, Snapshot):
+                flat = tree.flatten(l.state.params)
+                theta = {n: np.asarray(flat[n]) for n in self.frags[a.fragment]}
+                self._learner_actions(m, l.core.snapshot(self.now, a.fragment, a.due_step, theta))
+            elif isinstance(a, SendFragment):
+                self.bytes_sent += a.msg.nbytes
+                self._at(l.up_link.send(self.now, a.msg.nbytes), self._syncer_event, self.syncer.on_fragment, a.msg)
+            elif isinstance(a, ApplyGlobal):
+                l.state = train_lib.set_params(l.state, _mix(l.state.params, a.values, a.alpha))
+            elif isinstance(a, Resync):
+                p = a.fragment
+                self.bytes_sent += sum(x.nbytes for x in self.syncer.theta[p].values())
+                self._learner_actions(m, l.core.resync(p, self.syncer.theta[p], self.syncer.version[p]))
+
+    def _deliver(self, m: int, epoch: int, msg) -> None:
+        l = self.learners[m]
+        if not l.up or epoch != l.epoch:
+            return
+        self._learner_actions(m, l.core.on_update(self.now, msg))
+        self._resume_if_unblocked(m)
+
+    def _go_down(self, m: int) -> None:
+        l = self.learners[m]
+        if not l.up:
+            return
+        l.up, l.stepping, l.waiting = False, False, False
+        l.epoch += 1
+        self._syncer_actions(self.syncer.on_peer_lost(self.now, m))
+
+    def _come_up(self, m: int) -> None:
+        l = self.learners[m]
+        if l.up:
+            return
+        peers = [p for p in self.learners if p.up and p is not l]
+        l.epoch += 1
+        if peers:
+            # Simple recovery: copy the most advanced healthy peer (SPEC §6's protocol comes later).
+            peer = max(peers, key=lambda p: p.core.step)
+            l.state = peer.state
+            l.core.copy_state_from(peer.core)
+            ready = self.now + self.state_bytes * 8 / (self.cfg.bandwidth_gbit_s * 1e9) + self.cfg.rtt_s
+        else:
+            for p in range(len(self.frags)):
+                self._learner_actions(m, l.core.resync(p, self.syncer.theta[p], self.syncer.version[p]))
+            ready = self.now + self.cfg.rtt_s
+        self._at(ready, self._rejoin, m, l.epoch)
+
+    def _rejoin(self, m: int, epoch: int) -> None:
+        l = self.learners[m]
+        if epoch != l.epoch:
+            return
+        l.up = True
+        self._start_step(m)
+
+    def _resume_if_unblocked(self, m: int) -> None:
+        l = self.learners[m]
+        if l.up and l.waiting and not l.core.blocked:
+            l.waiting = False
+            self._start_step(m)
+
+    # ---- syncer ---------------------------------------------------------------------
+
+    def _syncer_event(self, handler: Callable, msg) -> None:
+        self._syncer_actions(handler(self.now, msg))
+
+    def _syncer_actions(self, actions: list) -> None:
+        for a in actions:
+            if isinstance(a, Broadcast):
+                for m, l in enumerate(self.learners):
+                    if l.up:
+                        self.bytes_sent += a.msg.nbytes
+                        self._at(l.down_link.send(self.now, a.msg.nbytes), self._deliver, m, l.epoch, a.msg)
+            elif isinstance(a, SetTimer):
+                self._at(a.at_s, self._syncer_event, self.syncer.on_timer, a.key)
+
+    def _final_sync(self) -> None:
+        """Every live learner sends every fragment; the syncer merges them all (a real run's last step)."""
+        uploads = []
+        for m, l in enumerate(self.learners):
+            if not l.up:
+                continue
+            flat = tree.flatten(l.state.params)
+            for p, names in enumerate(self.frags):
+                theta = {n: np.asarray(flat[n]) for n in names}
+                for a in l.core.snapshot(self.now, p, max(1, l.core.step), theta):
+                    uploads.append(a.msg)
+                    self.bytes_sent += a.msg.nbytes
+        if uploads:
+            for a in self.syncer.final_sync(self.now, uploads):
+                self.bytes_sent += a.msg.nbytes * sum(l.up for l in self.learners)

@@ -1,0 +1,90 @@
+"""`wan-diloco simulate`: a simulated multi-region run on a virtual clock (see wan_diloco.sim)."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from pathlib import Path
+
+from wan_diloco.config import ConfigError, from_mapping, load_toml
+
+# flag -> (SimConfig field, type, help)
+_FLAGS: dict[str, tuple[str, type, str]] = {
+    "--preset": ("preset", str, "model size: tiny | small | base"),
+    "--baseline": ("baseline", str, "dp | diloco | streaming | decoupled"),
+    "--learners": ("learners", int, "number of learners M"),
+    "--quorum": ("quorum", int, "minimum quorum K (decoupled)"),
+    "--fragments": ("fragments", int, "number of fragments P"),
+    "--sync-every": ("sync_every", int, "H: steps between syncs of one fragment"),
+    "--tau": ("tau", int, "overlap: steps a fragment travels while training goes on"),
+    "--alpha": ("alpha", float, "mixing: 0 overwrites with the global fragment, 0.5 averages"),
+    "--merge": ("merge", str, "rda | mean"),
+    "--fragmenter": ("fragmenter", str, "layer | tensor | balanced"),
+    "--steps": ("steps", int, "global step budget"),
+    "--tokens": ("tokens", int, "token budget over all learners (replaces --steps)"),
+    "--batch-size": ("batch_size", int, "sequences per learner step"),
+    "--inner-lr": ("inner_lr", float, "AdamW peak learning rate"),
+    "--outer-lr": ("outer_lr", float, "outer Nesterov learning rate"),
+    "--outer-momentum": ("outer_momentum", float, "outer Nesterov momentum"),
+    "--step-noise": ("step_noise", float, "sigma of lognormal step-time noise"),
+    "--step-time": ("step_time_s", float, "base virtual seconds per step"),
+    "--bandwidth-gbit": ("bandwidth_gbit_s", float, "per-learner WAN link, Gbit/s each way"),
+    "--seed": ("seed", int, "random seed (runs are deterministic for a seed)"),
+    "--eval-every": ("eval_every", int, "global steps between eval points"),
+    "--corpus": ("corpus", str, "'stdlib', a text file or directory, or a .bin token file"),
+}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", metavar="TOML", help="read settings from a TOML file ([simulate] table); flags override")
+    for flag, (_, typ, help_text) in _FLAGS.items():
+        p.add_argument(flag, type=typ, default=None, help=help_text)
+    p.add_argument("--grace", dest="grace", action="store_true", default=None, help="adaptive grace window (default)")
+    p.add_argument("--no-grace", dest="grace", action="store_false", help="merge as soon as the quorum is reached")
+    p.add_argument("--speeds", default=None, help="comma-separated step-time factors per learner, e.g. 1,1,1,1.2")
+    p.add_argument("--rtt-ms", type=float, default=None, help="round-trip time of each link, ms")
+    p.add_argument("--failures", metavar="TAPE", help="failure tape: JSON list of {learner, down_at, up_at} (virtual s)")
+    p.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    p.add_argument("--quiet", action="store_true", help="no progress bar or table")
+
+
+def config_from_args(args: argparse.Namespace):
+    from wan_diloco.sim import SimConfig
+
+    values: dict = {}
+    if args.config:
+        doc = load_toml(args.config)
+        values.update(doc.get("simulate", doc))
+    for flag, (field, _, _) in _FLAGS.items():
+        v = getattr(args, flag[2:].replace("-", "_"))
+        if v is not None:
+            values[field] = v
+    if args.grace is not None:
+        values["grace"] = args.grace
+    if args.rtt_ms is not None:
+        values["rtt_s"] = args.rtt_ms / 1000
+    if args.speeds is not None:
+        try:
+            values["speeds"] = [float(x) for x in args.speeds.split(",") if x.strip()]
+        except ValueError:
+            raise ConfigError(f"speeds: expected comma-separated numbers, got {args.speeds!r}") from None
+    return from_mapping(SimConfig, values)
+
+
+def run(args: argparse.Namespace) -> int:
+    from wan_diloco import sim
+    from wan_diloco.planning.tape import load_tape
+    from wan_diloco.report import progress_bar, summary_table
+
+    cfg = config_from_args(args)
+    outages = load_tape(args.failures) if args.failures else []
+    if args.quiet:
+        result = sim.run(cfg, outages)
+    else:
+        with progress_bar(f"simulate {cfg.baseline} M={cfg.learners}") as update:
+            result = sim.run(cfg, outages, progress=update)
+        summary_table(result)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result.to_json(), indent=1))
+    return 0
