@@ -1,0 +1,133 @@
+import numpy as np
+import pytest
+
+from wan_diloco import data as d
+from wan_diloco.config import ConfigError, from_mapping
+
+
+@pytest.fixture(scope="module")
+def stdlib():
+    return d.load_corpus(d.DataConfig())
+
+
+def test_stdlib_corpus_loads(stdlib):
+    assert stdlib.name.startswith("stdlib-")
+    assert len(stdlib.train) > 1_000_000 and len(stdlib.eval) > 50_000
+    assert stdlib.train.ndim == 1 and stdlib.train.max() < 256
+    assert all(f.endswith(".py") for f in stdlib.train_files + stdlib.eval_files)
+    assert not any("site-packages" in f or f.startswith("test/") for f in stdlib.train_files)
+    # The stream is the files' bytes concatenated in sorted path order.
+    first = (d.stdlib_root() / stdlib.train_files[0]).read_bytes()
+    assert bytes(stdlib.train[: len(first)]) == first
+
+
+def test_stdlib_deterministic_and_disjoint(stdlib):
+    again = d.load_corpus(d.DataConfig())
+    assert np.array_equal(stdlib.train, again.train) and np.array_equal(stdlib.eval, again.eval)
+    assert not set(stdlib.train_files) & set(stdlib.eval_files)
+    n = len(stdlib.train_files) + len(stdlib.eval_files)
+    assert len(stdlib.eval_files) == n // 10
+
+
+def test_max_bytes_caps_corpus():
+    small = d.load_corpus(d.DataConfig(max_bytes=2_000_000))
+    assert len(small.train) + len(small.eval) <= 2_000_000
+
+
+def test_shards_disjoint_and_cover():
+    train = np.arange(1003)
+    shards = [d.shard(train, i, 4) for i in range(4)]
+    assert np.array_equal(np.concatenate([s.tokens for s in shards]), train)
+    assert max(len(s.tokens) for s in shards) - min(len(s.tokens) for s in shards) <= 1
+    with pytest.raises(ConfigError, match="learner_id"):
+        d.shard(train, 4, 4)
+
+
+def test_batches_shape_and_determinism():
+    tokens = np.arange(500, dtype=np.uint16)
+    a, b = d.batches(tokens, 4, 16, seed=7), d.batches(tokens, 4, 16, seed=7)
+    for _ in range(3):
+        x, y = next(a), next(b)
+        assert x.tokens.shape == (4, 17) and x.tokens.dtype == np.int32 and x.n_tokens == 64
+        assert np.array_equal(x.tokens, y.tokens)
+        assert np.all(np.diff(x.tokens, axis=1) == 1)  # contiguous windows of the stream
+    assert not np.array_equal(next(d.batches(tokens, 4, 16, seed=8)).tokens, next(a).tokens)
+
+
+def test_batches_too_short_shard():
+    with pytest.raises(ConfigError, match="seq_len"):
+        next(d.batches(np.arange(10), 2, 16, seed=0))
+
+
+def test_eval_batches_fixed():
+    tokens = np.arange(1000)
+    ev = d.eval_batches(tokens, 4, 16, 3)
+    assert len(ev) == 3 and all(b.shape == (4, 17) for b in ev)
+    assert all(np.array_equal(x, y) for x, y in zip(ev, d.eval_batches(tokens, 4, 16, 3)))
+    starts = np.concatenate([b[:, 0] for b in ev])
+    assert starts[0] == 0 and starts[-1] == 1000 - 17 and np.all(np.diff(starts) > 0)
+
+
+def test_text_directory(tmp_path):
+    for i in range(6):
+        (tmp_path / f"sub{i % 2}").mkdir(exist_ok=True)
+        (tmp_path / f"sub{i % 2}" / f"f{i}.txt").write_bytes(bytes([65 + i]) * 100)
+    c = d.load_corpus(d.DataConfig(corpus=str(tmp_path), eval_every_nth_file=3))
+    # Sorted order: sub0/f0 f2 f4, sub1/f1 f3 f5; every third is held out.
+    assert c.eval_files == ("sub0/f4.txt", "sub1/f5.txt")
+    assert len(c.train) == 400 and len(c.eval) == 200
+    assert bytes(c.eval[:100]) == b"E" * 100
+
+
+def test_single_text_file(tmp_path):
+    p = tmp_path / "a.txt"
+    p.write_bytes(bytes(range(256)) * 4)
+    c = d.load_corpus(d.DataConfig(corpus=str(p), eval_fraction=0.25))
+    assert len(c.train) == 768 and len(c.eval) == 256 and bytes(c.eval) == bytes(range(256))
+
+
+def test_bin_tokens(tmp_path):
+    p = tmp_path / "tokens.bin"
+    np.arange(1000, dtype=np.uint32).tofile(p)
+    c = d.load_corpus(d.DataConfig(corpus=str(p), token_dtype="uint32", vocab_size=1000, eval_fraction=0.1))
+    assert np.array_equal(c.train, np.arange(900)) and np.array_equal(c.eval, np.arange(900, 1000))
+    with pytest.raises(ConfigError, match="token id 999.*vocab_size is 512"):
+        d.load_corpus(d.DataConfig(corpus=str(p), token_dtype="uint32", vocab_size=512))
+
+
+def test_bin_size_not_multiple_of_dtype(tmp_path):
+    p = tmp_path / "odd.bin"
+    p.write_bytes(b"\x01\x02\x03")
+    with pytest.raises(ConfigError, match="multiple of uint16"):
+        d.load_corpus(d.DataConfig(corpus=str(p)))
+
+
+@pytest.mark.parametrize("kind", ["missing", "empty_file", "empty_dir", "empty_bin"])
+def test_missing_or_empty_corpus(tmp_path, kind):
+    path = {"missing": tmp_path / "nope", "empty_file": tmp_path / "e.txt",
+            "empty_dir": tmp_path / "dir", "empty_bin": tmp_path / "e.bin"}[kind]
+    if kind == "empty_dir":
+        path.mkdir()
+    elif kind != "missing":
+        path.write_bytes(b"")
+    with pytest.raises(ConfigError, match=str(path)):
+        d.load_corpus(d.DataConfig(corpus=str(path)))
+
+
+def test_too_few_files_for_eval(tmp_path):
+    (tmp_path / "a.txt").write_bytes(b"x" * 100)
+    with pytest.raises(ConfigError, match="eval_every_nth_file"):
+        d.load_corpus(d.DataConfig(corpus=str(tmp_path)))
+
+
+@pytest.mark.parametrize("bad,field", [({"max_bytes": 0}, "max_bytes"), ({"eval_fraction": 1.0}, "eval_fraction"),
+                                       ({"token_dtype": "int8"}, "token_dtype"),
+                                       ({"eval_every_nth_file": 1}, "eval_every_nth_file")])
+def test_config_validation(bad, field):
+    with pytest.raises(ConfigError, match=field):
+        from_mapping(d.DataConfig, bad)
+
+
+def test_byte_corpus_needs_byte_vocab():
+    with pytest.raises(ConfigError, match="vocab_size"):
+        d.load_corpus(d.DataConfig(vocab_size=100))

@@ -1,0 +1,90 @@
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from wan_diloco import model as m
+from wan_diloco.config import ConfigError, from_mapping
+from wan_diloco.tree import flatten
+
+MICRO = m.ModelConfig(d_model=32, n_layers=2, n_heads=2, d_ff=64, seq_len=16)
+
+
+@pytest.fixture(scope="module")
+def params():
+    return m.init_params(MICRO, jax.random.key(0))
+
+
+@pytest.mark.parametrize("name,lo,hi", [("tiny", 1e5, 1e6), ("small", 5e6, 2e7), ("base", 7e7, 1.5e8)])
+def test_preset_param_counts(name, lo, hi):
+    n = m.param_count(m.abstract_params(m.preset(name)))
+    assert lo <= n <= hi
+
+
+def test_param_count_matches_formula(params):
+    d, f, v, n_layers = MICRO.d_model, MICRO.d_ff, MICRO.vocab_size, MICRO.n_layers
+    per_block = 3 * d * d + d * d + 2 * d * f + 2 * d
+    assert m.param_count(params) == n_layers * per_block + 2 * v * d + d
+
+
+def test_unknown_preset_names_valid_ones():
+    with pytest.raises(ConfigError, match="tiny, small, base"):
+        m.preset("huge")
+
+
+@pytest.mark.parametrize("bad,field", [({"n_heads": 3}, "n_heads"), ({"d_model": 0}, "d_model"),
+                                       ({"d_model": 24, "n_heads": 8}, "n_heads")])
+def test_config_validation(bad, field):
+    with pytest.raises(ConfigError, match=field):
+        from_mapping(m.ModelConfig, bad)
+
+
+def test_params_are_plain_float32_dicts(params):
+    assert type(params) is dict
+    assert all(x.dtype == jnp.float32 for x in jax.tree_util.tree_leaves(params))
+
+
+def test_output_shape(params):
+    tokens = jnp.zeros((3, 7), jnp.int32)
+    assert m.apply(params, MICRO, tokens).shape == (3, 7, 256)
+
+
+def test_too_long_input_rejected(params):
+    with pytest.raises(ValueError, match="seq_len"):
+        m.apply(params, MICRO, jnp.zeros((1, MICRO.seq_len + 1), jnp.int32))
+
+
+def test_causal(params):
+    tokens = jax.random.randint(jax.random.key(1), (2, MICRO.seq_len), 0, 256)
+    changed = tokens.at[:, 9].set((tokens[:, 9] + 1) % 256)
+    a, b = m.apply(params, MICRO, tokens), m.apply(params, MICRO, changed)
+    np.testing.assert_allclose(a[:, :9], b[:, :9], rtol=1e-6, atol=1e-6)
+    assert not np.allclose(a[:, 9:], b[:, 9:])
+
+
+def test_names_embedding_and_layer(params):
+    names = list(flatten(params))
+    assert "embed/embedding" in names and "block_1/attn/qkv/kernel" in names
+    assert "lm_head/kernel" in names and "final_norm/scale" in names
+    assert [n for n in names if m.is_embedding(n)] == ["embed/embedding"]
+    layers = {n: m.layer_index(n) for n in names}
+    assert layers["block_1/mlp/fc_out/kernel"] == 1 and layers["block_0/attn_norm/scale"] == 0
+    assert layers["lm_head/kernel"] is None and layers["embed/embedding"] is None
+    assert {i for i in layers.values() if i is not None} == set(range(MICRO.n_layers))
+    assert m.is_embedding("pos_embed/embedding") and m.layer_index("block_12/x") == 12
+
+
+def test_initial_loss_near_uniform(params):
+    tokens = jax.random.randint(jax.random.key(2), (4, MICRO.seq_len + 1), 0, 256)
+    loss = float(m.loss_fn(params, MICRO, tokens))
+    assert abs(loss - math.log(256)) < 0.1
+
+
+def test_loss_is_next_token_cross_entropy(params):
+    tokens = jax.random.randint(jax.random.key(3), (2, MICRO.seq_len + 1), 0, 256)
+    logits = m.apply(params, MICRO, tokens[:, :-1])
+    logp = jax.nn.log_softmax(logits)
+    expected = -jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1).mean()
+    np.testing.assert_allclose(m.loss_fn(params, MICRO, tokens), expected, rtol=1e-5)

@@ -1,0 +1,198 @@
+"""Decoder-only transformer (flax linen) and its size presets.
+
+Pre-norm blocks (RMSNorm), causal self-attention with rotary positions, GELU
+MLP, final norm and an untied output projection. Parameters are a plain nested
+dict of float32 arrays whose flat names (:func:`wan_diloco.tree.flatten`) look
+like ``embed/embedding``, ``block_3/attn/qkv/kernel``, ``final_norm/scale``,
+``lm_head/kernel``; fragments and merges address tensors by those names.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+
+from wan_diloco.config import ConfigError, require
+
+Params = dict[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Transformer shape. Defaults are the ``tiny`` preset."""
+
+    vocab_size: int = 256
+    d_model: int = 128
+    n_layers: int = 4
+    n_heads: int = 4
+    d_ff: int = 512
+    seq_len: int = 128  # maximum context length, in tokens
+
+    def validate(self) -> None:
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "seq_len"):
+            require(getattr(self, name) > 0, name, f"must be positive, got {getattr(self, name)}")
+        require(self.d_model % self.n_heads == 0, "n_heads",
+                f"must divide d_model={self.d_model}, got {self.n_heads}")
+        # Rotary embeddings rotate pairs of channels.
+        require((self.d_model // self.n_heads) % 2 == 0, "n_heads",
+                f"head size d_model/n_heads={self.d_model // self.n_heads} must be even")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+
+PRESETS: dict[str, ModelConfig] = {
+    # ~0.86M params: trains at CPU speed in tests and simulations.
+    "tiny": ModelConfig(d_model=128, n_layers=4, n_heads=4, d_ff=512, seq_len=128),
+    # ~10.8M params.
+    "small": ModelConfig(d_model=384, n_layers=6, n_heads=6, d_ff=1536, seq_len=256),
+    # ~99.5M params (GPT-2-small width, 14 layers).
+    "base": ModelConfig(d_model=768, n_layers=14, n_heads=12, d_ff=3072, seq_len=512),
+}
+
+
+def preset(name: str) -> ModelConfig:
+    """The named size preset; unknown names raise ConfigError listing the valid ones."""
+    require(name in PRESETS, "model.preset",
+            f"unknown preset {name!r}; valid presets are {', '.join(PRESETS)}")
+    return PRESETS[name]
+
+
+def _init(stddev: float) -> Any:
+    return nn.initializers.normal(stddev=stddev)
+
+
+def _rope(x_BxLxNxH: jax.Array) -> jax.Array:
+    length, head_dim = x_BxLxNxH.shape[1], x_BxLxNxH.shape[3]
+    half = head_dim // 2
+    inv_freq = 1.0 / (10000.0 ** (jnp.arange(half, dtype=jnp.float32) / half))
+    angles_LxH = jnp.arange(length, dtype=jnp.float32)[:, None] * inv_freq[None, :]
+    sin = jnp.sin(angles_LxH)[None, :, None, :]
+    cos = jnp.cos(angles_LxH)[None, :, None, :]
+    x1, x2 = x_BxLxNxH[..., :half], x_BxLxNxH[..., half:]
+    return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
+
+
+class _Attention(nn.Module):
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, x_NxD: jax.Array, length: int) -> jax.Array:
+        cfg = self.cfg
+        b = x_NxD.shape[0] // length
+        qkv = nn.Dense(3 * cfg.d_model, use_bias=False, kernel_init=_init(0.02), name="qkv")(x_NxD)
+        q, k, v = jnp.split(qkv.reshape(b, length, 3 * cfg.n_heads, cfg.head_dim), 3, axis=2)
+        out = jax.nn.dot_product_attention(_rope(q), _rope(k), v, is_causal=True)
+        # Residual-branch outputs start small so depth does not blow up the stream.
+        out_init = _init(0.02 / math.sqrt(2 * cfg.n_layers))
+        return nn.Dense(cfg.d_model, use_bias=False, kernel_init=out_init, name="out")(
+            out.reshape(b * length, cfg.d_model))
+
+
+class _Mlp(nn.Module):
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, x_NxD: jax.Array) -> jax.Array:
+        cfg = self.cfg
+        h = nn.gelu(nn.Dense(cfg.d_ff, use_bias=False, kernel_init=_init(0.02), name="fc_in")(x_NxD))
+        out_init = _init(0.02 / math.sqrt(2 * cfg.n_layers))
+        return nn.Dense(cfg.d_model, use_bias=False, kernel_init=out_init, name="fc_out")(h)
+
+
+class _Block(nn.Module):
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, x_NxD: jax.Array, length: int) -> jax.Array:
+        x = x_NxD + _Attention(self.cfg, name="attn")(nn.RMSNorm(name="attn_norm")(x_NxD), length)
+        return x + _Mlp(self.cfg, name="mlp")(nn.RMSNorm(name="mlp_norm")(x))
+
+
+class Transformer(nn.Module):
+    """Token ids BxL -> logits BxLxV."""
+
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, tokens_BxL: jax.Array) -> jax.Array:
+        cfg = self.cfg
+        b, length = tokens_BxL.shape
+        # The residual stream is kept as N=B*L rows: XLA:CPU runs the backward
+        # pass of 2-D matmuls about 3x faster than of batched 3-D ones.
+        x = nn.Embed(cfg.vocab_size, cfg.d_model, embedding_init=_init(0.02), name="embed")(
+            tokens_BxL.reshape(b * length))
+        for i in range(cfg.n_layers):
+            x = _Block(cfg, name=f"block_{i}")(x, length)
+        x = nn.RMSNorm(name="final_norm")(x)
+        logits = nn.Dense(cfg.vocab_size, use_bias=False, kernel_init=_init(0.02), name="lm_head")(x)
+        return logits.reshape(b, length, cfg.vocab_size)
+
+
+def init_params(cfg: ModelConfig, key: jax.Array) -> Params:
+    """Fresh float32 parameters: a plain nested dict of arrays."""
+    cfg.validate()
+    dummy = jnp.zeros((1, cfg.seq_len), jnp.int32)
+    variables = jax.jit(Transformer(cfg).init)(key, dummy)
+    return _plain(variables["params"])
+
+
+def abstract_params(cfg: ModelConfig) -> Params:
+    """Shapes and dtypes of :func:`init_params` (``jax.ShapeDtypeStruct`` leaves), no allocation."""
+    return jax.eval_shape(lambda k: init_params(cfg, k), jax.random.key(0))
+
+
+def _plain(tree: Any) -> Any:
+    if hasattr(tree, "items"):
+        return {k: _plain(v) for k, v in tree.items()}
+    return tree
+
+
+def apply(params: Params, cfg: ModelConfig, tokens_BxL: jax.Array) -> jax.Array:
+    """Logits BxLxV for token ids BxL (L <= cfg.seq_len)."""
+    if tokens_BxL.ndim != 2 or tokens_BxL.shape[1] > cfg.seq_len:
+        raise ValueError(f"tokens must have shape (batch, L<= seq_len={cfg.seq_len}), got {tokens_BxL.shape}")
+    return Transformer(cfg).apply({"params": params}, tokens_BxL)
+
+
+def loss_fn(params: Params, cfg: ModelConfig, tokens_BxLp1: jax.Array) -> jax.Array:
+    """Mean next-token cross-entropy (nats) of a batch of length seq_len + 1 windows."""
+    logits = apply(params, cfg, tokens_BxLp1[:, :-1])
+    targets = tokens_BxLp1[:, 1:]
+    return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets).mean()
+
+
+def param_count(params: Any) -> int:
+    """Number of scalars in a parameter pytree (arrays or ShapeDtypeStructs)."""
+    return sum(math.prod(x.shape) for x in jax.tree_util.tree_leaves(params))
+
+
+_BLOCK = re.compile(r"^block_(\d+)/")
+
+
+def layer_index(name: str) -> int | None:
+    """Block index of a flat tensor name (``block_3/attn/qkv/kernel`` -> 3), else None."""
+    m = _BLOCK.match(name)
+    return int(m.group(1)) if m else None
+
+
+def is_embedding(name: str) -> bool:
+    """True for input embeddings (``embed/...``, ``pos_embed/...``).
+
+    The merge averages these plainly instead of with RDA. The output projection
+    ``lm_head`` is untied and treated as an ordinary (non-embedding) matrix.
+    """
+    return name.startswith(("embed/", "pos_embed/"))
+
+
+__all__ = [
+    "ConfigError", "ModelConfig", "PRESETS", "Params", "Transformer", "abstract_params", "apply",
+    "init_params", "is_embedding", "layer_index", "loss_fn", "param_count", "preset",
+]
