@@ -76,3 +76,11 @@ def test_goodput_bad_input_exits_naming_the_field(capsys):
         main(["goodput", "--system", "decoupled", "--learners", "2", "--quorum", "3"])
     assert e.value.code == 2
     assert "error: quorum:" in capsys.readouterr().err
+
+
+def test_goodput_refuses_a_plot_it_cannot_draw_before_writing_anything(tmp_path, capsys):
+    out = tmp_path / "g.json"
+    with pytest.raises(SystemExit):
+        main(["goodput", "--chips", "5000", "--json", str(out), "--plot", str(tmp_path / "g.png")])
+    assert "error: plot:" in capsys.readouterr().err
+    assert not out.exists()

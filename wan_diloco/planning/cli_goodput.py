@@ -58,6 +58,9 @@ def config_from_args(args: argparse.Namespace) -> GoodputConfig:
 def run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     require(args.time_scale > 0, "time_scale", f"must be > 0, got {args.time_scale}")
+    require(args.tape is not None or args.time_scale == 1, "time_scale", "only applies with --tape")
+    if args.plot:
+        plot_chip_range(cfg)  # refuse before writing anything
     result = simulate(cfg)
     who = f"decoupled, M={cfg.learners}, K={cfg.quorum}" if cfg.system == "decoupled" else cfg.system
     table = Table(title=f"{cfg.chips:.3g} chips ({cfg.n_slices} slices of {cfg.slice_chips}), "
@@ -88,6 +91,14 @@ def _write(path: Path, text: str) -> None:
     path.write_text(text)
 
 
+def plot_chip_range(cfg: GoodputConfig) -> tuple[float, float]:
+    """Chips on the plot's axis: from enough for 16 learners of 4 slices up to ``cfg.chips``."""
+    low = max(1e4, 4 * max(PLOT_LEARNERS) * cfg.slice_chips)
+    if cfg.chips <= low:
+        raise ConfigError(f"plot: needs --chips above {low:g} to span a range, got {cfg.chips:g}")
+    return low, cfg.chips
+
+
 def plot_goodput_vs_chips(cfg: GoodputConfig, path: Path, points: int = 7) -> None:
     """PNG of goodput against chips: decoupled with M = 1, 2, 4, 8, 16 (M = 1 is elastic-dp), and dp."""
     import matplotlib
@@ -96,10 +107,7 @@ def plot_goodput_vs_chips(cfg: GoodputConfig, path: Path, points: int = 7) -> No
     import matplotlib.pyplot as plt
     import numpy as np
 
-    low = max(1e4, 4 * max(PLOT_LEARNERS) * cfg.slice_chips)
-    if cfg.chips <= low:
-        raise ConfigError(f"plot: needs --chips above {low:g} to span a range, got {cfg.chips:g}")
-    chips = np.geomspace(low, cfg.chips, points)
+    chips = np.geomspace(*plot_chip_range(cfg), points)
     fig, ax = plt.subplots(figsize=(7, 4.5))
     base = dataclasses.replace(cfg, quorum=1)
     for m in PLOT_LEARNERS:
