@@ -14,6 +14,8 @@ from wan_diloco.config import ConfigError
 # name -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "simulate": ("wan_diloco.sim_cli", "simulated multi-region training run on a virtual clock"),
+    "bandwidth": ("wan_diloco.planning.cli_bandwidth", "Gbit/s between datacenters needed for a compute-utilization target"),
+    "goodput": ("wan_diloco.planning.cli_goodput", "chaos simulation of goodput and uptime under chip failures"),
 }
 
 

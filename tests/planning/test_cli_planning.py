@@ -1,0 +1,86 @@
+import json
+
+import pytest
+
+from wan_diloco.cli import main
+from wan_diloco.planning.bandwidth import PAPER_METHODS
+from wan_diloco.planning.tape import load_tape
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def test_bandwidth_json_has_the_issue_schema(tmp_path, capsys):
+    out, png = tmp_path / "bw.json", tmp_path / "bw.png"
+    assert main(["bandwidth", "--preset", "1b", "--json", str(out), "--plot", str(png)]) == 0
+    data = json.loads(out.read_text())
+    assert set(data) == {"cu_targets", "methods"}
+    assert data["cu_targets"] == [0.5, 0.8, 0.9, 0.95, 0.99]
+    assert tuple(data["methods"]) == PAPER_METHODS
+    for rates in data["methods"].values():
+        assert len(rates) == 5 and rates == sorted(rates)
+    assert png.read_bytes().startswith(PNG_MAGIC)
+    assert "streaming_overlap_4bit" in capsys.readouterr().out
+
+
+def test_bandwidth_reports_cu_at_a_given_rate(tmp_path):
+    out = tmp_path / "bw.json"
+    argv = ["bandwidth", "--params", "1e9", "--layers", "24", "--step-time", "0.1", "--method", "diloco,decoupled",
+            "--target-cu", "0.9", "--bandwidth-gbit", "10", "--json", str(out)]
+    assert main(argv) == 0
+    data = json.loads(out.read_text())
+    assert list(data["methods"]) == ["diloco", "decoupled"]
+    assert set(data["cu_at_bandwidth"]["cu"]) == {"diloco", "decoupled"}
+
+
+def test_bandwidth_recommend_mode(tmp_path):
+    out = tmp_path / "rec.json"
+    argv = ["bandwidth", "--link-gbit", "2.5", "--rtt-ms", "60", "--target-cu", "0.95", "--params", "1e10",
+            "--layers", "48", "--step-time", "0.8", "--json", str(out)]
+    assert main(argv) == 0
+    data = json.loads(out.read_text())
+    assert data["reached"] and data["recommendations"][0]["cu"] >= 0.95
+    assert set(data["recommendations"][0]) == {"sync_every", "fragments", "tau", "bits", "cu"}
+
+
+@pytest.mark.parametrize(
+    "argv, field",
+    [(["--preset", "1b", "--target-cu", "1.5"], "target_cu"),
+     (["--layers", "24", "--step-time", "0.1"], "params"),
+     (["--params", "1e9", "--layers", "24"], "step_time"),
+     (["--preset", "1b", "--method", "ring"], "method"),
+     (["--preset", "1b", "--link-gbit", "2", "--target-cu", "0.9,0.95"], "target_cu")],
+)
+def test_bandwidth_bad_input_exits_naming_the_field(argv, field, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["bandwidth", *argv])
+    assert e.value.code == 2
+    assert f"error: {field}:" in capsys.readouterr().err
+
+
+def test_goodput_json_tape_and_plot(tmp_path):
+    out, tape, png = tmp_path / "g.json", tmp_path / "tape.json", tmp_path / "g.png"
+    common = ["goodput", "--chips", "1e5", "--system", "decoupled", "--learners", "4", "--days", "1"]
+    assert main([*common, "--json", str(out), "--tape", str(tape)]) == 0
+    data = json.loads(out.read_text())
+    assert 0 < data["goodput"] <= data["uptime"] <= 1 and data["config"]["learners"] == 4
+    full = load_tape(tape)
+    assert main([*common, "--tape", str(tape), "--time-scale", "0.001", "--plot", str(png)]) == 0
+    scaled = load_tape(tape)
+    assert len(scaled) == len(full)
+    assert [o.up_at for o in scaled] == pytest.approx([o.up_at * 0.001 for o in full])
+    assert png.read_bytes().startswith(PNG_MAGIC)
+
+
+def test_goodput_bad_input_exits_naming_the_field(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["goodput", "--system", "decoupled", "--learners", "2", "--quorum", "3"])
+    assert e.value.code == 2
+    assert "error: quorum:" in capsys.readouterr().err
+
+
+def test_goodput_refuses_a_plot_it_cannot_draw_before_writing_anything(tmp_path, capsys):
+    out = tmp_path / "g.json"
+    with pytest.raises(SystemExit):
+        main(["goodput", "--chips", "5000", "--json", str(out), "--plot", str(tmp_path / "g.png")])
+    assert "error: plot:" in capsys.readouterr().err
+    assert not out.exists()
