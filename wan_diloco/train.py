@@ -132,7 +132,9 @@ def make_train_step(model_cfg: ModelConfig, train_cfg: TrainConfig, mesh: Mesh,
 
     def run(state: TrainState, tokens_BxLp1: Any) -> tuple[TrainState, dict]:
         _check_batch(tokens_BxLp1, model_cfg, mesh)
-        return jitted(state, jax.device_put(tokens_BxLp1, batch_sharding))
+        # Placing the state first keeps one compiled version: fresh or host-merged params would
+        # otherwise arrive uncommitted and miss the jit cache (a recompile per distinct mix).
+        return jitted(jax.device_put(state, replicated), jax.device_put(tokens_BxLp1, batch_sharding))
 
     return run
 
