@@ -72,6 +72,9 @@ def test_text_directory(tmp_path):
     for i in range(6):
         (tmp_path / f"sub{i % 2}").mkdir(exist_ok=True)
         (tmp_path / f"sub{i % 2}" / f"f{i}.txt").write_bytes(bytes([65 + i]) * 100)
+    (tmp_path / ".git").mkdir()
+    (tmp_path / ".git" / "HEAD").write_bytes(b"ref")
+    (tmp_path / ".hidden").write_bytes(b"zz")
     c = d.load_corpus(d.DataConfig(corpus=str(tmp_path), eval_every_nth_file=3))
     # Sorted order: sub0/f0 f2 f4, sub1/f1 f3 f5; every third is held out.
     assert c.eval_files == ("sub0/f4.txt", "sub1/f5.txt")

@@ -88,3 +88,10 @@ def test_loss_is_next_token_cross_entropy(params):
     logp = jax.nn.log_softmax(logits)
     expected = -jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1).mean()
     np.testing.assert_allclose(m.loss_fn(params, MICRO, tokens), expected, rtol=1e-5)
+
+
+def test_flops_per_token_counts_matmul_params(params):
+    flat = flatten(params)
+    matmul = sum(x.size for n, x in flat.items() if x.ndim == 2 and not m.is_embedding(n))
+    attention = 6 * MICRO.n_layers * MICRO.seq_len * MICRO.d_model
+    assert m.flops_per_token(MICRO) == 6 * matmul + attention

@@ -3,8 +3,9 @@
 The default corpus is the running interpreter's own standard library: its
 ``.py`` files (test directories and site-packages excluded) read as bytes, so
 the vocabulary is 256 and nothing needs downloading. Other corpora: a text
-file, a directory of files (read recursively as bytes) or a ``*.bin`` file of
-raw little-endian token ids (uint16/uint32, the nanoGPT layout).
+file, a directory of files (read recursively as bytes, hidden entries
+skipped) or a ``*.bin`` file of raw little-endian token ids (uint16/uint32,
+the nanoGPT layout).
 
 Everything is deterministic: files are read in sorted relative-path order and
 batches depend only on their seed. Nothing is cached on disk.
@@ -67,9 +68,10 @@ def stdlib_root() -> Path:
 def _list_files(root: Path, suffix: str | None, skip_dirs: frozenset[str]) -> list[str]:
     found = []
     for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = [d for d in dirnames if d not in skip_dirs]
+        # Hidden entries (.git, editor state) are not corpus text.
+        dirnames[:] = [d for d in dirnames if d not in skip_dirs and not d.startswith(".")]
         for f in filenames:
-            if suffix is None or f.endswith(suffix):
+            if not f.startswith(".") and (suffix is None or f.endswith(suffix)):
                 found.append(os.path.relpath(os.path.join(dirpath, f), root))
     return sorted(found)
 

@@ -174,6 +174,17 @@ def param_count(params: Any) -> int:
     return sum(math.prod(x.shape) for x in jax.tree_util.tree_leaves(params))
 
 
+def flops_per_token(cfg: ModelConfig) -> int:
+    """Training FLOPs per token (forward + backward) at full context, as in Chinchilla's 6N rule.
+
+    6 x matmul parameters (embedding lookups are free) plus causal attention
+    scores and values: 6 * n_layers * seq_len * d_model (half of a full square).
+    """
+    per_block = 4 * cfg.d_model**2 + 2 * cfg.d_model * cfg.d_ff
+    matmul_params = cfg.n_layers * per_block + cfg.d_model * cfg.vocab_size
+    return 6 * matmul_params + 6 * cfg.n_layers * cfg.seq_len * cfg.d_model
+
+
 _BLOCK = re.compile(r"^block_(\d+)/")
 
 
@@ -193,6 +204,6 @@ def is_embedding(name: str) -> bool:
 
 
 __all__ = [
-    "ConfigError", "ModelConfig", "PRESETS", "Params", "Transformer", "abstract_params", "apply",
+    "ConfigError", "ModelConfig", "PRESETS", "Params", "Transformer", "abstract_params", "apply", "flops_per_token",
     "init_params", "is_embedding", "layer_index", "loss_fn", "param_count", "preset",
 ]

@@ -7,6 +7,7 @@ optimizer state are replicated, and XLA inserts the gradient all-reduce.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable, Sequence
 
 import flax.struct
@@ -107,12 +108,14 @@ def _global_norm(tree: Any) -> jax.Array:
     return jnp.sqrt(sum(jnp.sum(jnp.square(x)) for x in jax.tree_util.tree_leaves(tree)))
 
 
+@functools.lru_cache(maxsize=32)
 def make_train_step(model_cfg: ModelConfig, train_cfg: TrainConfig, mesh: Mesh,
                     donate: bool = False) -> Callable[[TrainState, Any], tuple[TrainState, dict]]:
     """Jitted ``step(state, tokens_BxLp1) -> (state, {"loss", "grad_norm", "lr"})``.
 
     ``donate=True`` lets XLA reuse the old state's buffers; the caller must
-    then not touch the state it passed in.
+    then not touch the state it passed in. Calls with equal arguments return
+    the same function, so learners sharing a process compile once.
     """
     model_cfg.validate()
     tx = make_optimizer(train_cfg)
@@ -139,6 +142,7 @@ def make_train_step(model_cfg: ModelConfig, train_cfg: TrainConfig, mesh: Mesh,
     return run
 
 
+@functools.lru_cache(maxsize=32)
 def make_eval_fn(model_cfg: ModelConfig, mesh: Mesh) -> Callable[[Params, Sequence[Any]], float]:
     """``eval(params, batches) -> float``: mean loss over equally sized batches."""
     model_cfg.validate()
