@@ -1,0 +1,154 @@
+"""Model quality at equal tokens: data parallel vs DiLoCo vs Streaming vs Decoupled DiLoCo.
+
+Every run trains the same model from the same initialisation on the same
+token budget in the simulated driver (virtual clock, real JAX training), and
+reports final eval loss, goodput and tokens. Writes bench/results/quality.json
+and bench/results/quality.png (eval loss against tokens).
+
+    python bench/quality.py            # tiny preset, ~30 min on 2 CPU cores
+    python bench/quality.py --quick    # same runs, fewer tokens, ~5 min
+    python bench/quality.py --only dp decoupled --tokens 4e6
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import multiprocessing as mp
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT.parent))
+
+from wan_diloco import sim  # noqa: E402
+from wan_diloco.planning.tape import Outage  # noqa: E402
+
+# Decoupled settings chosen from the calibration in the README (K = 1 + grace, balanced fragments).
+DECOUPLED = dict(baseline="decoupled", learners=4, quorum=1, grace=True, fragments=4, tau=2)
+HETERO = dict(speeds=(1.0, 1.0, 1.0, 1.2), step_noise=0.1)
+
+
+def runs(sync_every: int) -> dict[str, dict]:
+    """Run name -> SimConfig overrides. The same token budget and seed everywhere."""
+    return {
+        "dp": dict(baseline="dp", learners=4),
+        "diloco": dict(baseline="diloco", learners=4, sync_every=sync_every),
+        "streaming": dict(baseline="streaming", learners=4, fragments=4, tau=2, sync_every=sync_every),
+        "decoupled": dict(DECOUPLED, sync_every=sync_every),
+        "decoupled_failures": dict(DECOUPLED, sync_every=sync_every, failures=True),
+        "dp_failures": dict(baseline="dp", learners=4, failures=True),
+        "decoupled_hetero_grace": dict(DECOUPLED, sync_every=sync_every, **HETERO),
+        "decoupled_hetero_nograce": dict(DECOUPLED, sync_every=sync_every, grace=False, **HETERO),
+        "decoupled_m8_rda": dict(DECOUPLED, learners=8, merge="rda", sync_every=sync_every),
+        "decoupled_m8_mean": dict(DECOUPLED, learners=8, merge="mean", sync_every=sync_every),
+    }
+
+
+def failure_tape(learners: int, horizon_s: float, down_fraction: float, seed: int) -> list[Outage]:
+    """Each learner alternates exponential up and down periods, down ``down_fraction`` of the time."""
+    rng = np.random.default_rng(seed)
+    mean_down = horizon_s / 12
+    mean_up = mean_down * (1 - down_fraction) / down_fraction
+    tape = []
+    for m in range(learners):
+        t = rng.exponential(mean_up)
+        while t < horizon_s:
+            d = rng.exponential(mean_down)
+            tape.append(Outage(learner=m, down_at=float(t), up_at=float(t + d)))
+            t += d + rng.exponential(mean_up)
+    return tape
+
+
+def _one(args: tuple[str, dict, dict]) -> tuple[str, dict]:
+    name, overrides, common = args
+    overrides = dict(overrides)
+    failures = overrides.pop("failures", False)
+    cfg = sim.SimConfig(**{**common, **overrides})
+    outages = []
+    if failures:
+        # Horizon: the failure-free virtual duration, doubled (outages past the end do nothing).
+        steps = common["tokens"] / (cfg.batch_size * 128 * 4)
+        outages = failure_tape(4, 2 * steps * cfg.step_time_s, 0.25, seed=1234)
+    t0 = time.perf_counter()
+    r = sim.run(cfg, outages)
+    out = dataclasses.asdict(r)
+    out["wall_s"] = time.perf_counter() - t0
+    out["down_fraction"] = (
+        sum(min(o.up_at, r.virtual_time_s) - o.down_at for o in outages if o.down_at < r.virtual_time_s)
+        / (cfg.learners * r.virtual_time_s) if outages else 0.0
+    )
+    print(f"{name:26s} loss {r.final_eval_loss:.4f}  goodput {r.goodput:.3f}  tokens {r.tokens:,}  "
+          f"wall {out['wall_s']:.0f}s", flush=True)
+    return name, out
+
+
+def plot(results: dict[str, dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for name, r in results.items():
+        pts = [p for p in r["curve"] if p["tokens"] > 0]
+        ax.plot([p["tokens"] for p in pts], [p["eval_loss"] for p in pts], label=name,
+                linestyle="--" if name.startswith("dp") else "-")
+    ax.set_xlabel("tokens (all learners)")
+    ax.set_ylabel("eval loss (held-out stdlib files)")
+    ax.set_title("Equal-token quality, tiny preset")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def markdown(results: dict[str, dict]) -> str:
+    dp = results.get("dp", {}).get("final_eval_loss")
+    lines = ["| run | final eval loss | vs dp | goodput | tokens |", "|---|---|---|---|---|"]
+    for name, r in results.items():
+        rel = f"{(r['final_eval_loss'] / dp - 1) * 100:+.1f} %" if dp else ""
+        lines.append(f"| {name} | {r['final_eval_loss']:.4f} | {rel} | {r['goodput']:.3f} | {r['tokens']:,} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="fewer tokens (same run names), ~5 minutes")
+    ap.add_argument("--preset", default="tiny", help="tiny | small | base (small/base: machines with an accelerator)")
+    ap.add_argument("--tokens", type=float, default=None, help="token budget per run (default 2e6, quick 3e5)")
+    ap.add_argument("--sync-every", type=int, default=16)
+    ap.add_argument("--only", nargs="*", help="run only these names")
+    ap.add_argument("--jobs", type=int, default=1, help="runs in parallel (processes)")
+    ap.add_argument("--out", default=str(ROOT / "results" / "quality.json"))
+    args = ap.parse_args(argv)
+    tokens = int(args.tokens or (3e5 if args.quick else 2e6))
+    common = dict(preset=args.preset, tokens=tokens, eval_every=10 if args.quick else 25, seed=0)
+    todo = runs(args.sync_every)
+    if args.only:
+        unknown = set(args.only) - set(todo)
+        if unknown:
+            ap.error(f"unknown run names {sorted(unknown)}; known: {', '.join(todo)}")
+        todo = {k: v for k, v in todo.items() if k in args.only}
+    jobs = [(name, o, common) for name, o in todo.items()]
+    if args.jobs > 1:
+        with mp.get_context("spawn").Pool(args.jobs) as pool:
+            results = dict(pool.map(_one, jobs))
+    else:
+        results = dict(map(_one, jobs))
+    results = {k: results[k] for k in todo}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    doc = {"preset": args.preset, "tokens": tokens, "quick": args.quick,
+           "runs": {k: {kk: vv for kk, vv in v.items()} for k, v in results.items()}}
+    out.write_text(json.dumps(doc, indent=1))
+    plot(results, out.with_suffix(".png"))
+    print(markdown(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
