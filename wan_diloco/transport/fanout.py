@@ -91,15 +91,20 @@ class UpdateHub:
         if box is not None:
             box.interrupt()
 
-    async def stream(self, learner_id: str) -> AsyncIterator[Prepared]:
+    def stream(self, learner_id: str) -> AsyncIterator[Prepared]:
         """Updates for ``learner_id`` until another stream takes over its mailbox.
 
-        An update whose delivery is interrupted goes back into the mailbox (unless a
+        The mailbox is registered (and any previous stream ended) right away, not
+        at the first iteration, so nothing published in between is missed. An
+        update whose delivery is interrupted goes back into the mailbox (unless a
         newer version is already there), so a learner may see one version twice:
         learners ignore updates that are not newer than what they applied.
         """
         box = self.mailbox(learner_id)
-        generation = box.interrupt()
+        return self._drain(box, box.interrupt())
+
+    @staticmethod
+    async def _drain(box: LatestMailbox, generation: int) -> AsyncIterator[Prepared]:
         while (item := await box.get(generation)) is not None:
             try:
                 yield item

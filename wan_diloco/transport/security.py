@@ -74,7 +74,8 @@ def server_credentials(tls: TlsConfig) -> grpc.ServerCredentials:
     tls.validate()
     if not tls.cert_file:
         raise ConfigError("tls.cert_file: a TLS server needs cert_file and key_file")
-    pair = (_read(tls.key_file, "key_file"), _read(tls.cert_file, "cert_file"))
+    chain = _read(tls.cert_file, "cert_file")
+    pair = (_read(tls.key_file, "key_file"), chain)
     roots = _read(tls.ca_file, "ca_file") if tls.ca_file else None
     return grpc.ssl_server_credentials([pair], root_certificates=roots, require_client_auth=tls.mutual)
 

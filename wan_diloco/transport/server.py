@@ -92,15 +92,18 @@ class TransportServer:
             "Subscribe": grpc.unary_stream_rpc_method_handler(self._subscribe),
             "Bulk": grpc.unary_stream_rpc_method_handler(self._bulk),
         }  # no (de)serializers: requests and responses are raw bytes
+        credentials = server_credentials(self.config.tls) if self.config.tls is not None else None
         server = grpc.aio.server(options=self.config.server_options())
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
-        if self.config.tls is not None:
-            port = server.add_secure_port(self.address, server_credentials(self.config.tls))
-        else:
-            port = server.add_insecure_port(self.address)
-        if port == 0:
-            raise OSError(f"cannot bind {self.address}")
-        await server.start()
+        try:
+            if credentials is not None:
+                port = server.add_secure_port(self.address, credentials)
+            else:
+                port = server.add_insecure_port(self.address)
+            await server.start()
+        except BaseException:
+            await server.stop(None)
+            raise
         self._server, self.port = server, port
         return port
 
