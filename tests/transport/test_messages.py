@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from wan_diloco.transport.messages import (
-    MAGIC, PRELUDE, WIRE_VERSION, Ack, BulkChunk, BulkRequest, FragmentUpload, GlobalUpdate,
+    PRELUDE, WIRE_VERSION, Ack, BulkChunk, BulkRequest, FragmentUpload, GlobalUpdate,
     MessageError, Metadata, OversizedError, Subscribe, decode_message, encode_message,
 )
 
@@ -41,14 +41,13 @@ def test_payload_is_a_zero_copy_readonly_view():
 
 def _rebuild(data: bytes, **changes) -> bytes:
     """Re-pack a message with prelude fields changed and a correct checksum."""
-    magic, version, kind, flags, hlen, plen, _ = PRELUDE.unpack_from(data)
+    magic, version, kind, flags, hlen, plen = PRELUDE.unpack_from(data)
     fields = dict(magic=magic, version=version, kind=kind, flags=flags, hlen=hlen, plen=plen)
-    body = changes.pop("body", data[PRELUDE.size:])
+    body = changes.pop("body", data[PRELUDE.size : -4])
     fields.update(changes)
     head = PRELUDE.pack(fields["magic"], fields["version"], fields["kind"], fields["flags"],
-                        fields["hlen"], fields["plen"], 0)[:20]
-    crc = zlib.crc32(body, zlib.crc32(head))
-    return head + struct.pack("<I", crc) + body
+                        fields["hlen"], fields["plen"])
+    return head + body + struct.pack("<I", zlib.crc32(body, zlib.crc32(head)))
 
 
 def _with_header(msg, header: dict, payload: bytes = b"") -> bytes:
@@ -65,6 +64,7 @@ def _with_header(msg, header: dict, payload: bytes = b"") -> bytes:
     (lambda d: d + b"\x00", "length mismatch"),
     (lambda d: d[:-1], "length mismatch"),
     (lambda d: d[:-1] + bytes([d[-1] ^ 1]), "checksum mismatch"),
+    (lambda d: d[:40] + bytes([d[40] ^ 1]) + d[41:], "checksum mismatch"),
     (lambda d: _rebuild(d, hlen=(1 << 20) + 1), "header length"),
 ])
 def test_refuses_malformed_prelude(mutate, match):
@@ -107,7 +107,7 @@ def test_refuses_non_json_header_and_stray_payload():
     body = b"\xff\xfe not json"
     with pytest.raises(MessageError, match="not valid UTF-8 JSON"):
         decode_message(_rebuild(data, body=body, hlen=len(body), plen=0))
-    header = json.loads(data[PRELUDE.size:])
+    header = json.loads(data[PRELUDE.size : -4])
     with pytest.raises(MessageError, match="carries no payload, got 3 bytes"):
         decode_message(_with_header(EXAMPLES[0], header, payload=b"abc"))
 

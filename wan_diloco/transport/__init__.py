@@ -9,7 +9,7 @@ fragment per learner (``fanout``). ``StatusServer`` serves /healthz, /status and
 from .client import Backoff, SyncerClient, TransportError
 from .config import TlsConfig, TransportConfig, tune_for_link
 from .fanout import LatestMailbox, UpdateHub
-from .framing import Prepared, Reassembler, encode_chunks
+from .framing import BufferPool, MessageReader, Prepared, encode_chunks
 from .loop import new_event_loop, run
 from .messages import (
     WIRE_VERSION, Ack, BulkChunk, BulkRequest, FragmentUpload, GlobalUpdate, Kind, Message,
@@ -20,9 +20,9 @@ from .server import BulkSource, Handler, Rejected, TransportServer
 from .status import StatusServer
 
 __all__ = [
-    "Ack", "Backoff", "BulkChunk", "BulkRequest", "BulkSource", "FragmentUpload", "GlobalUpdate",
+    "Ack", "Backoff", "BufferPool", "BulkChunk", "BulkRequest", "BulkSource", "FragmentUpload", "GlobalUpdate",
     "Handler", "Kind", "LatestMailbox", "Message", "MessageError", "Metadata", "OversizedError",
-    "Prepared", "Reassembler", "Rejected", "StatusServer", "Subscribe", "SyncerClient", "TlsConfig",
+    "MessageReader", "Prepared", "Rejected", "StatusServer", "Subscribe", "SyncerClient", "TlsConfig",
     "TransportConfig", "TransportError", "TransportMetrics", "TransportServer", "UpdateHub",
     "WIRE_VERSION", "decode_message", "encode_chunks", "encode_message", "new_event_loop", "run",
     "tune_for_link",

@@ -16,10 +16,10 @@ from typing import AsyncIterator
 import grpc
 
 from .config import TransportConfig
-from .framing import Reassembler, iter_chunks
+from .framing import BufferPool, MessageReader, iter_chunks
 from .messages import (
     Ack, BulkChunk, BulkRequest, FragmentUpload, GlobalUpdate, MessageError, Metadata, Subscribe,
-    decode_message, encode_message, encode_parts,
+    TRAILER_BYTES, decode_message, encode_message, encode_parts,
 )
 from .metrics import TransportMetrics
 from .security import bearer_metadata, channel_credentials, check_token, require_secure_or_loopback
@@ -148,8 +148,8 @@ class SyncerClient:
         """
         if not isinstance(msg, FragmentUpload):
             raise MessageError(f"upload_fragment takes FragmentUpload, got {type(msg).__name__}")
-        head, payload = encode_parts(msg)  # one CRC pass; chunks are sliced lazily per try
-        size = len(head) + len(payload)
+        head, payload = encode_parts(msg)  # chunks are sliced and checksummed lazily, per try
+        size = len(head) + len(payload) + TRAILER_BYTES
         if size > self.config.max_message_bytes:
             raise MessageError(f"fragment of {size} bytes exceeds max_message_bytes {self.config.max_message_bytes}")
 
@@ -173,19 +173,19 @@ class SyncerClient:
         subscription for the same sender replaced this one).
         """
         request = encode_message(Subscribe(sender=sender, region=region))
-        backoff = Backoff(self.config)
+        backoff, pool = Backoff(self.config), BufferPool(keep=2)
         while not self._closed:
             call = self._channel(0).unary_stream(f"/{SERVICE}/Subscribe")(
                 request, timeout=self.config.subscribe_renew_s, metadata=self._call_metadata, wait_for_ready=True
             )
-            reassembler = Reassembler(self.config.max_message_bytes)
+            reader = MessageReader(self.config.max_message_bytes, pool)
             try:
                 async for chunk in call:
-                    for data in reassembler.feed(chunk):
-                        msg = decode_message(data, max_bytes=self.config.max_message_bytes)
+                    self.metrics.received("Subscribe", len(chunk), 0)
+                    for msg in reader.feed(chunk):
                         if not isinstance(msg, GlobalUpdate):
                             raise MessageError(f"subscribe expected GlobalUpdate, got {type(msg).__name__}")
-                        self.metrics.received("Subscribe", len(data))
+                        self.metrics.messages.labels("Subscribe", "in").inc()
                         backoff.reset()
                         yield msg
                 return

@@ -8,9 +8,13 @@ Wire layout of one message (little endian)::
     flags   u16  reserved, must be 0
     hlen    u32  length of the JSON header
     plen    u64  length of the raw payload
-    crc     u32  CRC-32 over the 20 bytes above, the header and the payload
     header  hlen bytes of compact UTF-8 JSON (small fields)
     payload plen bytes, opaque (produced by the codec)
+    crc     u32  CRC-32 of everything before it
+
+The checksum is a trailer, not part of the prelude, so that a sender can
+checksum each chunk as it streams it and a receiver as it arrives: neither needs
+an extra pass over a fragment before the first byte moves or after the last.
 
 Why a JSON header and not protobuf: the header is a few hundred bytes next to
 payloads of megabytes, so its encoding speed does not matter; JSON needs no code
@@ -30,8 +34,10 @@ from typing import Any, ClassVar, Mapping, Union
 
 WIRE_VERSION = 1
 MAGIC = b"WDLC"
-PRELUDE = struct.Struct("<4sBBHIQI")
-PRELUDE_BYTES = PRELUDE.size  # 24
+PRELUDE = struct.Struct("<4sBBHIQ")
+PRELUDE_BYTES = PRELUDE.size  # 20
+TRAILER = struct.Struct("<I")
+TRAILER_BYTES = TRAILER.size
 MAX_HEADER_BYTES = 1 << 20
 MAX_NAME_CHARS = 256
 MAX_INT = (1 << 63) - 1
@@ -206,41 +212,52 @@ def _payload_of(msg: Message) -> memoryview:
 
 
 def encode_parts(msg: Message) -> tuple[bytes, memoryview]:
-    """Encode ``msg`` as (prelude + header, payload view) without copying the payload."""
+    """Encode ``msg`` as (prelude + header, payload view); the payload is not copied.
+
+    The wire form is ``head + payload + TRAILER.pack(crc32(head + payload))``.
+    """
     if type(msg) not in MESSAGE_TYPES.values():
         raise MessageError(f"cannot encode {type(msg).__name__}: not a message type")
     header = json.dumps(_header_of(msg), separators=(",", ":"), ensure_ascii=False).encode()
     if len(header) > MAX_HEADER_BYTES:
         raise MessageError(f"{type(msg).__name__}: header is {len(header)} bytes, limit {MAX_HEADER_BYTES}")
     payload = _payload_of(msg)
-    head = PRELUDE.pack(MAGIC, WIRE_VERSION, msg.KIND, 0, len(header), len(payload), 0)[:20]
-    crc = zlib.crc32(payload, zlib.crc32(header, zlib.crc32(head)))
-    return head + struct.pack("<I", crc) + header, payload
+    return PRELUDE.pack(MAGIC, WIRE_VERSION, msg.KIND, 0, len(header), len(payload)) + header, payload
 
 
 def encode_message(msg: Message) -> bytes:
     """Encode ``msg`` to bytes; raises MessageError if a field is invalid."""
     head, payload = encode_parts(msg)
-    return b"".join((head, payload))
+    return b"".join((head, payload, TRAILER.pack(zlib.crc32(payload, zlib.crc32(head)))))
 
 
-def message_length(prelude: Payload) -> int:
-    """Total encoded length announced by a message's first PRELUDE_BYTES bytes.
+def parse_prelude(prelude: Payload) -> tuple[Kind, int, int]:
+    """(kind, header length, payload length) from a message's first PRELUDE_BYTES bytes.
 
-    Checks magic and version first, so a stream of garbage is refused before
-    anything is buffered.
+    Checks magic, version, kind and flags first, so a stream of garbage is
+    refused before anything is buffered.
     """
     view = memoryview(prelude)
     if len(view) < PRELUDE_BYTES:
         raise MessageError(f"truncated message: need {PRELUDE_BYTES} bytes of prelude, got {len(view)}")
-    magic, version, _kind, _flags, hlen, plen, _crc = PRELUDE.unpack_from(view)
+    magic, version, kind, flags, hlen, plen = PRELUDE.unpack_from(view)
     if magic != MAGIC:
         raise MessageError(f"bad magic {bytes(magic)!r}: not a wan-diloco message")
     if version != WIRE_VERSION:
         raise MessageError(f"unsupported wire version {version}; this build speaks version {WIRE_VERSION}")
+    if kind not in MESSAGE_TYPES:
+        raise MessageError(f"unknown message kind {kind}")
+    if flags != 0:
+        raise MessageError(f"unknown flags {flags:#x}")
     if hlen > MAX_HEADER_BYTES:
         raise MessageError(f"header length {hlen} exceeds limit {MAX_HEADER_BYTES}")
-    return PRELUDE_BYTES + hlen + plen
+    return Kind(kind), hlen, plen
+
+
+def message_length(prelude: Payload) -> int:
+    """Total encoded length announced by a prelude (see ``parse_prelude``)."""
+    _, hlen, plen = parse_prelude(prelude)
+    return PRELUDE_BYTES + hlen + plen + TRAILER_BYTES
 
 
 def decode_message(data: Payload, max_bytes: int = DEFAULT_MAX_BYTES) -> Message:
@@ -256,20 +273,24 @@ def decode_message(data: Payload, max_bytes: int = DEFAULT_MAX_BYTES) -> Message
     if len(view) > max_bytes:
         raise OversizedError(f"oversized message: {len(view)} bytes, limit {max_bytes}")
     total = message_length(view)
-    _, _, kind_no, flags, hlen, plen, crc = PRELUDE.unpack_from(view)
     if total != len(view):
         raise MessageError(f"length mismatch: prelude announces {total} bytes, got {len(view)}")
-    if kind_no not in MESSAGE_TYPES:
-        raise MessageError(f"unknown message kind {kind_no}")
-    if flags != 0:
-        raise MessageError(f"unknown flags {flags:#x}")
-    header = view[PRELUDE_BYTES : PRELUDE_BYTES + hlen]
-    payload = view[PRELUDE_BYTES + hlen :].toreadonly()
-    if zlib.crc32(payload, zlib.crc32(header, zlib.crc32(view[:20]))) != crc:
+    body_end = len(view) - TRAILER_BYTES
+    hlen = PRELUDE.unpack_from(view)[4]
+    return decode_parts(view[: PRELUDE_BYTES + hlen], view[PRELUDE_BYTES + hlen : body_end],
+                        zlib.crc32(view[:body_end]), view[body_end:])
+
+
+def decode_parts(head: Payload, payload: memoryview, crc: int, trailer: Payload) -> Message:
+    """Build a message from its prelude + header, payload and trailer, given the
+    CRC-32 of head + payload (computed by the caller, possibly chunk by chunk).
+    Lengths must already agree with the prelude."""
+    if TRAILER.unpack(trailer)[0] != crc:
         raise MessageError("checksum mismatch: message corrupted")
-    cls = MESSAGE_TYPES[Kind(kind_no)]
+    kind, hlen, plen = parse_prelude(head)
+    cls = MESSAGE_TYPES[kind]
     try:
-        fields = json.loads(bytes(header).decode("utf-8"))
+        fields = json.loads(bytes(head[PRELUDE_BYTES:]).decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise MessageError(f"{cls.__name__}: header is not valid UTF-8 JSON: {e}") from None
     if not isinstance(fields, dict):
@@ -282,7 +303,7 @@ def decode_message(data: Payload, max_bytes: int = DEFAULT_MAX_BYTES) -> Message
     if not kwargs["sender"]:
         raise MessageError(f"{cls.__name__}.sender: must not be empty")
     if "payload" in {f.name for f in dataclasses.fields(cls)}:
-        kwargs["payload"] = payload
+        kwargs["payload"] = payload.toreadonly()
     elif plen:
         raise MessageError(f"{cls.__name__}: carries no payload, got {plen} bytes")
     return cls(**kwargs)

@@ -16,7 +16,7 @@ from typing import AsyncIterator, Iterable, Protocol, Union
 import grpc
 
 from .config import TransportConfig
-from .framing import Prepared, Reassembler, encode_chunks
+from .framing import BufferPool, MessageReader, Prepared, encode_chunks
 from .messages import (
     Ack, BulkChunk, BulkRequest, FragmentUpload, GlobalUpdate, Message, MessageError,
     Metadata, OversizedError, Payload, Subscribe, decode_message, encode_message,
@@ -83,6 +83,8 @@ class TransportServer:
         self.port = 0
         self._server: grpc.aio.Server | None = None
         self._upload_slots = asyncio.Semaphore(self.config.max_concurrent_uploads)
+        # Idle receive buffers kept for reuse: never more than the uploads in flight.
+        self._pool = BufferPool(keep=self.config.max_concurrent_uploads)
 
     async def start(self) -> int:
         """Bind and start; returns the port."""
@@ -176,15 +178,17 @@ class TransportServer:
         # call waits for one, HTTP/2 flow control holds its sender back.
         async with self._upload_slots:
             try:
-                reassembler, done, nbytes = Reassembler(self.config.max_message_bytes), [], 0
+                reader, done, nbytes = MessageReader(self.config.max_message_bytes, self._pool), [], 0
                 async for chunk in request_iterator:
                     nbytes += len(chunk)
-                    done += reassembler.feed(chunk)
+                    done += reader.feed(chunk)
                     if len(done) > 1:
                         raise MessageError("an upload carries exactly one message, got more")
-                if not done or not reassembler.idle:
+                if not done or not reader.idle:
                     raise MessageError(f"upload ended mid-message after {nbytes} bytes")
-                msg = self._decode(done[0], FragmentUpload, self.config.max_message_bytes)
+                msg = done[0]
+                if not isinstance(msg, FragmentUpload):
+                    raise MessageError(f"expected FragmentUpload, got {type(msg).__name__}")
                 self.metrics.received("Upload", nbytes, 1)
                 return self._ack("Upload", await self.handler.on_fragment(msg))
             except BaseException as e:
