@@ -18,6 +18,7 @@ import dataclasses
 import json
 import os
 import platform
+import resource
 import ssl
 import subprocess
 import sys
@@ -27,7 +28,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
 import grpc  # noqa: E402
 import numpy as np  # noqa: E402
@@ -38,62 +39,10 @@ from wan_diloco.transport import (  # noqa: E402
 from wan_diloco.transport.dev_certs import make_dev_certs  # noqa: E402
 from wan_diloco.transport.loop import have_uvloop  # noqa: E402
 
+from int4_codec import load_codec  # noqa: E402  (bench/int4_codec.py)
+
 TOKEN = "bench-token-not-secret"
 MiB = 1 << 20
-BLOCK = 4096  # stand-in codec: one float32 scale per block of 4096 values
-
-
-# ---- int4 codec: the project's if importable, else a labelled numpy stand-in ----
-
-def standin_encode(x: np.ndarray) -> bytes:
-    """Symmetric int4 with per-block absmax scales, two values per byte (stand-in)."""
-    x = x.reshape(-1, BLOCK)
-    scale = np.abs(x).max(axis=1, keepdims=True) / 7.0
-    scale[scale == 0] = 1.0
-    q = x * (1.0 / scale)
-    np.rint(q, out=q)
-    np.clip(q, -8, 7, out=q)
-    q += 8
-    u = q.astype(np.uint8)
-    packed = u[:, 0::2] | (u[:, 1::2] << 4)
-    return scale.astype(np.float32).tobytes() + packed.tobytes()
-
-
-def standin_decode(buf, n: int) -> np.ndarray:
-    blocks = n // BLOCK
-    scale = np.frombuffer(buf, np.float32, blocks).reshape(-1, 1)
-    packed = np.frombuffer(buf, np.uint8, offset=4 * blocks).reshape(blocks, BLOCK // 2)
-    out = np.empty((blocks, BLOCK), np.float32)
-    out[:, 0::2] = (packed & 15).astype(np.int8) - 8
-    out[:, 1::2] = (packed >> 4).astype(np.int8) - 8
-    out *= scale
-    return out.reshape(-1)
-
-
-def load_codec():
-    """(name, encode(x) -> bytes-like, decode(buf, n) -> array).
-
-    The project codec (``wan_diloco.compression``: ``encode({name: array}, cfg)``,
-    ``decode(buf) -> {name: array}``) at 4 bits with its default block size and
-    zstd, when importable and a tiny round trip works; otherwise the numpy
-    stand-in above, reported as ``"codec": "standin"``.
-    """
-    try:
-        from wan_diloco.compression import CodecConfig, decode, encode
-        cfg = CodecConfig(bits=4)
-
-        def enc(x):
-            return encode({"outer_grad": x}, cfg)
-
-        def dec(buf, n):
-            return decode(buf)["outer_grad"]
-
-        probe = np.linspace(-1, 1, 2 * BLOCK, dtype=np.float32)
-        if np.abs(np.asarray(dec(enc(probe), probe.size)) - probe).max() > 0.25:
-            raise ValueError("int4 round trip too far off")
-        return f"wan_diloco.compression (bits=4, {cfg.int4_codebook}, block {cfg.block_size}, zstd={cfg.zstd})", enc, dec
-    except (ImportError, AttributeError, TypeError, ValueError, KeyError):
-        return "standin", standin_encode, standin_decode
 
 
 # ---- receivers (run in a child process) ---------------------------------------
@@ -186,14 +135,14 @@ async def serve(spec: dict) -> None:
 
 @contextlib.contextmanager
 def receiver(spec: dict):
-    """A receiver subprocess for ``spec``; yields its port; always torn down."""
+    """A receiver subprocess for ``spec``; yields (port, pid); always torn down."""
     proc = subprocess.Popen([sys.executable, __file__, "--serve", json.dumps(spec)],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         line = proc.stdout.readline()
         if not line:
             raise RuntimeError(f"receiver {spec} exited with {proc.wait()}")
-        yield json.loads(line)["port"]
+        yield json.loads(line)["port"], proc.pid
     finally:
         proc.stdin.close()
         try:
@@ -290,6 +239,14 @@ def codec_rates(values: int) -> dict:
 
 # ---- the run -------------------------------------------------------------------
 
+def cpu_s(pid: int) -> float:
+    """CPU seconds (user + system, all threads) used so far by this process plus ``pid``."""
+    me = resource.getrusage(resource.RUSAGE_SELF)
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    child = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return me.ru_utime + me.ru_stime + child
+
+
 def plot(report: dict, path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -357,7 +314,7 @@ def main(argv=None) -> int:
     if args.serve:
         run(serve(json.loads(args.serve)))
         return 0
-    args.rounds = args.rounds or (2 if args.quick else 3)
+    args.rounds = args.rounds or (2 if args.quick else 5)
     args.total_bytes = (args.total_mib or (256 if args.quick else 1024)) * MiB
     args.fragment_bytes = min(args.fragment_mib * MiB, args.total_bytes)
     args.int4_values = 8 * MiB if args.quick else 16 * MiB
@@ -367,6 +324,7 @@ def main(argv=None) -> int:
             + [{"name": f"int4 end to end, 4 streams x {args.channels} channels, tuned", "kind": "int4",
                 "streams": 4, "channels": args.channels, "settings": "tuned", "decode": True}])
     results = {r["name"]: [] for r in rows}
+    cpu = {r["name"]: [] for r in rows}
     with tempfile.TemporaryDirectory(prefix="wd-bench-") as tmp, contextlib.ExitStack() as stack:
         make_dev_certs(tmp)
         ports = {}
@@ -381,7 +339,10 @@ def main(argv=None) -> int:
         t_start = time.perf_counter()
         for rnd in range(args.rounds):
             for r in rows:
-                dt, nbytes = run(measure(r, r["port"], args, tmp))
+                port, pid = r["port"]
+                c0 = cpu_s(pid)
+                dt, nbytes = run(measure(r, port, args, tmp))
+                cpu[r["name"]].append((cpu_s(pid) - c0) / (nbytes / (1 << 30)))
                 results[r["name"]].append(nbytes * 8 / dt / 1e9)
                 print(f"round {rnd + 1}/{args.rounds}  {r['name']:<48} {results[r['name']][-1]:6.1f} Gbit/s",
                       flush=True)
@@ -396,6 +357,9 @@ def main(argv=None) -> int:
             "streams": r.get("streams", 1), "channels": r.get("channels", 1),
             "gbit_s": round(best, 2), "gbit_s_rounds": [round(x, 2) for x in results[r["name"]]],
             "ratio_vs_tcp": round(best / tcp, 3),
+            # CPU time of both processes per GiB moved: what the path costs, which
+            # depends far less on other load than the rates do.
+            "cpu_s_per_gib": round(min(cpu[r["name"]]), 3),
         })
     grpc_clear = [r for r in out_rows if r["kind"] == "grpc" and not r["tls"]]
     grpc_tls = [r for r in out_rows if r["kind"] == "grpc" and r["tls"]]

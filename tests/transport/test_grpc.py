@@ -247,3 +247,17 @@ def test_cleartext_to_a_remote_address_is_refused():
         SyncerClient("10.1.2.3:7000", TOKEN)
     with pytest.raises(ConfigError, match="token"):
         SyncerClient("127.0.0.1:7000", "short")
+
+
+def test_subscribe_renews_its_call_at_the_deadline_without_losing_updates():
+    async def main():
+        config = dataclasses.replace(SMALL, subscribe_renew_s=0.3)
+        async with syncer(config=config) as (server, handler), client_for(server) as client:
+            async with contextlib.aclosing(client.subscribe("learner-0", "us")) as updates:
+                first = asyncio.ensure_future(updates.__anext__())
+                await asyncio.sleep(1.0)  # three renewals pass
+                handler.hub.publish(GlobalUpdate("syncer", 2, 4, 4, {}, b"abc"))
+                got = await asyncio.wait_for(first, 5)
+                assert (got.fragment, got.version) == (2, 4)
+            assert server.metrics.messages.labels("Subscribe", "in")._value.get() >= 3
+    arun(main())

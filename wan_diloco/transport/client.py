@@ -167,9 +167,11 @@ class SyncerClient:
     async def subscribe(self, sender: str, region: str) -> AsyncIterator[GlobalUpdate]:
         """GlobalUpdates for ``sender`` for as long as the caller iterates.
 
-        Renews the call at its deadline and reconnects with backoff when the syncer
-        is unreachable; raises TransportError once ``retry_budget_s`` passes without
-        a connection, and ends when the server ends the stream (e.g. a newer
+        Each call lives ``subscribe_renew_s`` and is then renewed; a call waits for
+        the syncer while it is down (updates queue there, newest per fragment). A
+        dropped connection is retried with backoff; TransportError is raised for
+        other errors (e.g. UNAUTHENTICATED) or after ``retry_budget_s`` of failed
+        retries. The iteration ends when the server ends the stream (e.g. a newer
         subscription for the same sender replaced this one).
         """
         request = encode_message(Subscribe(sender=sender, region=region))
