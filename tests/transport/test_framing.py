@@ -9,7 +9,7 @@ from wan_diloco.transport.messages import (
 MSG = FragmentUpload("learner-0", "us", 1, 2, 3, 4, {"learner-0": 3}, bytes(range(256)) * 40)
 
 
-@pytest.mark.parametrize("chunk_bytes", [24, 100, 1000, 10_239, 10_240, 10_244, 1 << 20])
+@pytest.mark.parametrize("chunk_bytes", [28, 100, 1000, 10_239, 10_240, 10_244, 1 << 20])
 def test_chunks_concatenate_to_the_encoding(chunk_bytes):
     chunks = list(encode_chunks(MSG, chunk_bytes))
     assert all(isinstance(c, bytes) and 0 < len(c) <= chunk_bytes for c in chunks)
@@ -83,7 +83,7 @@ def test_partial_message_is_not_idle():
 def test_every_chunk_size_around_the_trailer_boundary():
     small = FragmentUpload("a", "r", 1, 2, 3, 4, {}, b"0123456789" * 20)
     encoded = encode_message(small)
-    for chunk_bytes in range(24, len(encoded) + 8):
+    for chunk_bytes in range(28, len(encoded) + 8):
         chunks = list(encode_chunks(small, chunk_bytes))
         assert b"".join(chunks) == encoded and max(map(len, chunks)) <= chunk_bytes, chunk_bytes
         got = [m for c in chunks for m in MessageReader(1 << 20).feed(c)] if len(chunks) == 1 else None

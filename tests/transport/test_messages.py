@@ -1,8 +1,8 @@
 import json
 import struct
-import zlib
 
 import pytest
+import xxhash
 from hypothesis import given, settings, strategies as st
 
 from wan_diloco.transport.messages import (
@@ -43,11 +43,11 @@ def _rebuild(data: bytes, **changes) -> bytes:
     """Re-pack a message with prelude fields changed and a correct checksum."""
     magic, version, kind, flags, hlen, plen = PRELUDE.unpack_from(data)
     fields = dict(magic=magic, version=version, kind=kind, flags=flags, hlen=hlen, plen=plen)
-    body = changes.pop("body", data[PRELUDE.size : -4])
+    body = changes.pop("body", data[PRELUDE.size : -8])
     fields.update(changes)
     head = PRELUDE.pack(fields["magic"], fields["version"], fields["kind"], fields["flags"],
                         fields["hlen"], fields["plen"])
-    return head + body + struct.pack("<I", zlib.crc32(body, zlib.crc32(head)))
+    return head + body + struct.pack("<Q", xxhash.xxh3_64_intdigest(head + body))
 
 
 def _with_header(msg, header: dict, payload: bytes = b"") -> bytes:
@@ -107,7 +107,7 @@ def test_refuses_non_json_header_and_stray_payload():
     body = b"\xff\xfe not json"
     with pytest.raises(MessageError, match="not valid UTF-8 JSON"):
         decode_message(_rebuild(data, body=body, hlen=len(body), plen=0))
-    header = json.loads(data[PRELUDE.size : -4])
+    header = json.loads(data[PRELUDE.size : -8])
     with pytest.raises(MessageError, match="carries no payload, got 3 bytes"):
         decode_message(_with_header(EXAMPLES[0], header, payload=b"abc"))
 

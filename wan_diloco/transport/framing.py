@@ -3,16 +3,17 @@
 A message travels as a stream of gRPC messages ("chunks") that are plain byte
 slices of its encoding, cut where it avoids copies: the prelude + header, then
 the payload (the application's own ``bytes`` object when it fits in
-``chunk_bytes``, else slices of it), then the 4-byte checksum trailer. Small
+``chunk_bytes``, else slices of it), then the 8-byte checksum trailer. Small
 messages go as one chunk. The receiver learns all lengths from the 20-byte
-prelude, refuses anything over its cap before buffering it, checksums as bytes
+prelude, refuses anything over its cap before buffering it, hashes bytes as they
 arrive, and keeps a payload that arrived as one chunk without copying it.
 """
 from __future__ import annotations
 
 import dataclasses
-import zlib
 from typing import Iterator
+
+import xxhash
 
 from .messages import (
     PRELUDE_BYTES, TRAILER, TRAILER_BYTES, Message, OversizedError, Payload, decode_parts, encode_parts,
@@ -29,26 +30,27 @@ def encode_chunks(msg: Message, chunk_bytes: int) -> Iterator[bytes]:
 
 
 def iter_chunks(head: bytes, payload: memoryview, chunk_bytes: int) -> Iterator[bytes]:
-    """Chunks of a message from ``encode_parts``, produced and checksummed lazily so
+    """Chunks of a message from ``encode_parts``, produced and hashed lazily so
     the sender's work on chunk k+1 overlaps the sending of chunk k."""
     if chunk_bytes < PRELUDE_BYTES + TRAILER_BYTES:
         raise ValueError(f"chunk_bytes must be >= {PRELUDE_BYTES + TRAILER_BYTES}, got {chunk_bytes}")
-    crc = zlib.crc32(head)
+    digest = xxhash.xxh3_64(head)
     if len(head) + len(payload) + TRAILER_BYTES <= min(chunk_bytes, SMALL_MESSAGE_BYTES):
-        yield b"".join((head, payload, TRAILER.pack(zlib.crc32(payload, crc))))
+        digest.update(payload)
+        yield b"".join((head, payload, TRAILER.pack(digest.intdigest())))
         return
     for i in range(0, len(head), chunk_bytes):
         yield head[i : i + chunk_bytes]
     obj = payload.obj
     if isinstance(obj, bytes) and 0 < len(obj) == len(payload) <= chunk_bytes:
-        crc = zlib.crc32(obj, crc)
+        digest.update(obj)
         yield obj  # the application's own bytes object, sent without a copy
     else:
         for i in range(0, len(payload), chunk_bytes):
             piece = payload[i : i + chunk_bytes]
-            crc = zlib.crc32(piece, crc)
+            digest.update(piece)
             yield bytes(piece)
-    yield TRAILER.pack(crc)
+    yield TRAILER.pack(digest.intdigest())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,7 +127,7 @@ class MessageReader:
         self._buf: bytearray | None = None
         self._filled = 0
         self._tail = bytearray()
-        self._crc = 0
+        self._digest = xxhash.xxh3_64()
 
     @property
     def idle(self) -> bool:
@@ -142,7 +144,7 @@ class MessageReader:
                 raise OversizedError(f"oversized message: {total} bytes announced, limit {self.max_bytes}")
             self._head_bytes, self._payload_bytes = PRELUDE_BYTES + hlen, plen
         if len(self._head) == self._head_bytes:
-            self._crc = zlib.crc32(self._head)
+            self._digest.update(self._head)
             if self._payload_bytes == 0:
                 self._payload = memoryview(b"")
         return view[take:]
@@ -151,14 +153,14 @@ class MessageReader:
         need = self._payload_bytes
         if self._buf is None and len(view) >= need:  # all of it in this chunk: no copy
             self._payload = view[:need]
-            self._crc = zlib.crc32(self._payload, self._crc)
+            self._digest.update(self._payload)
             return view[need:]
         if self._buf is None:
             self._buf = self.pool.get(need)
         take = min(need - self._filled, len(view))
         part = view[:take]
         self._buf[self._filled : self._filled + take] = part
-        self._crc = zlib.crc32(part, self._crc)
+        self._digest.update(part)
         self._filled += take
         if self._filled == need:
             self._payload = memoryview(self._buf)[:need]
@@ -179,7 +181,7 @@ class MessageReader:
                 if len(self._tail) == TRAILER_BYTES:
                     buf = self._buf
                     try:
-                        out.append(decode_parts(self._head, self._payload, self._crc, self._tail))
+                        out.append(decode_parts(self._head, self._payload, self._digest.intdigest(), self._tail))
                     finally:
                         self._reset()
                         if buf is not None:
