@@ -1,0 +1,56 @@
+import pytest
+
+from wan_diloco.config import ConfigError, from_mapping
+from wan_diloco.transport import TlsConfig, TransportConfig, tune_for_link
+from wan_diloco.transport.config import MAX_FRAME_BYTES
+
+
+def test_defaults_validate_and_load_from_toml_table():
+    TransportConfig().validate()
+    cfg = from_mapping(TransportConfig, {"chunk_bytes": 1 << 20, "channels": 4,
+                                         "tls": {"cert_file": "c.pem", "key_file": "k.pem"}})
+    assert cfg.channels == 4 and cfg.tls == TlsConfig(cert_file="c.pem", key_file="k.pem")
+
+
+@pytest.mark.parametrize("table, field", [
+    ({"chunk_bytes": 1000}, "chunk_bytes"),
+    ({"chunk_bytes": 8 << 20, "max_message_bytes": 4 << 20}, "max_message_bytes"),
+    ({"channels": 0}, "channels"),
+    ({"max_frame_bytes": 100}, "max_frame_bytes"),
+    ({"call_timeout_s": 0}, "call_timeout_s"),
+    ({"backoff_initial_s": 2.0, "backoff_max_s": 1.0}, "backoff_max_s"),
+    ({"tls": {"mutual": True, "cert_file": "c", "key_file": "k"}}, "tls.ca_file"),
+    ({"tls": {"cert_file": "c"}}, "tls.cert_file"),
+    ({"chanels": 2}, "chanels"),
+])
+def test_bad_values_name_the_field(table, field):
+    with pytest.raises(ConfigError, match=f"^{field}:"):
+        from_mapping(TransportConfig, table)
+
+
+def test_options_carry_the_settings():
+    cfg = TransportConfig(lookahead_bytes=1 << 24, max_frame_bytes=MAX_FRAME_BYTES, bdp_probe=False)
+    client, server = dict(cfg.client_options()), dict(cfg.server_options())
+    for opts in (client, server):
+        assert opts["grpc.http2.lookahead_bytes"] == 1 << 24
+        assert opts["grpc.http2.max_frame_size"] == MAX_FRAME_BYTES
+        assert opts["grpc.http2.bdp_probe"] == 0
+        assert opts["grpc.max_receive_message_length"] >= cfg.chunk_bytes
+    assert client["grpc.use_local_subchannel_pool"] == 1
+    # the server must tolerate the client's keepalive pings
+    assert server["grpc.http2.min_ping_interval_without_data_ms"] <= client["grpc.keepalive_time_ms"]
+
+
+def test_tune_for_link_follows_the_bandwidth_delay_product():
+    wan = tune_for_link(rate_gbit_s=5, rtt_s=0.1)  # BDP 62.5 MB
+    assert wan.channels == 15  # ceil(62.5 MB / 4 MiB socket buffers)
+    assert wan.lookahead_bytes * wan.channels >= 62.5e6  # the windows together hold the BDP
+    assert wan.max_frame_bytes == MAX_FRAME_BYTES and wan.bdp_probe
+    assert 4 << 20 <= wan.chunk_bytes <= 16 << 20
+    assert tune_for_link(5, 0.1, socket_buffer_bytes=64 << 20).channels == 2  # tuned sysctls
+    lan = tune_for_link(rate_gbit_s=40, rtt_s=1e-4)
+    assert lan.channels == 2 and lan.chunk_bytes == 4 << 20
+    big = tune_for_link(rate_gbit_s=100, rtt_s=0.15)
+    assert big.chunk_bytes == 16 << 20 and big.channels == 16
+    with pytest.raises(ConfigError, match="rate_gbit_s"):
+        tune_for_link(0, 0.1)

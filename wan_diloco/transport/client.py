@@ -1,0 +1,256 @@
+"""gRPC (HTTP/2) client of the syncer: metadata, fragment uploads, updates, bulk.
+
+Several channels (TCP connections) per peer; uploads go round-robin over them.
+Every call has a deadline and the bearer token; calls that fail with UNAVAILABLE
+are retried with exponential backoff and jitter for up to ``retry_budget_s``
+(gRPC itself reconnects the channel with the same backoff settings).
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import random
+import time
+from typing import AsyncIterator
+
+import grpc
+
+from .config import TransportConfig
+from .framing import BufferPool, MessageReader, iter_chunks
+from .messages import (
+    Ack, BulkChunk, BulkRequest, FragmentUpload, GlobalUpdate, MessageError, Metadata, Subscribe,
+    TRAILER_BYTES, decode_message, encode_message, encode_parts,
+)
+from .metrics import TransportMetrics
+from .security import bearer_metadata, channel_credentials, check_token, require_secure_or_loopback
+from .server import SERVICE
+
+RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE})
+
+
+class TransportError(Exception):
+    """A call failed for good; ``code`` is the gRPC status code, the text says why."""
+
+    def __init__(self, rpc: str, code: grpc.StatusCode, details: str):
+        super().__init__(f"{rpc} failed: {code.name}: {details}")
+        self.rpc, self.code, self.details = rpc, code, details
+
+
+class Backoff:
+    """Exponential backoff with full jitter, bounded by a total time budget."""
+
+    def __init__(self, config: TransportConfig) -> None:
+        self.config = config
+        self.reset()
+
+    def reset(self) -> None:
+        self.delay_s = self.config.backoff_initial_s
+        self.started = time.monotonic()
+
+    async def wait(self) -> bool:
+        """Sleep before the next try; False once the budget is spent."""
+        if time.monotonic() - self.started > self.config.retry_budget_s:
+            return False
+        await asyncio.sleep(random.uniform(0.5, 1.0) * self.delay_s)
+        self.delay_s = min(self.config.backoff_max_s, self.delay_s * self.config.backoff_multiplier)
+        return True
+
+
+class SyncerClient:
+    """Talks to one syncer at ``target`` (``host:port``). Use as ``async with``."""
+
+    def __init__(
+        self,
+        target: str,
+        token: str,
+        config: TransportConfig | None = None,
+        metrics: TransportMetrics | None = None,
+    ) -> None:
+        self.config = config or TransportConfig()
+        self.config.validate()
+        require_secure_or_loopback(target, self.config.tls, self.config.allow_insecure_remote)
+        self.target = target
+        self.metrics = metrics or TransportMetrics()
+        self._call_metadata = bearer_metadata(check_token(token))
+        self._channels: list[grpc.aio.Channel] = []
+        self._next_channel = itertools.count()
+        self._upload_slots = asyncio.Semaphore(self.config.max_inflight_uploads)
+        self._closed = False
+
+    def _open_channel(self) -> grpc.aio.Channel:
+        options = self.config.client_options()
+        tls = self.config.tls
+        if tls is None:
+            return grpc.aio.insecure_channel(self.target, options=options)
+        if tls.server_name:
+            options.append(("grpc.ssl_target_name_override", tls.server_name))
+        return grpc.aio.secure_channel(self.target, channel_credentials(tls), options=options)
+
+    async def connect(self) -> "SyncerClient":
+        """Open the channels (connections are made lazily by the first call)."""
+        if not self._channels:
+            self._channels = [self._open_channel() for _ in range(self.config.channels)]
+        return self
+
+    async def close(self) -> None:
+        self._closed = True
+        channels, self._channels = self._channels, []
+        await asyncio.gather(*(c.close() for c in channels), return_exceptions=True)
+
+    async def __aenter__(self) -> "SyncerClient":
+        return await self.connect()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def _channel(self, index: int | None = None) -> grpc.aio.Channel:
+        if not self._channels:
+            raise RuntimeError("SyncerClient is not connected (use `async with` or connect())")
+        i = next(self._next_channel) if index is None else index
+        return self._channels[i % len(self._channels)]
+
+    async def _retry(self, rpc: str, attempt):
+        """Run ``attempt()`` until it succeeds, fails for good, or the budget runs out."""
+        backoff = Backoff(self.config)
+        while True:
+            try:
+                return await attempt()
+            except grpc.aio.AioRpcError as e:
+                self.metrics.error(rpc, e.code().name)
+                if e.code() in RETRYABLE and not self._closed and await backoff.wait():
+                    continue
+                raise TransportError(rpc, e.code(), e.details() or "") from None
+
+    def _decode_ack(self, data: bytes) -> Ack:
+        msg = decode_message(data, max_bytes=self.config.grpc_message_bytes)
+        if not isinstance(msg, Ack):
+            raise MessageError(f"expected Ack, got {type(msg).__name__}")
+        return msg
+
+    async def send_metadata(self, msg: Metadata) -> Ack:
+        """Send one Metadata message; returns the syncer's Ack."""
+        data = encode_message(msg)
+
+        async def attempt():
+            call = self._channel(0).unary_unary(f"/{SERVICE}/Metadata")
+            reply = await call(data, timeout=self.config.call_timeout_s, metadata=self._call_metadata,
+                               wait_for_ready=True)
+            self.metrics.sent("Metadata", len(data))
+            return reply
+
+        return self._decode_ack(await self._retry("Metadata", attempt))
+
+    async def upload_fragment(self, msg: FragmentUpload) -> Ack:
+        """Stream one fragment in chunks of ``chunk_bytes`` over the next channel.
+
+        At most ``max_inflight_uploads`` run at once; more callers wait here, so a
+        learner never queues more than that many fragments in memory.
+        """
+        if not isinstance(msg, FragmentUpload):
+            raise MessageError(f"upload_fragment takes FragmentUpload, got {type(msg).__name__}")
+        head, payload = encode_parts(msg)  # chunks are sliced and checksummed lazily, per try
+        size = len(head) + len(payload) + TRAILER_BYTES
+        if size > self.config.max_message_bytes:
+            raise MessageError(f"fragment of {size} bytes exceeds max_message_bytes {self.config.max_message_bytes}")
+
+        async def attempt():
+            call = self._channel().stream_unary(f"/{SERVICE}/Upload")
+            reply = await call(iter_chunks(head, payload, self.config.chunk_bytes),
+                               timeout=self.config.upload_deadline_s(size),
+                               metadata=self._call_metadata, wait_for_ready=True)
+            self.metrics.sent("Upload", size)
+            return reply
+
+        async with self._upload_slots:
+            return self._decode_ack(await self._retry("Upload", attempt))
+
+    async def subscribe(self, sender: str, region: str) -> AsyncIterator[GlobalUpdate]:
+        """GlobalUpdates for ``sender`` for as long as the caller iterates.
+
+        Each call lives ``subscribe_renew_s`` and is then renewed; a call waits for
+        the syncer while it is down (updates queue there, newest per fragment). A
+        dropped connection is retried with backoff; TransportError is raised for
+        other errors (e.g. UNAUTHENTICATED) or after ``retry_budget_s`` of failed
+        retries. The iteration ends when the server ends the stream (e.g. a newer
+        subscription for the same sender replaced this one).
+        """
+        request = encode_message(Subscribe(sender=sender, region=region))
+        backoff, pool = Backoff(self.config), BufferPool(keep=2)
+        while not self._closed:
+            call = self._channel(0).unary_stream(f"/{SERVICE}/Subscribe")(
+                request, timeout=self.config.subscribe_renew_s, metadata=self._call_metadata, wait_for_ready=True
+            )
+            reader = MessageReader(self.config.max_message_bytes, pool)
+            try:
+                async for chunk in call:
+                    self.metrics.received("Subscribe", len(chunk), 0)
+                    for msg in reader.feed(chunk):
+                        if not isinstance(msg, GlobalUpdate):
+                            raise MessageError(f"subscribe expected GlobalUpdate, got {type(msg).__name__}")
+                        self.metrics.messages.labels("Subscribe", "in").inc()
+                        backoff.reset()
+                        yield msg
+                return
+            except grpc.aio.AioRpcError as e:
+                if self._closed:
+                    return
+                if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    backoff.reset()
+                    continue  # planned renewal of the long-lived call
+                self.metrics.error("Subscribe", e.code().name)
+                if e.code() in RETRYABLE and await backoff.wait():
+                    continue
+                raise TransportError("Subscribe", e.code(), e.details() or "") from None
+            finally:
+                call.cancel()
+
+    async def fetch_bulk(self, request: BulkRequest) -> AsyncIterator[BulkChunk]:
+        """Chunks of a bulk object in order; checks indices, offsets and total size."""
+        data = encode_message(request)
+        backoff = Backoff(self.config)
+        expected_index = expected_offset = 0
+        total = None
+        while True:
+            call = self._channel(0).unary_stream(f"/{SERVICE}/Bulk")(
+                data, timeout=self.config.upload_deadline_s(self.config.max_message_bytes),
+                metadata=self._call_metadata, wait_for_ready=True,
+            )
+            try:
+                async for raw in call:
+                    chunk = decode_message(raw, max_bytes=self.config.grpc_message_bytes)
+                    if not isinstance(chunk, BulkChunk) or chunk.name != request.name:
+                        raise MessageError(f"bulk {request.name!r}: unexpected {type(chunk).__name__}")
+                    total = chunk.total_bytes if total is None else total
+                    if (chunk.index, chunk.offset, chunk.total_bytes) != (expected_index, expected_offset, total):
+                        raise MessageError(
+                            f"bulk {request.name!r}: got chunk {chunk.index} at offset {chunk.offset} of "
+                            f"{chunk.total_bytes}, expected chunk {expected_index} at {expected_offset} of {total}"
+                        )
+                    expected_index, expected_offset = expected_index + 1, expected_offset + len(chunk.payload)
+                    if expected_offset > total:
+                        raise MessageError(f"bulk {request.name!r}: more than the announced {total} bytes")
+                    self.metrics.received("Bulk", len(raw))
+                    yield chunk
+                if total is None or expected_offset != total:
+                    raise MessageError(f"bulk {request.name!r}: ended after {expected_offset} of {total} bytes")
+                return
+            except grpc.aio.AioRpcError as e:
+                self.metrics.error("Bulk", e.code().name)
+                # Only a transfer that has not started yet can be retried transparently.
+                if expected_index == 0 and e.code() in RETRYABLE and not self._closed and await backoff.wait():
+                    continue
+                raise TransportError("Bulk", e.code(), e.details() or "") from None
+            finally:
+                call.cancel()
+
+    async def fetch_bulk_bytes(self, request: BulkRequest, max_bytes: int | None = None) -> bytearray:
+        """A whole bulk object in memory (refused if larger than ``max_bytes``)."""
+        limit = self.config.max_message_bytes if max_bytes is None else max_bytes
+        out: bytearray | None = None
+        async for chunk in self.fetch_bulk(request):
+            if out is None:
+                if chunk.total_bytes > limit:
+                    raise MessageError(f"bulk {request.name!r}: {chunk.total_bytes} bytes exceeds limit {limit}")
+                out = bytearray(chunk.total_bytes)
+            out[chunk.offset : chunk.offset + len(chunk.payload)] = chunk.payload
+        return out if out is not None else bytearray()

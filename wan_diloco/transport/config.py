@@ -1,0 +1,186 @@
+"""Transport settings: chunking, HTTP/2 windows, channels, deadlines, backoff, TLS.
+
+``tune_for_link`` derives the settings that matter on a long fat link from its
+rate and round-trip time (see its docstring for the reasoning).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from ..config import require
+from .messages import MAX_HEADER_BYTES, PRELUDE_BYTES
+
+MiB = 1 << 20
+MAX_FRAME_BYTES = (1 << 24) - 1  # HTTP/2 ceiling for SETTINGS_MAX_FRAME_SIZE
+MIN_FRAME_BYTES = 1 << 14  # HTTP/2 floor (and default)
+
+
+@dataclasses.dataclass(frozen=True)
+class TlsConfig:
+    """PEM files for TLS. Server: ``cert_file``/``key_file``, plus ``ca_file`` to
+    verify client certificates when ``mutual``. Client: ``ca_file`` to verify the
+    server (empty: system roots), plus ``cert_file``/``key_file`` when ``mutual``."""
+
+    cert_file: str = ""
+    key_file: str = ""
+    ca_file: str = ""
+    mutual: bool = False
+    server_name: str = ""  # client: expected name in the server certificate, if not the host
+
+    def validate(self) -> None:
+        require(bool(self.cert_file) == bool(self.key_file), "cert_file", "cert_file and key_file go together")
+        if self.mutual:
+            require(bool(self.ca_file), "ca_file", "mutual TLS needs a CA to verify the peer's certificate")
+            require(bool(self.cert_file), "cert_file", "mutual TLS needs our own cert_file and key_file")
+
+
+@dataclasses.dataclass(frozen=True)
+class TransportConfig:
+    """How bytes move between learners and the syncer. Zero means "gRPC's default"."""
+
+    chunk_bytes: int = 4 * MiB  # gRPC message size for fragment/update/bulk streams
+    max_message_bytes: int = 512 * MiB  # largest encoded message accepted (one fragment)
+    channels: int = 2  # HTTP/2 connections per peer; uploads round-robin over them
+    max_inflight_uploads: int = 8  # client: fragment uploads in flight at once
+    max_concurrent_uploads: int = 16  # server: uploads reassembled at once (memory bound)
+    bdp_probe: bool = True  # let gRPC grow flow-control windows from measured BDP
+    lookahead_bytes: int = 0  # initial per-stream HTTP/2 window target
+    max_frame_bytes: int = 0  # HTTP/2 SETTINGS_MAX_FRAME_SIZE we accept
+    read_chunk_bytes: int = 0  # bytes per TCP read in gRPC's endpoint
+    keepalive_time_s: float = 20.0
+    keepalive_timeout_s: float = 10.0
+    call_timeout_s: float = 30.0  # deadline of unary calls; base of upload deadlines
+    min_upload_rate_gbit_s: float = 0.1  # upload deadline = call_timeout_s + size / this rate
+    subscribe_renew_s: float = 600.0  # deadline of one subscribe call; renewed transparently
+    backoff_initial_s: float = 0.1
+    backoff_max_s: float = 5.0
+    backoff_multiplier: float = 2.0
+    retry_budget_s: float = 60.0  # stop retrying an unavailable peer after this long
+    allow_insecure_remote: bool = False  # cleartext to a non-loopback address
+    tls: TlsConfig | None = None
+
+    def validate(self) -> None:
+        require(self.chunk_bytes >= 64 * 1024, "chunk_bytes", f"must be >= 65536, got {self.chunk_bytes}")
+        require(self.chunk_bytes <= 256 * MiB, "chunk_bytes", "must be <= 256 MiB (gRPC copies each message)")
+        require(
+            self.max_message_bytes >= self.chunk_bytes,
+            "max_message_bytes",
+            f"must be >= chunk_bytes ({self.chunk_bytes}), got {self.max_message_bytes}",
+        )
+        require(1 <= self.channels <= 64, "channels", f"must be in [1, 64], got {self.channels}")
+        require(self.max_inflight_uploads >= 1, "max_inflight_uploads", "must be >= 1")
+        require(self.max_concurrent_uploads >= 1, "max_concurrent_uploads", "must be >= 1")
+        require(self.lookahead_bytes >= 0, "lookahead_bytes", "must be >= 0 (0 = gRPC default)")
+        require(
+            self.max_frame_bytes == 0 or MIN_FRAME_BYTES <= self.max_frame_bytes <= MAX_FRAME_BYTES,
+            "max_frame_bytes",
+            f"must be 0 or in [{MIN_FRAME_BYTES}, {MAX_FRAME_BYTES}], got {self.max_frame_bytes}",
+        )
+        require(self.read_chunk_bytes >= 0, "read_chunk_bytes", "must be >= 0 (0 = gRPC default)")
+        for name in ("keepalive_time_s", "keepalive_timeout_s", "call_timeout_s", "subscribe_renew_s",
+                     "backoff_initial_s", "min_upload_rate_gbit_s", "retry_budget_s"):
+            require(getattr(self, name) > 0, name, f"must be > 0, got {getattr(self, name)}")
+        require(self.backoff_max_s >= self.backoff_initial_s, "backoff_max_s", "must be >= backoff_initial_s")
+        require(self.backoff_multiplier >= 1.0, "backoff_multiplier", "must be >= 1")
+        if self.tls is not None:
+            self.tls.validate()
+
+    @property
+    def grpc_message_bytes(self) -> int:
+        """Largest single gRPC message: a chunk, or an unchunked message with a full header."""
+        return max(self.chunk_bytes, MAX_HEADER_BYTES + PRELUDE_BYTES) + 4096
+
+    def upload_deadline_s(self, size_bytes: int) -> float:
+        return self.call_timeout_s + size_bytes * 8 / (self.min_upload_rate_gbit_s * 1e9)
+
+    def _http2_options(self) -> list[tuple[str, int]]:
+        opts = [
+            ("grpc.max_send_message_length", self.grpc_message_bytes),
+            ("grpc.max_receive_message_length", self.grpc_message_bytes),
+            ("grpc.http2.bdp_probe", int(self.bdp_probe)),
+            ("grpc.keepalive_time_ms", int(self.keepalive_time_s * 1000)),
+            ("grpc.keepalive_timeout_ms", int(self.keepalive_timeout_s * 1000)),
+            ("grpc.keepalive_permit_without_calls", 1),
+        ]
+        if self.lookahead_bytes:
+            opts.append(("grpc.http2.lookahead_bytes", self.lookahead_bytes))
+        if self.max_frame_bytes:
+            opts.append(("grpc.http2.max_frame_size", self.max_frame_bytes))
+        if self.read_chunk_bytes:
+            opts += [
+                ("grpc.experimental.tcp_read_chunk_size", self.read_chunk_bytes),
+                ("grpc.experimental.tcp_max_read_chunk_size", 4 * self.read_chunk_bytes),
+            ]
+        return opts
+
+    def server_options(self) -> list[tuple[str, int]]:
+        """gRPC channel arguments for the server."""
+        # Clients ping every keepalive_time_s even when idle; without this the server
+        # counts those pings as abuse and sends GOAWAY("too_many_pings").
+        ping_ms = max(1000, int(self.keepalive_time_s * 1000) // 2)
+        return self._http2_options() + [("grpc.http2.min_ping_interval_without_data_ms", ping_ms)]
+
+    def client_options(self) -> list[tuple[str, int]]:
+        """gRPC channel arguments for one client channel."""
+        return self._http2_options() + [
+            # A private subchannel pool per channel: otherwise channels with equal
+            # arguments to one target share a single TCP connection.
+            ("grpc.use_local_subchannel_pool", 1),
+            ("grpc.http2.max_pings_without_data", 0),
+            ("grpc.initial_reconnect_backoff_ms", int(self.backoff_initial_s * 1000)),
+            ("grpc.min_reconnect_backoff_ms", int(self.backoff_initial_s * 1000)),
+            ("grpc.max_reconnect_backoff_ms", int(self.backoff_max_s * 1000)),
+        ]
+
+
+def tune_for_link(
+    rate_gbit_s: float,
+    rtt_s: float,
+    base: TransportConfig | None = None,
+    socket_buffer_bytes: int = 4 * MiB,
+) -> TransportConfig:
+    """Settings for a link of ``rate_gbit_s`` and round-trip ``rtt_s``.
+
+    The bandwidth-delay product BDP = rate * rtt is the number of bytes that must
+    be in flight to keep the link busy; every window on the path must hold it:
+
+    - TCP: one connection carries at most (socket buffer) / rtt. Linux caps
+      autotuned buffers at tcp_wmem/tcp_rmem max (4-6 MiB by default), i.e. about
+      0.3 Gbit/s at 100 ms, so we open ceil(BDP / socket_buffer_bytes) channels
+      (at least 2: on loopback a second connection lets gRPC's I/O use a second
+      core; at most 16). Raise the sysctls and pass ``socket_buffer_bytes`` to
+      use fewer connections.
+    - HTTP/2: each stream's window must cover its share of the BDP or the sender
+      idles one rtt per window; ``lookahead_bytes`` starts streams there instead of
+      at 64 KiB, and BDP probing keeps adjusting it if the link changes.
+    - Chunks: small enough that ~16 are in flight per BDP (the window advances
+      smoothly), at least 4 MiB so per-message overhead stays small (measured on
+      loopback), at most 16 MiB to bound buffering per stream.
+    - Frames: the largest HTTP/2 frame (16 MiB) so fewer frame headers and
+      syscalls are spent per byte at multi-Gbit/s.
+    - Deadlines: an upload must be allowed to run at a quarter of the link rate.
+    """
+    require(rate_gbit_s > 0, "rate_gbit_s", f"must be > 0, got {rate_gbit_s}")
+    require(rtt_s >= 0, "rtt_s", f"must be >= 0, got {rtt_s}")
+    require(socket_buffer_bytes > 0, "socket_buffer_bytes", "must be > 0")
+    base = base or TransportConfig()
+    bdp_bytes = rate_gbit_s * 1e9 / 8 * rtt_s
+    channels = min(16, max(2, math.ceil(bdp_bytes / socket_buffer_bytes)))
+    chunk_bytes = min(16 * MiB, max(4 * MiB, 1 << max(0, int(bdp_bytes / 16)).bit_length() - 1))
+    lookahead_bytes = int(min(1 << 30, max(4 * chunk_bytes, 2 * bdp_bytes / channels)))
+    cfg = dataclasses.replace(
+        base,
+        channels=channels,
+        chunk_bytes=chunk_bytes,
+        max_message_bytes=max(base.max_message_bytes, chunk_bytes),
+        max_inflight_uploads=max(base.max_inflight_uploads, 2 * channels),
+        bdp_probe=True,
+        lookahead_bytes=lookahead_bytes,
+        max_frame_bytes=MAX_FRAME_BYTES,
+        read_chunk_bytes=min(chunk_bytes, 4 * MiB),
+        keepalive_timeout_s=max(base.keepalive_timeout_s, 4 * rtt_s),
+        min_upload_rate_gbit_s=rate_gbit_s / 4,
+    )
+    cfg.validate()
+    return cfg

@@ -1,0 +1,253 @@
+"""gRPC (HTTP/2) server: raw-bytes generic handlers in front of an application ``Handler``.
+
+No protobuf: every RPC carries our own messages (``messages.py``), chunked where
+large (``framing.py``). The server checks the bearer token on every call before
+reading anything, validates every message, maps problems to clear status codes
+(UNAUTHENTICATED, INVALID_ARGUMENT, RESOURCE_EXHAUSTED, FAILED_PRECONDITION)
+and keeps serving other calls.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from typing import AsyncIterator, Iterable, Protocol, Union
+
+import grpc
+
+from .config import TransportConfig
+from .framing import BufferPool, MessageReader, Prepared, encode_chunks
+from .messages import (
+    Ack, BulkChunk, BulkRequest, FragmentUpload, GlobalUpdate, Message, MessageError,
+    Metadata, OversizedError, Payload, Subscribe, decode_message, encode_message,
+)
+from .metrics import TransportMetrics
+from .security import check_token, require_secure_or_loopback, server_credentials, token_matches
+
+log = logging.getLogger(__name__)
+
+SERVICE = "wan_diloco.Syncer"
+METHODS = ("Metadata", "Upload", "Subscribe", "Bulk")
+
+
+class Rejected(Exception):
+    """Raised by a Handler to refuse a well-formed request (e.g. a stale base version)."""
+
+    def __init__(self, detail: str, code: grpc.StatusCode = grpc.StatusCode.FAILED_PRECONDITION):
+        super().__init__(detail)
+        self.code = code
+
+
+@dataclasses.dataclass(frozen=True)
+class BulkSource:
+    """A bulk object to stream: its exact size and its bytes in any pieces."""
+
+    total_bytes: int
+    pieces: Union[AsyncIterator[Payload], Iterable[Payload]]
+
+
+class Handler(Protocol):
+    """What the application (the syncer) plugs in behind the server."""
+
+    async def on_metadata(self, msg: Metadata) -> Ack | None: ...
+
+    async def on_fragment(self, msg: FragmentUpload) -> Ack | None:
+        """Called once a whole fragment arrived and decoded. May see a retry of an
+        upload whose reply was lost, so it should be idempotent per
+        (sender, fragment, base_version)."""
+
+    def subscribe(self, msg: Subscribe) -> AsyncIterator[GlobalUpdate | Prepared]:
+        """Updates to stream to ``msg.sender`` until it ends (see ``UpdateHub.stream``)."""
+
+    async def bulk(self, request: BulkRequest) -> BulkSource: ...
+
+
+class TransportServer:
+    """Serves one ``Handler`` on ``address`` (``host:port``; port 0 picks a free one)."""
+
+    def __init__(
+        self,
+        handler: Handler,
+        token: str,
+        config: TransportConfig | None = None,
+        address: str = "127.0.0.1:0",
+        metrics: TransportMetrics | None = None,
+        name: str = "syncer",
+    ) -> None:
+        self.handler, self.token = handler, check_token(token)
+        self.config = config or TransportConfig()
+        self.config.validate()
+        require_secure_or_loopback(address, self.config.tls, self.config.allow_insecure_remote)
+        self.address, self.name = address, name
+        self.metrics = metrics or TransportMetrics()
+        self.port = 0
+        self._server: grpc.aio.Server | None = None
+        self._upload_slots = asyncio.Semaphore(self.config.max_concurrent_uploads)
+        # Idle receive buffers kept for reuse: never more than the uploads in flight.
+        self._pool = BufferPool(keep=self.config.max_concurrent_uploads)
+
+    async def start(self) -> int:
+        """Bind and start; returns the port."""
+        handlers = {
+            "Metadata": grpc.unary_unary_rpc_method_handler(self._metadata),
+            "Upload": grpc.stream_unary_rpc_method_handler(self._upload),
+            "Subscribe": grpc.unary_stream_rpc_method_handler(self._subscribe),
+            "Bulk": grpc.unary_stream_rpc_method_handler(self._bulk),
+        }  # no (de)serializers: requests and responses are raw bytes
+        credentials = server_credentials(self.config.tls) if self.config.tls is not None else None
+        server = grpc.aio.server(options=self.config.server_options())
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+        try:
+            if credentials is not None:
+                port = server.add_secure_port(self.address, credentials)
+            else:
+                port = server.add_insecure_port(self.address)
+            await server.start()
+        except BaseException:
+            await server.stop(None)
+            raise
+        self._server, self.port = server, port
+        return port
+
+    @property
+    def target(self) -> str:
+        """``host:port`` for clients."""
+        host = self.address.rpartition(":")[0]
+        return f"{host}:{self.port}"
+
+    async def stop(self, grace_s: float | None = 1.0) -> None:
+        if self._server is not None:
+            server, self._server = self._server, None
+            await server.stop(grace_s)
+
+    async def __aenter__(self) -> "TransportServer":
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    # ---- plumbing ----------------------------------------------------------
+
+    async def _fail(self, context: grpc.aio.ServicerContext, rpc: str, code: grpc.StatusCode, detail: str):
+        self.metrics.error(rpc, code.name)
+        await context.abort(code, f"{rpc}: {detail}")
+
+    async def _auth(self, context: grpc.aio.ServicerContext, rpc: str) -> None:
+        if not token_matches(context.invocation_metadata(), self.token):
+            await self._fail(context, rpc, grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
+
+    def _decode(self, data: Payload, expected: type, limit: int) -> Message:
+        msg = decode_message(data, max_bytes=limit)
+        if not isinstance(msg, expected):
+            raise MessageError(f"expected {expected.__name__}, got {type(msg).__name__}")
+        return msg
+
+    async def _guard(self, context, rpc: str, error: BaseException) -> None:
+        """Turn an exception from decoding or the handler into a status (or re-raise)."""
+        if not isinstance(error, Exception) or isinstance(error, grpc.aio.AbortError):
+            raise error  # cancellation, generator close, or a status already set
+        if isinstance(error, OversizedError):
+            await self._fail(context, rpc, grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
+        if isinstance(error, MessageError):
+            await self._fail(context, rpc, grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        if isinstance(error, Rejected):
+            await self._fail(context, rpc, error.code, str(error))
+        log.exception("%s handler failed", rpc, exc_info=error)
+        await self._fail(context, rpc, grpc.StatusCode.INTERNAL, f"handler failed: {type(error).__name__}: {error}")
+
+    def _ack(self, rpc: str, ack: Ack | None) -> bytes:
+        data = encode_message(ack if ack is not None else Ack(sender=self.name))
+        self.metrics.sent(rpc, len(data))
+        return data
+
+    # ---- RPCs --------------------------------------------------------------
+
+    async def _metadata(self, request: bytes, context) -> bytes:
+        await self._auth(context, "Metadata")
+        try:
+            msg = self._decode(request, Metadata, self.config.grpc_message_bytes)
+            self.metrics.received("Metadata", len(request))
+            return self._ack("Metadata", await self.handler.on_metadata(msg))
+        except BaseException as e:
+            await self._guard(context, "Metadata", e)
+
+    async def _upload(self, request_iterator, context) -> bytes:
+        await self._auth(context, "Upload")
+        # The slot bounds memory (max_concurrent_uploads x max_message_bytes); while a
+        # call waits for one, HTTP/2 flow control holds its sender back.
+        async with self._upload_slots:
+            try:
+                reader, done, nbytes = MessageReader(self.config.max_message_bytes, self._pool), [], 0
+                async for chunk in request_iterator:
+                    nbytes += len(chunk)
+                    done += reader.feed(chunk)
+                    if len(done) > 1:
+                        raise MessageError("an upload carries exactly one message, got more")
+                if not done or not reader.idle:
+                    raise MessageError(f"upload ended mid-message after {nbytes} bytes")
+                msg = done[0]
+                if not isinstance(msg, FragmentUpload):
+                    raise MessageError(f"expected FragmentUpload, got {type(msg).__name__}")
+                self.metrics.received("Upload", nbytes, 1)
+                return self._ack("Upload", await self.handler.on_fragment(msg))
+            except BaseException as e:
+                await self._guard(context, "Upload", e)
+
+    async def _subscribe(self, request: bytes, context):
+        await self._auth(context, "Subscribe")
+        try:
+            msg = self._decode(request, Subscribe, self.config.grpc_message_bytes)
+            updates = self.handler.subscribe(msg)
+        except BaseException as e:
+            await self._guard(context, "Subscribe", e)
+            return
+        self.metrics.received("Subscribe", len(request))
+        try:
+            async for item in updates:
+                if not isinstance(item, Prepared):
+                    if not isinstance(item, GlobalUpdate):
+                        raise TypeError(f"subscribe() yielded {type(item).__name__}, not GlobalUpdate")
+                    item = Prepared(item, tuple(encode_chunks(item, self.config.chunk_bytes)))
+                for chunk in item.chunks:
+                    yield chunk
+                self.metrics.sent("Subscribe", item.nbytes)
+        except BaseException as e:
+            await self._guard(context, "Subscribe", e)
+        finally:
+            aclose = getattr(updates, "aclose", None)
+            if aclose is not None:
+                await aclose()
+
+    async def _bulk(self, request: bytes, context):
+        await self._auth(context, "Bulk")
+        try:
+            req = self._decode(request, BulkRequest, self.config.grpc_message_bytes)
+            self.metrics.received("Bulk", len(request))
+            source = await self.handler.bulk(req)
+            index = offset = 0
+            async for piece in _aiter(source.pieces):
+                view = memoryview(piece).cast("B")
+                for i in range(0, len(view), self.config.chunk_bytes):
+                    part = view[i : i + self.config.chunk_bytes]
+                    if offset + len(part) > source.total_bytes:
+                        raise RuntimeError(f"bulk source {req.name!r} gave more than {source.total_bytes} bytes")
+                    data = encode_message(BulkChunk(self.name, req.name, index, offset, source.total_bytes, part))
+                    index, offset = index + 1, offset + len(part)
+                    self.metrics.sent("Bulk", len(data))
+                    yield data
+            if offset != source.total_bytes:
+                raise RuntimeError(f"bulk source {req.name!r} gave {offset} of {source.total_bytes} bytes")
+            if index == 0:  # an empty object still needs one chunk to announce its size
+                yield encode_message(BulkChunk(self.name, req.name, 0, 0, 0, b""))
+        except BaseException as e:
+            await self._guard(context, "Bulk", e)
+
+
+async def _aiter(pieces):
+    if hasattr(pieces, "__aiter__"):
+        async for p in pieces:
+            yield p
+    else:
+        for p in pieces:
+            yield p
