@@ -17,7 +17,7 @@ import numpy as np
 import zstandard
 
 from wan_diloco.compression import wire
-from wan_diloco.compression.config import CODEBOOKS, INT8_QMAX, MIN_SCALE, CodecConfig
+from wan_diloco.compression.config import CODEBOOKS, INT4_QMAX, INT8_QMAX, MIN_SCALE, CodecConfig
 from wan_diloco.compression.pallas_kernels import (
     default_interpret, dequantize_pallas, quantize_pallas,
 )
@@ -29,7 +29,8 @@ from wan_diloco.compression.wire import CodecError, TensorSpec
 _BF16_EXP = 0x7F80
 _ZSTD_WRITE_BYTES = 1 << 22
 # Per-byte tables for unpacking two 4-bit codes on the host.
-_LUTS = {name: (lv[np.arange(256) & 15], lv[np.arange(256) >> 4]) for name, lv in CODEBOOKS.items()}
+_LUTS = {name: (lv[np.arange(256) & 15] * INT4_QMAX, lv[np.arange(256) >> 4] * INT4_QMAX)
+         for name, lv in CODEBOOKS.items()}
 
 
 class EncodeError(ValueError):
@@ -202,7 +203,10 @@ def _decompress(payload: memoryview, raw_len: int) -> bytes:
     # The frame's own content size must match the header; zstd enforces it
     # while decoding, and decompressobj grows its output as data really
     # decodes, so a forged length cannot make us allocate up front.
-    size = zstandard.frame_content_size(payload) if len(payload) >= 4 else -1
+    try:
+        size = zstandard.frame_content_size(payload)
+    except zstandard.ZstdError as e:
+        raise CodecError(f"zstd frame header is invalid: {e}") from None
     if size != raw_len:
         raise CodecError(f"zstd frame declares {size} bytes, header says {raw_len}")
     dobj = zstandard.ZstdDecompressor().decompressobj(write_size=_ZSTD_WRITE_BYTES)
@@ -226,8 +230,9 @@ def _dequantize_payload(raw: np.ndarray, h: wire.Header, impl: str) -> np.ndarra
         scales = (bits16.astype(np.uint32) << 16).view(np.float32)
     else:
         scales = bits16.view(np.float16).astype(np.float32)
-    qmax = INT8_QMAX if h.bits == 8 else 1
-    bad = ~(np.isfinite(scales * np.float32(qmax)) & ((scales == 0) | (scales >= MIN_SCALE)))
+    qmax = INT8_QMAX if h.bits == 8 else INT4_QMAX
+    biggest = np.float32(np.finfo(np.float32).max / qmax)
+    bad = ~((scales == 0) | ((scales >= MIN_SCALE) & (scales <= biggest)))
     bad |= (bits16 & 0x8000) != 0
     if bad.any():
         i = int(np.argmax(bad))

@@ -45,6 +45,10 @@ SCALE_DTYPE_IDS = {"bfloat16": 1, "float16": 2}
 # device's flush-to-zero mode can change a decoded bit.
 MIN_SCALE = float(2.0**-122)
 INT8_QMAX = 127
+# 4-bit codebooks are used scaled to [-4, 4] (scale = absmax / 4): 4 is a power
+# of two, so nothing is lost, and 1/scale stays a normal float even for absmax
+# near fp32's max (with [-1, 1] it would be subnormal and flushed to zero).
+INT4_QMAX = 4
 BLOCK_SIZE_RANGE = (16, 4096)
 
 

@@ -64,16 +64,20 @@ def _dequantize_kernel(c_ref, s_ref, o_ref, *, bits, codebook):
     o_ref[...] = dequantize_tile(c_ref[...], s_ref[...], bits=bits, codebook=codebook)
 
 
-@partial(jax.jit, static_argnames=("bits", "block_size", "scale_dtype", "codebook", "interpret"))
+@partial(jax.jit, static_argnames=("bits", "block_size", "scale_dtype", "codebook", "interpret",
+                                   "tile_rows"))
 def quantize_pallas(x, key=None, *, bits: int, block_size: int, scale_dtype: str = "bfloat16",
-                    codebook: str = "nf4", interpret: bool = True):
-    """Pallas twin of :func:`quantize.quantize`; same outputs, bit for bit."""
+                    codebook: str = "nf4", interpret: bool = True, tile_rows: int | None = None):
+    """Pallas twin of :func:`quantize.quantize`; same outputs, bit for bit.
+
+    ``tile_rows`` (quantization blocks per grid step) overrides the default tiling.
+    """
     xb = to_blocks(x, block_size)
     n = xb.shape[0]
     cb = code_bytes_per_block(bits, block_size)
     if n == 0:
         return jnp.zeros((0, cb), jnp.int8 if bits == 8 else jnp.uint8), jnp.zeros((0,), jnp.float32)
-    rows = _tile_rows(n, block_size, interpret)
+    rows = tile_rows or _tile_rows(n, block_size, interpret)
     padded = -(-n // rows) * rows
     inputs = [_pad_rows(xb, padded)]
     tile = pl.BlockSpec((rows, block_size), lambda i: (i, 0))
@@ -95,15 +99,15 @@ def quantize_pallas(x, key=None, *, bits: int, block_size: int, scale_dtype: str
     return codes[:n], scales[:n]
 
 
-@partial(jax.jit, static_argnames=("shape", "bits", "codebook", "interpret"))
+@partial(jax.jit, static_argnames=("shape", "bits", "codebook", "interpret", "tile_rows"))
 def dequantize_pallas(codes, scales, *, shape: tuple[int, ...], bits: int, codebook: str = "nf4",
-                      interpret: bool = True):
+                      interpret: bool = True, tile_rows: int | None = None):
     """Pallas twin of :func:`quantize.dequantize`; same outputs, bit for bit."""
     n, cb = codes.shape
     block_size = cb if bits == 8 else 2 * cb
     if n == 0:
         return jnp.zeros(shape, jnp.float32)
-    rows = _tile_rows(n, block_size, interpret)
+    rows = tile_rows or _tile_rows(n, block_size, interpret)
     padded = -(-n // rows) * rows
     out = pl.pallas_call(
         partial(_dequantize_kernel, bits=bits, codebook=codebook),

@@ -8,7 +8,8 @@ explicitly. Decoding is ``level[code] * scale``: one IEEE multiply, which is
 why every implementation (numpy, jax.numpy, Pallas) decodes bit-identically.
 
 int8 codes are round(x / s) in [-127, 127]. 4-bit codes index a 16-entry
-codebook on [-1, 1] (NF4 by default) and are packed two per byte: byte j of a
+codebook (NF4 by default, used scaled to [-4, 4], see ``INT4_QMAX``) and are
+packed two per byte: byte j of a
 block holds code j (low nibble) and code j + block_size/2 (high nibble), so
 packing reads two contiguous halves instead of interleaved lanes.
 
@@ -23,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from wan_diloco.compression.config import CODEBOOKS, INT8_QMAX, MIN_SCALE
+from wan_diloco.compression.config import CODEBOOKS, INT4_QMAX, INT8_QMAX, MIN_SCALE
 
 _BF16_MAX = float(np.frombuffer(np.uint32(0x7F7F0000).tobytes(), np.float32)[0])
 
@@ -66,7 +67,7 @@ def int8_codes(y, noise=None):
 
 
 def codebook_codes(y, levels: np.ndarray, noise=None):
-    """y = x / scale in [-1, 1] -> int32 index of a codebook level.
+    """y = x / scale in [levels[0], levels[-1]] -> int32 index of a codebook level.
 
     Round to nearest counts the midpoints below y; stochastic rounding picks
     the upper neighbour with probability (y - lo) / (hi - lo). Both use only
@@ -92,8 +93,8 @@ def codebook_codes(y, levels: np.ndarray, noise=None):
 
 
 def _n_levels(levels: np.ndarray) -> int:
-    # Uniform int4 has 15 real levels; its 16th table entry is padding.
-    return 15 if np.array_equal(levels, CODEBOOKS["uniform"]) else 16
+    # Uniform int4 has 15 real levels; its 16th table entry (0) is padding.
+    return 15 if levels[-1] == 0 else 16
 
 
 def codebook_lookup(k, levels: np.ndarray):
@@ -119,16 +120,17 @@ def unpack_nibbles(b):
 def quantize_tile(x, noise, *, bits: int, scale_dtype: str, codebook: str):
     """(rows, block) float32 tile -> (codes, scales). Shared by jnp and Pallas."""
     am = jnp.max(jnp.abs(x), axis=1)
+    qmax = INT8_QMAX if bits == 8 else INT4_QMAX
+    s = block_scale(am, float(qmax), scale_dtype)
+    # Multiply by a per-block reciprocal: XLA rewrites a divide into this
+    # anyway, so spelling it out keeps every backend alike.
+    inv = (1.0 / jnp.where(s > 0, s, 1.0))[:, None]
     if bits == 8:
-        s = block_scale(am, float(INT8_QMAX), scale_dtype)
-        y = x / jnp.where(s > 0, s, 1.0)[:, None]
-        return int8_codes(y, noise).astype(jnp.int8), s
-    levels = CODEBOOKS[codebook]
-    s = block_scale(am, 1.0, scale_dtype)
+        return int8_codes(x * inv, noise).astype(jnp.int8), s
+    levels = CODEBOOKS[codebook] * INT4_QMAX
     h = x.shape[1] // 2
-    div = jnp.where(s > 0, s, 1.0)[:, None]
-    lo = codebook_codes(x[:, :h] / div, levels, None if noise is None else noise[:, :h])
-    hi = codebook_codes(x[:, h:] / div, levels, None if noise is None else noise[:, h:])
+    lo = codebook_codes(x[:, :h] * inv, levels, None if noise is None else noise[:, :h])
+    hi = codebook_codes(x[:, h:] * inv, levels, None if noise is None else noise[:, h:])
     return pack_nibbles(lo, hi), s
 
 
@@ -137,7 +139,7 @@ def dequantize_tile(codes, scales, *, bits: int, codebook: str):
     s = scales[:, None]
     if bits == 8:
         return codes.astype(jnp.float32) * s
-    levels = CODEBOOKS[codebook]
+    levels = CODEBOOKS[codebook] * INT4_QMAX
     k_lo, k_hi = unpack_nibbles(codes)
     return jnp.concatenate(
         [codebook_lookup(k_lo, levels) * s, codebook_lookup(k_hi, levels) * s], axis=1)
