@@ -192,8 +192,8 @@ def test_forged_zstd_payloads():
     msg = _msg(zstd=True)
     f = fields(msg)
     header, payload = msg[:f["header_len"]], msg[f["header_len"]:-4]
-    extra = with_fields(reseal(header + payload + b"\0")[:-4] + b"\0\0\0\0", payload_len=f["payload_len"] + 1)
-    with pytest.raises(CodecError, match="after the zstd frame"):
+    extra = with_fields(reseal(header + payload + b"\0"), payload_len=f["payload_len"] + 1)
+    with pytest.raises(CodecError, match="unused data"):
         decode(extra)
     junk = reseal(header + bytes(len(payload)))
     with pytest.raises(CodecError, match="zstd"):
@@ -224,3 +224,17 @@ def test_max_bytes_bounds_message_and_output():
     with pytest.raises(CodecError, match="size limit"):
         decode(msg, max_bytes=len(msg) + 10)  # decoded floats need more than that
     assert set(decode(msg, max_bytes=4096)) == {"a", "b"}
+
+
+def test_highly_compressible_payloads_decode_incrementally():
+    msg = encode({"z": np.zeros(1 << 16, np.float32)}, CodecConfig(bits=8))
+    f = fields(msg)
+    assert f["raw_len"] > 64 * f["payload_len"]  # takes the incremental zstd path
+    np.testing.assert_array_equal(decode(msg)["z"], 0)
+    header, payload = msg[:f["header_len"]], msg[f["header_len"]:-4]
+    extra = with_fields(reseal(header + payload + b"\0"), payload_len=f["payload_len"] + 1)
+    with pytest.raises(CodecError, match="after the zstd frame"):
+        decode(extra)
+    short = with_fields(reseal(header + payload[:-1]), payload_len=f["payload_len"] - 1)
+    with pytest.raises(CodecError, match="zstd"):
+        decode(short)

@@ -8,7 +8,7 @@ bytes holds the same arrays.
 """
 from __future__ import annotations
 
-from functools import partial
+from functools import lru_cache, partial
 from typing import Any, Mapping
 
 import jax
@@ -28,9 +28,19 @@ from wan_diloco.compression.wire import CodecError, TensorSpec
 
 _BF16_EXP = 0x7F80
 _ZSTD_WRITE_BYTES = 1 << 22
-# Per-byte tables for unpacking two 4-bit codes on the host.
-_LUTS = {name: (lv[np.arange(256) & 15] * INT4_QMAX, lv[np.arange(256) >> 4] * INT4_QMAX)
-         for name, lv in CODEBOOKS.items()}
+_PLAUSIBLE_ZSTD_RATIO = 64
+
+
+@lru_cache(maxsize=None)
+def _pair_luts(codebook: str) -> tuple[np.ndarray, np.ndarray]:
+    """Tables from two code bytes (a little-endian u16) to the two low-nibble
+    levels and to the two high-nibble levels, each pair packed in a u64: one
+    numpy gather then fills two float32 outputs (1 MiB per codebook)."""
+    lv = CODEBOOKS[codebook] * np.float32(INT4_QMAX)
+    b = np.arange(65536)
+    lo = np.stack([lv[b & 15], lv[(b >> 8) & 15]], axis=1).astype("<f4")
+    hi = np.stack([lv[(b >> 4) & 15], lv[b >> 12]], axis=1).astype("<f4")
+    return lo.view("<u8").ravel(), hi.view("<u8").ravel()
 
 
 class EncodeError(ValueError):
@@ -64,15 +74,21 @@ def encode(fragment: Mapping[str, Any], cfg: CodecConfig = CodecConfig(), *, key
         raise EncodeError("stochastic_rounding needs a PRNG key: encode(..., key=...)")
     specs, arrays = _check_fragment(fragment)
     if cfg.quantized:
-        raw = _encode_quantized(specs, arrays, cfg, key if cfg.stochastic_rounding else None)
+        parts = _encode_quantized(specs, arrays, cfg, key if cfg.stochastic_rounding else None)
     else:
-        raw = _encode_plain(specs, arrays, cfg.bits)
-    payload = zstandard.ZstdCompressor(level=cfg.zstd_level).compress(raw) if cfg.zstd else raw
+        parts = _encode_plain(specs, arrays, cfg.bits)
+    raw_len = sum(p.nbytes for p in parts)
+    if cfg.zstd:
+        # Stream the parts through one frame (no joined copy); the pledged size
+        # puts the content size in the frame header, which decode checks.
+        cobj = zstandard.ZstdCompressor(level=cfg.zstd_level).compressobj(size=raw_len)
+        parts = [cobj.compress(p) for p in parts] + [cobj.flush()]
+    payload_len = sum(memoryview(p).nbytes for p in parts)
     header = wire.pack_header(
         cfg.bits, cfg.zstd, cfg.scale_dtype if cfg.quantized else None,
         cfg.int4_codebook if cfg.bits == 4 else None, cfg.block_size if cfg.quantized else 0,
-        specs, len(raw), len(payload))
-    return wire.seal(header, payload)
+        specs, raw_len, payload_len)
+    return wire.seal(header, parts)
 
 
 def _check_fragment(fragment) -> tuple[tuple[TensorSpec, ...], list]:
@@ -125,7 +141,7 @@ def _encode_plain(specs, arrays, bits: int) -> bytes:
             if ((v & _BF16_EXP) == _BF16_EXP).any():
                 raise _non_finite(spec.name, x, "overflows bfloat16")
         parts.append(v)
-    return b"".join(p.tobytes() for p in parts)
+    return parts
 
 
 def _quantizer(cfg: CodecConfig):
@@ -137,33 +153,26 @@ def _quantizer(cfg: CodecConfig):
     return partial(quantize, **kw)
 
 
-def _encode_quantized(specs, arrays, cfg: CodecConfig, key) -> np.ndarray:
+def _encode_quantized(specs, arrays, cfg: CodecConfig, key) -> list[np.ndarray]:
     qfn = _quantizer(cfg)
     keys = [None] * len(specs) if key is None else list(jax.random.split(key, len(specs)))
     # Dispatch every tensor before reading any back, so device work overlaps.
     results = [qfn(x, k) if spec.size else None for spec, x, k in zip(specs, arrays, keys)]
-    n_scale, raw_len = wire.payload_layout(cfg.bits, cfg.block_size, specs)
-    nb = n_scale // 2
-    buf = np.empty(raw_len, np.uint8)
-    scale_bits = np.empty(nb, np.uint16)
-    row, pos = 0, n_scale
+    scale_bits, codes = [], []
     for spec, x, res in zip(specs, arrays, results):
         if res is None:
             continue
-        codes, scales = (np.asarray(a) for a in res)
+        c, scales = (np.asarray(a) for a in res)
         if not np.isfinite(scales).all():
             raise _non_finite(spec.name, x, "overflows a float16 scale; use scale_dtype='bfloat16'")
         if cfg.scale_dtype == "bfloat16":
-            sb = (scales.view(np.uint32) >> 16).astype(np.uint16)
+            scale_bits.append((scales.view(np.uint32) >> 16).astype(np.uint16))
         else:
-            sb = scales.astype(np.float16).view(np.uint16)
-        scale_bits[row:row + sb.size] = sb
-        row += sb.size
-        buf[pos:pos + codes.size] = codes.reshape(-1).view(np.uint8)
-        pos += codes.size
-    buf[:nb] = scale_bits >> 8
-    buf[nb:n_scale] = scale_bits & 0xFF
-    return buf
+            scale_bits.append(scales.astype(np.float16).view(np.uint16))
+        codes.append(c.reshape(-1).view(np.uint8))
+    sb = np.concatenate(scale_bits) if scale_bits else np.zeros(0, np.uint16)
+    planes = np.concatenate([(sb >> 8).astype(np.uint8), (sb & 0xFF).astype(np.uint8)])
+    return [planes] + codes
 
 
 # ------------------------------------------------------------------ decode
@@ -200,24 +209,31 @@ def decode(data, *, max_bytes: int | None = None, impl: str = "numpy") -> dict[s
 
 
 def _decompress(payload: memoryview, raw_len: int) -> bytes:
-    # The frame's own content size must match the header; zstd enforces it
-    # while decoding, and decompressobj grows its output as data really
-    # decodes, so a forged length cannot make us allocate up front.
+    # The frame's own content size must match the header, and zstd stops at
+    # it while decoding. Output is allocated up front only when the ratio is
+    # plausible for quantized codes; past that, decompressobj grows it as
+    # data really decodes, so a forged length cannot buy a huge allocation.
     try:
         size = zstandard.frame_content_size(payload)
     except zstandard.ZstdError as e:
         raise CodecError(f"zstd frame header is invalid: {e}") from None
     if size != raw_len:
         raise CodecError(f"zstd frame declares {size} bytes, header says {raw_len}")
-    dobj = zstandard.ZstdDecompressor().decompressobj(write_size=_ZSTD_WRITE_BYTES)
+    dctx = zstandard.ZstdDecompressor()
     try:
-        out = dobj.decompress(payload)
+        if raw_len <= _PLAUSIBLE_ZSTD_RATIO * len(payload):
+            # One shot is faster; it allocates raw_len, at most 64x what arrived.
+            out = dctx.decompress(payload, max_output_size=raw_len, allow_extra_data=False)
+        else:
+            # Highly compressible (e.g. all zeros) or forged: grow as data decodes.
+            dobj = dctx.decompressobj(write_size=_ZSTD_WRITE_BYTES)
+            out = dobj.decompress(payload)
+            if not dobj.eof:
+                raise CodecError("zstd payload is truncated")
+            if dobj.unused_data:
+                raise CodecError(f"{len(dobj.unused_data)} bytes after the zstd frame")
     except zstandard.ZstdError as e:
         raise CodecError(f"zstd payload is corrupt: {e}") from None
-    if not dobj.eof:
-        raise CodecError("zstd payload is truncated")
-    if dobj.unused_data:
-        raise CodecError(f"{len(dobj.unused_data)} bytes after the zstd frame")
     if len(out) != raw_len:
         raise CodecError(f"zstd payload decoded to {len(out)} bytes, header says {raw_len}")
     return out
@@ -249,10 +265,11 @@ def _dequantize_payload(raw: np.ndarray, h: wire.Header, impl: str) -> np.ndarra
     if h.bits == 8:
         np.multiply(codes, scales[:, None], out=out)
         return out.reshape(-1)
-    lut_lo, lut_hi = _LUTS[h.codebook]
+    lut_lo, lut_hi = _pair_luts(h.codebook)
+    pairs = codes.view("<u2")
     half = h.block_size // 2
-    np.take(lut_lo, codes, out=out[:, :half], mode="wrap")
-    np.take(lut_hi, codes, out=out[:, half:], mode="wrap")
+    out[:, :half].view("<u8")[...] = lut_lo[pairs]
+    out[:, half:].view("<u8")[...] = lut_hi[pairs]
     out *= scales[:, None]
     return out.reshape(-1)
 

@@ -25,7 +25,7 @@ from wan_diloco.compression.quantize import (
     code_bytes_per_block, dequantize_tile, from_blocks, quantize_tile, rounding_noise, to_blocks,
 )
 
-_INTERPRET_TILE_VALUES = 1 << 20
+_INTERPRET_TILE_VALUES = 1 << 22
 _GPU_TILE_ROWS = 64
 
 

@@ -100,10 +100,12 @@ def pack_header(bits: int, zstd: bool, scale_dtype: str | None, codebook: str | 
     return fixed + bytes(table)
 
 
-def seal(header: bytes, payload) -> bytes:
-    """header | payload | crc32 over both."""
-    crc = zlib.crc32(payload, zlib.crc32(header))
-    return b"".join((header, payload, _CRC.pack(crc)))
+def seal(header: bytes, payload_parts: list) -> bytes:
+    """header | payload parts | crc32 over all of them, joined in one copy."""
+    crc = zlib.crc32(header)
+    for part in payload_parts:
+        crc = zlib.crc32(part, crc)
+    return b"".join([header, *payload_parts, _CRC.pack(crc)])
 
 
 def _fail(what: str):
