@@ -43,6 +43,18 @@ def test_roundtrip_every_format(bits, zstd):
     assert nbytes == len(encode(FRAG, cfg))
 
 
+def test_large_and_batched_small_tensors_keep_their_order():
+    rng = np.random.default_rng(5)
+    frag = {"s1": rng.standard_normal(10).astype(np.float32) * 1e-3,
+            "big": rng.standard_normal((70, 1000)).astype(np.float32),  # quantized on its own
+            "s2": rng.standard_normal((3, 3)).astype(np.float32) * 1e3,
+            "s3": np.zeros(0, np.float32)}
+    out, _ = roundtrip(frag, CodecConfig(bits=4, block_size=B))
+    assert list(out) == list(frag)
+    for name, x in frag.items():
+        assert out[name].shape == x.shape and _rel(out[name], x) <= MAX_REL[4], name
+
+
 def test_encoding_and_decoding_are_deterministic():
     cfg = CodecConfig(bits=4, block_size=B)
     jfrag = {k: jnp.asarray(v) for k, v in FRAG.items()}

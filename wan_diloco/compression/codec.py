@@ -22,13 +22,14 @@ from wan_diloco.compression.pallas_kernels import (
     default_interpret, dequantize_pallas, quantize_pallas,
 )
 from wan_diloco.compression.quantize import (
-    code_bytes_per_block, dequantize, n_blocks, quantize,
+    code_bytes_per_block, dequantize, n_blocks, quantize, to_blocks,
 )
 from wan_diloco.compression.wire import CodecError, TensorSpec
 
 _BF16_EXP = 0x7F80
 _ZSTD_WRITE_BYTES = 1 << 22
 _PLAUSIBLE_ZSTD_RATIO = 64
+_SMALL_TENSOR_VALUES = 1 << 16
 
 
 @lru_cache(maxsize=None)
@@ -79,10 +80,11 @@ def encode(fragment: Mapping[str, Any], cfg: CodecConfig = CodecConfig(), *, key
         parts = _encode_plain(specs, arrays, cfg.bits)
     raw_len = sum(p.nbytes for p in parts)
     if cfg.zstd:
-        # Stream the parts through one frame (no joined copy); the pledged size
-        # puts the content size in the frame header, which decode checks.
-        cobj = zstandard.ZstdCompressor(level=cfg.zstd_level).compressobj(size=raw_len)
-        parts = [cobj.compress(p) for p in parts] + [cobj.flush()]
+        # One-shot compress of the joined parts: twice as fast as streaming
+        # them through compressobj, and it records the content size in the
+        # frame header, which decode checks.
+        joined = np.concatenate([p.reshape(-1).view(np.uint8) for p in parts]) if parts else b""
+        parts = [zstandard.ZstdCompressor(level=cfg.zstd_level).compress(joined)]
     payload_len = sum(memoryview(p).nbytes for p in parts)
     header = wire.pack_header(
         cfg.bits, cfg.zstd, cfg.scale_dtype if cfg.quantized else None,
@@ -153,26 +155,46 @@ def _quantizer(cfg: CodecConfig):
     return partial(quantize, **kw)
 
 
+@partial(jax.jit, static_argnames=("block_size",))
+def _concat_blocks(xs, block_size: int):
+    return jnp.concatenate([to_blocks(x, block_size) for x in xs])
+
+
 def _encode_quantized(specs, arrays, cfg: CodecConfig, key) -> list[np.ndarray]:
     qfn = _quantizer(cfg)
-    keys = [None] * len(specs) if key is None else list(jax.random.split(key, len(specs)))
-    # Dispatch every tensor before reading any back, so device work overlaps.
-    results = [qfn(x, k) if spec.size else None for spec, x, k in zip(specs, arrays, keys)]
-    scale_bits, codes = [], []
-    for spec, x, res in zip(specs, arrays, results):
-        if res is None:
-            continue
-        c, scales = (np.asarray(a) for a in res)
+    # Small tensors (biases, norms) share one quantizer call: a dispatch costs
+    # ~20 us, more than quantizing a few thousand values.
+    small = [i for i, t in enumerate(specs) if 0 < t.size <= _SMALL_TENSOR_VALUES]
+    groups = [[i] for i, t in enumerate(specs) if t.size and (len(small) < 2 or i not in small)]
+    if len(small) >= 2:
+        groups.append(small)
+    keys = [None] * len(groups) if key is None else list(jax.random.split(key, len(groups)))
+    # Dispatch every group before reading any back, so device work overlaps.
+    pending = [(g, qfn(arrays[g[0]] if len(g) == 1 else
+                       _concat_blocks(tuple(arrays[i] for i in g), cfg.block_size), k))
+               for g, k in zip(groups, keys)]
+    per_tensor = {}
+    for g, res in pending:
+        codes, scales = (np.asarray(a) for a in res)
+        row = 0
+        for i in g:
+            rows = n_blocks(specs[i].size, cfg.block_size)
+            per_tensor[i] = codes[row:row + rows], scales[row:row + rows]
+            row += rows
+    scale_bits, code_parts = [], []
+    for i in sorted(per_tensor):
+        codes, scales = per_tensor[i]
         if not np.isfinite(scales).all():
-            raise _non_finite(spec.name, x, "overflows a float16 scale; use scale_dtype='bfloat16'")
+            raise _non_finite(specs[i].name, arrays[i],
+                              "overflows a float16 scale; use scale_dtype='bfloat16'")
         if cfg.scale_dtype == "bfloat16":
             scale_bits.append((scales.view(np.uint32) >> 16).astype(np.uint16))
         else:
             scale_bits.append(scales.astype(np.float16).view(np.uint16))
-        codes.append(c.reshape(-1).view(np.uint8))
+        code_parts.append(codes.reshape(-1).view(np.uint8))
     sb = np.concatenate(scale_bits) if scale_bits else np.zeros(0, np.uint16)
     planes = np.concatenate([(sb >> 8).astype(np.uint8), (sb & 0xFF).astype(np.uint8)])
-    return [planes] + codes
+    return [planes] + code_parts
 
 
 # ------------------------------------------------------------------ decode
