@@ -61,20 +61,24 @@ def capture_outer_grads(quick: bool) -> dict[str, np.ndarray]:
             h = nn.gelu(nn.LayerNorm()(nn.Dense(width)(h)))
             return nn.Dense(256)(h)
 
-    src = b"".join(Path(f).read_bytes() for f in sorted(glob.glob(os.path.dirname(os.__file__) + "/*.py"))[:60])
+    stdlib = sorted(glob.glob(os.path.dirname(os.__file__) + "/*.py"))[:60]
+    src = b"".join(Path(f).read_bytes() for f in stdlib)
     corpus = np.frombuffer(src, np.uint8)
     model, opt = MLPLM(), optax.adamw(1e-3, weight_decay=0.1)
 
+    def loss(p, x, y):
+        return optax.softmax_cross_entropy_with_integer_labels(model.apply(p, x), y).mean()
+
     @jax.jit
     def step(p, s, x, y):
-        g = jax.grad(lambda p: optax.softmax_cross_entropy_with_integer_labels(model.apply(p, x), y).mean())(p)
-        u, s = opt.update(g, s, p)
+        u, s = opt.update(jax.grad(loss)(p, x, y), s, p)
         return optax.apply_updates(p, u), s
 
     def train(p, s, seed, steps):
         rng = np.random.default_rng(seed)  # the seed picks this learner's data
         for _ in range(steps):
-            w = corpus[rng.integers(0, corpus.size - ctx - 1, 64)[:, None] + np.arange(ctx + 1)].astype(np.int32)
+            starts = rng.integers(0, corpus.size - ctx - 1, 64)
+            w = corpus[starts[:, None] + np.arange(ctx + 1)].astype(np.int32)
             p, s = step(p, s, w[:, :ctx], w[:, ctx])
         return p, s
 
@@ -131,8 +135,10 @@ def measure(frag_np, frag_dev, n_bytes, cfg: CodecConfig, decode_impl: str, reps
 def quantize_only_gbps(frag_dev, n_bytes, cfg: CodecConfig, reps: int) -> float:
     """Device-side quantize of every tensor (no host assembly, no zstd)."""
     fn = quantize if resolve_impl(cfg.impl) == "jnp" else quantize_pallas
-    kw = dict(bits=cfg.bits, block_size=cfg.block_size, scale_dtype=cfg.scale_dtype, codebook=cfg.int4_codebook)
-    return n_bytes / best_seconds(lambda: jax.block_until_ready([fn(x, **kw) for x in frag_dev.values()]), reps) / 1e9
+    kw = dict(bits=cfg.bits, block_size=cfg.block_size, scale_dtype=cfg.scale_dtype,
+              codebook=cfg.int4_codebook)
+    seconds = best_seconds(lambda: jax.block_until_ready([fn(x, **kw) for x in frag_dev.values()]), reps)
+    return n_bytes / seconds / 1e9
 
 
 def datasets(n: int, quick: bool) -> dict[str, dict[str, np.ndarray]]:
@@ -164,7 +170,8 @@ def plot(rows, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for (cb, sd), marker in {("nf4", "bfloat16"): "o", ("uniform", "bfloat16"): "s", ("nf4", "float16"): "^"}.items():
+    markers = {("nf4", "bfloat16"): "o", ("uniform", "bfloat16"): "s", ("nf4", "float16"): "^"}
+    for (cb, sd), marker in markers.items():
         for data, color in {"gaussian": "C0", "student_t3": "C1", "outer_grad": "C2"}.items():
             pts = [r for r in rows if r["bits"] == 4 and r["codebook"] == cb and r["scale_dtype"] == sd
                    and r["data"] == data]
@@ -206,10 +213,12 @@ def main() -> None:
                     print(f"{data:10s} int{bits} {impl:16s} zstd={zstd!s:5s} enc {row['encode_gbps']:6.2f} "
                           f"(cpu {row['encode_cpu_gbps']:6.2f}, quantize {q_gbps:6.2f}) "
                           f"dec {row['decode_gbps']:6.2f} GB/s  "
-                          f"x{row['ratio_vs_fp32']:5.2f} vs fp32  err {100 * row['rel_l2_error']:6.2f}%", flush=True)
+                          f"x{row['ratio_vs_fp32']:5.2f} vs fp32  err {100 * row['rel_l2_error']:6.2f}%",
+                          flush=True)
             # The host decoder every process uses by default (encode is jnp's: same bytes).
             cfg = CodecConfig(bits=bits, impl="jnp")
-            results.append({"bits": bits, "impl": "numpy", "data": data, "zstd": True, "n_values": n_bytes // 4,
+            results.append({"bits": bits, "impl": "numpy", "data": data, "zstd": True,
+                            "n_values": n_bytes // 4,
                             **measure(frag, frag_dev, n_bytes, cfg, "numpy", reps), "encode_gbps": None,
                             "encode_cpu_gbps": None, "quantize_gbps": None})
             print(f"{data:10s} int{bits} numpy decode {results[-1]['decode_gbps']:6.2f} GB/s", flush=True)
@@ -226,7 +235,8 @@ def main() -> None:
         "jnp_encode_cpu_gbps_min_2": min(r["encode_cpu_gbps"] for r in pick(impl="jnp", zstd=True)),
         "jnp_quantize_gbps_min_2": min(r["quantize_gbps"] for r in pick(impl="jnp")),
         "int4_zstd_ratio_outer_grad_min_8": og4["ratio_vs_fp32"],
-        "int4_zstd_ratio_gaussian_min_8": pick(bits=4, data="gaussian", zstd=True, impl="jnp")[0]["ratio_vs_fp32"],
+        "int4_zstd_ratio_gaussian_min_8":
+            pick(bits=4, data="gaussian", zstd=True, impl="jnp")[0]["ratio_vs_fp32"],
         "int8_error_outer_grad_max_0.01": og8["rel_l2_error"],
         "int4_error_outer_grad_max_0.10": og4["rel_l2_error"],
     }

@@ -1,9 +1,9 @@
 """Pallas kernels for blockwise quantize (fused with 4-bit packing) and dequantize.
 
 Each grid step loads a tile of whole quantization blocks, runs the same tile
-math as the jax.numpy reference (``quantize.quantize_tile``), and writes codes
-and scales; so outputs are bit-exact to the reference by construction, and
-the tests check it. Inputs are zero-padded to whole tiles before the call:
+math as the jax.numpy reference (``quantize.quantize_tile`` / ``_halves``),
+and writes codes and scales, so outputs are bit-exact to the reference; the
+tests check it. Inputs are zero-padded to whole tiles before the call:
 Pallas interpret mode fills partial tiles with NaN, and an all-zero block
 quantizes to scale 0, which the caller slices off.
 
@@ -22,7 +22,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from wan_diloco.compression.quantize import (
-    code_bytes_per_block, dequantize_tile, from_blocks, quantize_tile, rounding_noise, to_blocks,
+    code_bytes_per_block, dequantize_halves, dequantize_tile, from_blocks, quantize_halves,
+    quantize_tile, rounding_noise, to_blocks,
 )
 
 _INTERPRET_TILE_VALUES = 1 << 22
@@ -48,20 +49,29 @@ def _pad_rows(a, rows: int):
 
 
 def _quantize_kernel(*refs, bits, scale_dtype, codebook, stochastic):
-    if stochastic:
-        x_ref, u_ref, c_ref, s_ref = refs
-        noise = u_ref[...]
+    x_ref, u_ref, c_ref, s_ref = refs if stochastic else (refs[0], None, *refs[1:])
+    if bits == 8:
+        codes, scales = quantize_tile(x_ref[...], None if u_ref is None else u_ref[...], bits=8,
+                                      scale_dtype=scale_dtype, codebook=codebook)
     else:
-        x_ref, c_ref, s_ref = refs
-        noise = None
-    codes, scales = quantize_tile(x_ref[...], noise, bits=bits, scale_dtype=scale_dtype,
-                                  codebook=codebook)
+        # Load the two half-blocks as ref slices: the packing (lo | hi << 4)
+        # happens in registers, with no value slicing for the backend to lower.
+        h = x_ref.shape[1] // 2
+        noise = None if u_ref is None else (u_ref[:, :h], u_ref[:, h:])
+        codes, scales = quantize_halves(x_ref[:, :h], x_ref[:, h:], noise,
+                                        scale_dtype=scale_dtype, codebook=codebook)
     c_ref[...] = codes
     s_ref[...] = scales
 
 
 def _dequantize_kernel(c_ref, s_ref, o_ref, *, bits, codebook):
-    o_ref[...] = dequantize_tile(c_ref[...], s_ref[...], bits=bits, codebook=codebook)
+    if bits == 8:
+        o_ref[...] = dequantize_tile(c_ref[...], s_ref[...], bits=8, codebook=codebook)
+    else:
+        h = c_ref.shape[1]
+        lo, hi = dequantize_halves(c_ref[...], s_ref[...], codebook=codebook)
+        o_ref[:, :h] = lo
+        o_ref[:, h:] = hi
 
 
 @partial(jax.jit, static_argnames=("bits", "block_size", "scale_dtype", "codebook", "interpret",

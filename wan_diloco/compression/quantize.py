@@ -119,30 +119,45 @@ def unpack_nibbles(b):
 
 def quantize_tile(x, noise, *, bits: int, scale_dtype: str, codebook: str):
     """(rows, block) float32 tile -> (codes, scales). Shared by jnp and Pallas."""
-    am = jnp.max(jnp.abs(x), axis=1)
-    qmax = INT8_QMAX if bits == 8 else INT4_QMAX
-    s = block_scale(am, float(qmax), scale_dtype)
+    if bits == 4:
+        h = x.shape[1] // 2
+        return quantize_halves(x[:, :h], x[:, h:], None if noise is None else (noise[:, :h], noise[:, h:]),
+                               scale_dtype=scale_dtype, codebook=codebook)
+    s = block_scale(jnp.max(jnp.abs(x), axis=1), float(INT8_QMAX), scale_dtype)
     # Multiply by a per-block reciprocal: XLA rewrites a divide into this
     # anyway, so spelling it out keeps every backend alike.
     inv = (1.0 / jnp.where(s > 0, s, 1.0))[:, None]
-    if bits == 8:
-        return int8_codes(x * inv, noise).astype(jnp.int8), s
+    return int8_codes(x * inv, noise).astype(jnp.int8), s
+
+
+def quantize_halves(x_lo, x_hi, noise, *, scale_dtype: str, codebook: str):
+    """4-bit quantize of a tile given as its two half-blocks (the packing layout).
+
+    Taking halves lets a kernel load them as two ref slices instead of
+    slicing a loaded value. ``noise`` is None or a (lo, hi) pair.
+    """
+    am = jnp.maximum(jnp.max(jnp.abs(x_lo), axis=1), jnp.max(jnp.abs(x_hi), axis=1))
+    s = block_scale(am, float(INT4_QMAX), scale_dtype)
+    inv = (1.0 / jnp.where(s > 0, s, 1.0))[:, None]
     levels = CODEBOOKS[codebook] * INT4_QMAX
-    h = x.shape[1] // 2
-    lo = codebook_codes(x[:, :h] * inv, levels, None if noise is None else noise[:, :h])
-    hi = codebook_codes(x[:, h:] * inv, levels, None if noise is None else noise[:, h:])
+    lo = codebook_codes(x_lo * inv, levels, None if noise is None else noise[0])
+    hi = codebook_codes(x_hi * inv, levels, None if noise is None else noise[1])
     return pack_nibbles(lo, hi), s
+
+
+def dequantize_halves(codes, scales, *, codebook: str):
+    """Packed 4-bit codes -> (first half-blocks, second half-blocks) as float32."""
+    s = scales[:, None]
+    levels = CODEBOOKS[codebook] * INT4_QMAX
+    k_lo, k_hi = unpack_nibbles(codes)
+    return codebook_lookup(k_lo, levels) * s, codebook_lookup(k_hi, levels) * s
 
 
 def dequantize_tile(codes, scales, *, bits: int, codebook: str):
     """Inverse of :func:`quantize_tile`: (codes, scales) -> (rows, block) float32."""
-    s = scales[:, None]
     if bits == 8:
-        return codes.astype(jnp.float32) * s
-    levels = CODEBOOKS[codebook] * INT4_QMAX
-    k_lo, k_hi = unpack_nibbles(codes)
-    return jnp.concatenate(
-        [codebook_lookup(k_lo, levels) * s, codebook_lookup(k_hi, levels) * s], axis=1)
+        return codes.astype(jnp.float32) * scales[:, None]
+    return jnp.concatenate(dequantize_halves(codes, scales, codebook=codebook), axis=1)
 
 
 # ------------------------------------------------------------ whole tensors
