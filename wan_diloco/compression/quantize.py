@@ -119,25 +119,29 @@ def unpack_nibbles(b):
 
 def quantize_tile(x, noise, *, bits: int, scale_dtype: str, codebook: str):
     """(rows, block) float32 tile -> (codes, scales). Shared by jnp and Pallas."""
+    # One reduction over whole rows: XLA on CPU ran it 5x faster than two over halves.
+    absmax = jnp.max(jnp.abs(x), axis=1)
     if bits == 4:
         h = x.shape[1] // 2
         return quantize_halves(x[:, :h], x[:, h:], None if noise is None else (noise[:, :h], noise[:, h:]),
-                               scale_dtype=scale_dtype, codebook=codebook)
-    s = block_scale(jnp.max(jnp.abs(x), axis=1), float(INT8_QMAX), scale_dtype)
+                               absmax=absmax, scale_dtype=scale_dtype, codebook=codebook)
+    s = block_scale(absmax, float(INT8_QMAX), scale_dtype)
     # Multiply by a per-block reciprocal: XLA rewrites a divide into this
     # anyway, so spelling it out keeps every backend alike.
     inv = (1.0 / jnp.where(s > 0, s, 1.0))[:, None]
     return int8_codes(x * inv, noise).astype(jnp.int8), s
 
 
-def quantize_halves(x_lo, x_hi, noise, *, scale_dtype: str, codebook: str):
+def quantize_halves(x_lo, x_hi, noise, *, scale_dtype: str, codebook: str, absmax=None):
     """4-bit quantize of a tile given as its two half-blocks (the packing layout).
 
     Taking halves lets a kernel load them as two ref slices instead of
-    slicing a loaded value. ``noise`` is None or a (lo, hi) pair.
+    slicing a loaded value. ``noise`` is None or a (lo, hi) pair; ``absmax``
+    per row is computed from the halves unless given (same value either way).
     """
-    am = jnp.maximum(jnp.max(jnp.abs(x_lo), axis=1), jnp.max(jnp.abs(x_hi), axis=1))
-    s = block_scale(am, float(INT4_QMAX), scale_dtype)
+    if absmax is None:
+        absmax = jnp.maximum(jnp.max(jnp.abs(x_lo), axis=1), jnp.max(jnp.abs(x_hi), axis=1))
+    s = block_scale(absmax, float(INT4_QMAX), scale_dtype)
     inv = (1.0 / jnp.where(s > 0, s, 1.0))[:, None]
     levels = CODEBOOKS[codebook] * INT4_QMAX
     lo = codebook_codes(x_lo * inv, levels, None if noise is None else noise[0])
