@@ -176,7 +176,8 @@ def plot(rows, path: Path) -> None:
             pts = [r for r in rows if r["bits"] == 4 and r["codebook"] == cb and r["scale_dtype"] == sd
                    and r["data"] == data]
             ax.plot([r["ratio_vs_fp32"] for r in pts], [100 * r["rel_l2_error"] for r in pts], marker,
-                    color=color, ls="-" if len(pts) > 1 else "", label=f"{data} {cb} {sd[:4]}")
+                    color=color, ls="-" if len(pts) > 1 else "",
+                    label=f"{data} {cb} {'bf16' if sd == 'bfloat16' else 'fp16'} scale")
             for r in pts:
                 ax.annotate(str(r["block_size"]), (r["ratio_vs_fp32"], 100 * r["rel_l2_error"]), fontsize=7)
     ax.axhline(10, color="gray", ls=":")
