@@ -82,7 +82,7 @@ def codebook_codes(y, levels: np.ndarray, noise=None):
         return k
     lo = jnp.full(y.shape, lv[0], jnp.float32)
     hi = jnp.full(y.shape, lv[-1], jnp.float32)
-    for i, v in enumerate(lv[1:], start=1):
+    for v in lv[1:]:
         above = y >= v
         k = k + above.astype(jnp.int32)
         lo = jnp.where(above, v, lo)
