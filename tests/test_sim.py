@@ -104,3 +104,15 @@ def test_cli_bad_flags(argv, msg, capsys):
         cli.main(["simulate", "--quiet", *argv])
     assert e.value.code == 2
     assert msg in capsys.readouterr().err
+
+
+def test_quantized_wire_is_smaller_and_every_copy_bit_identical():
+    s32, r32 = run_sim(micro(steps=16))
+    s4, r4 = run_sim(micro(steps=16, bits=4, error_feedback=True))
+    assert r4.bytes_sent * 6 < r32.bytes_sent  # NF4 + scales + zstd vs fp32
+    assert r4.final_eval_loss < r4.initial_eval_loss - 0.3
+    for l in s4.learners:  # after the final sync every learner holds exactly the syncer's Θ
+        for p, frag in enumerate(s4.syncer.theta):
+            for n, a in frag.items():
+                np.testing.assert_array_equal(l.core.base[p][n], a)
+    assert any(l.core.feedback.residual(0) is not None for l in s4.learners)

@@ -23,7 +23,7 @@ from wan_diloco import train as train_lib
 from wan_diloco import tree
 from wan_diloco.config import require
 from wan_diloco.core import (
-    ApplyGlobal, Broadcast, LearnerConfig, LearnerCore, Resync, SendFragment, SendMetadata, SetTimer, Snapshot,
+    ApplyGlobal, Broadcast, Codec, Float32Codec, LearnerConfig, LearnerCore, Resync, SendFragment, SendMetadata, SetTimer, Snapshot,
     SyncerConfig, SyncerCore,
 )
 from wan_diloco.fragments import STRATEGIES, make_fragments
@@ -65,8 +65,11 @@ class SimConfig:
     eval_every: int = 50  # global steps between eval points on the curve
     eval_batches: int = 8
     corpus: str = "stdlib"
+    bits: int = 32  # outer gradients and updates on the wire: 32 (fp32), 16 (bf16), 8 (int8), 4 (NF4)
+    error_feedback: bool = False
 
     def validate(self) -> None:
+        require(self.bits in (32, 16, 8, 4), "bits", f"must be 32, 16, 8 or 4, got {self.bits}")
         require(self.baseline in BASELINES, "baseline", f"must be one of {', '.join(BASELINES)}, got {self.baseline!r}")
         require(self.learners >= 1, "learners", f"must be >= 1, got {self.learners}")
         require(1 <= self.quorum <= self.learners, "quorum", f"must be in 1..learners ({self.learners}), got {self.quorum}")
@@ -92,9 +95,19 @@ class SimConfig:
     def learner_config(self) -> LearnerConfig:
         """The baselines are settings of the same protocol (SPEC §5: K = M is synchronous DiLoCo)."""
         if self.baseline == "diloco":  # whole model every H steps, blocking
-            return LearnerConfig(self.sync_every, 1, tau=0, alpha=self.alpha, blocking=True)
+            return LearnerConfig(self.sync_every, 1, tau=0, alpha=self.alpha, blocking=True,
+                                 error_feedback=self.error_feedback)
         blocking = self.baseline == "streaming"
-        return LearnerConfig(self.sync_every, self.fragments, tau=self.tau, alpha=self.alpha, blocking=blocking)
+        return LearnerConfig(self.sync_every, self.fragments, tau=self.tau, alpha=self.alpha, blocking=blocking,
+                             error_feedback=self.error_feedback)
+
+    def codec(self) -> Codec:
+        if self.bits == 32:
+            return Float32Codec()
+        from wan_diloco.compression import CodecConfig
+        from wan_diloco.compression.fragment_codec import FragmentCodec
+
+        return FragmentCodec(CodecConfig(bits=self.bits))
 
     def syncer_config(self) -> SyncerConfig:
         sync = self.baseline in ("diloco", "streaming")
@@ -232,11 +245,12 @@ class _Simulation:
         lcfg = cfg.learner_config()
         sizes = {n: int(a.size) for n, a in flat0.items()}
         self.frags = make_fragments(cfg.fragmenter, sizes, lcfg.num_fragments, model_lib.layer_index)
-        self.syncer = SyncerCore(cfg.syncer_config(), self.frags, flat0, model_lib.is_embedding)
+        codec = cfg.codec()
+        self.syncer = SyncerCore(cfg.syncer_config(), self.frags, flat0, model_lib.is_embedding, codec)
         rtt, bw = cfg.rtt_s, cfg.bandwidth_gbit_s
         self.learners = [
             _Learner(
-                core=LearnerCore(lcfg, m, self.frags, flat0, region=f"region-{m % 2}"),
+                core=LearnerCore(lcfg, m, self.frags, flat0, codec, region=f"region-{m % 2}"),
                 state=setup.state0, batches=setup.batches(cfg, m), rng=np.random.default_rng([cfg.seed, m]),
                 speed=cfg.speeds[m] if cfg.speeds else 1.0, up_link=_Link(bw, rtt), down_link=_Link(bw, rtt),
             )
@@ -427,6 +441,9 @@ class _Simulation:
         for m, l in enumerate(self.learners):
             if not l.up:
                 continue
+            if l.stepping:  # cut short by the end of the run: its updates are still merged
+                l.stepping = False
+                self._learner_actions(m, l.core.abort_step())
             flat = tree.flatten(l.state.params)
             for p, names in enumerate(self.frags):
                 theta = {n: np.asarray(flat[n]) for n in names}
@@ -435,4 +452,7 @@ class _Simulation:
                     self.bytes_sent += a.msg.nbytes
         if uploads:
             for a in self.syncer.final_sync(self.now, uploads):
-                self.bytes_sent += a.msg.nbytes * sum(l.up for l in self.learners)
+                for m, l in enumerate(self.learners):
+                    if l.up:
+                        self.bytes_sent += a.msg.nbytes
+                        self._learner_actions(m, l.core.on_update(self.now, a.msg))

@@ -32,6 +32,7 @@ _FLAGS: dict[str, tuple[str, type, str]] = {
     "--seed": ("seed", int, "random seed (runs are deterministic for a seed)"),
     "--eval-every": ("eval_every", int, "global steps between eval points"),
     "--corpus": ("corpus", str, "'stdlib', a text file or directory, or a .bin token file"),
+    "--bits": ("bits", int, "wire precision of outer gradients and updates: 32 | 16 | 8 | 4"),
 }
 
 
@@ -41,6 +42,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         p.add_argument(flag, type=typ, default=None, help=help_text)
     p.add_argument("--grace", dest="grace", action="store_true", default=None, help="adaptive grace window (default)")
     p.add_argument("--no-grace", dest="grace", action="store_false", help="merge as soon as the quorum is reached")
+    p.add_argument("--error-feedback", dest="error_feedback", action="store_true", default=None,
+                   help="carry quantization residuals into the next send of each fragment")
     p.add_argument("--speeds", default=None, help="comma-separated step-time factors per learner, e.g. 1,1,1,1.2")
     p.add_argument("--rtt-ms", type=float, default=None, help="round-trip time of each link, ms")
     p.add_argument("--failures", metavar="TAPE", help="failure tape: JSON list of {learner, down_at, up_at} (virtual s)")
@@ -61,6 +64,8 @@ def config_from_args(args: argparse.Namespace):
             values[field] = v
     if args.grace is not None:
         values["grace"] = args.grace
+    if args.error_feedback is not None:
+        values["error_feedback"] = args.error_feedback
     if args.rtt_ms is not None:
         values["rtt_s"] = args.rtt_ms / 1000
     if args.speeds is not None:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from wan_diloco.clock import VectorClock
+from wan_diloco.compression.feedback import ErrorFeedback
 from wan_diloco.config import require
 from wan_diloco.core.protocol import (
     ApplyGlobal,
@@ -74,7 +75,7 @@ class LearnerCore:
         P = cfg.num_fragments
         self.base = [{n: np.array(global_params[n], dtype=np.float32) for n in f} for f in fragments]
         self.version = [0] * P
-        self.residual = [{n: np.zeros_like(a) for n, a in b.items()} for b in self.base] if cfg.error_feedback else None
+        self.feedback = ErrorFeedback(enabled=cfg.error_feedback)
         self.step = 0
         self.c_steps = [0] * P
         self.c_tokens = [0] * P
@@ -104,28 +105,27 @@ class LearnerCore:
         for p in range(self.cfg.num_fragments):
             self.c_steps[p] += 1
             self.c_tokens[p] += n_tokens
-        actions: list = []
-        for arrived_s, update in self.buffer:
-            actions += self._apply(arrived_s, update)
-        self.buffer.clear()
+        actions = self._flush()
         for p in self.schedule.due(self.step):
             actions.append(Snapshot(p, self.step))
         self.clock = self.clock.tick(self.node)
         actions.append(SendMetadata(self.metadata()))
         return actions
 
+    def abort_step(self) -> list:
+        """The step in progress will not be counted (shutdown, failure): merge what it buffered."""
+        self.in_step = False
+        return self._flush()
+
     def snapshot(self, now_s: float, fragment: int, due_step: int, theta: Tensors) -> list:
         """θ_p after the due step -> the outer gradient Δ = Θ_base − θ_p, encoded for the wire."""
         base = self.base[fragment]
         if set(theta) != set(base):
             raise ProtocolError(f"snapshot of fragment {fragment}: tensor names differ from the fragment's")
-        delta = {n: base[n] - np.asarray(theta[n], dtype=np.float32) for n in base}
-        if self.residual is not None:
-            delta = {n: d + self.residual[fragment][n] for n, d in delta.items()}
+        # Error feedback: what quantization dropped last time is sent with this Δ.
+        delta = self.feedback.compensate(fragment, {n: base[n] - np.asarray(theta[n], dtype=np.float32) for n in base})
         enc = self.codec.roundtrip(delta)
-        if self.residual is not None:
-            # Error feedback: what quantization dropped now is sent with the next Δ of this fragment.
-            self.residual[fragment] = {n: delta[n] - enc.values[n] for n in delta}
+        self.feedback.update(fragment, delta, enc.values)
         self.in_flight[fragment] = _InFlight(due_step, now_s, self.step)
         self.clock = self.clock.tick(self.node)
         self.bytes_sent += enc.nbytes
@@ -177,10 +177,16 @@ class LearnerCore:
         self.in_flight.clear()
         self.buffer.clear()
         self.in_step = False
-        if self.residual is not None:
-            self.residual = [{n: np.zeros_like(a) for n, a in b.items()} for b in self.base]
+        self.feedback.reset()
 
     # ---- internals ------------------------------------------------------------------
+
+    def _flush(self) -> list:
+        actions: list = []
+        for arrived_s, update in self.buffer:
+            actions += self._apply(arrived_s, update)
+        self.buffer.clear()
+        return actions
 
     def _apply(self, arrived_s: float, u: GlobalUpdate) -> list:
         p = u.fragment
