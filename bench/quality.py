@@ -24,7 +24,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT.parent))
 
-from wan_diloco import sim  # noqa: E402
+from wan_diloco import model, sim  # noqa: E402
 from wan_diloco.planning.tape import Outage  # noqa: E402
 
 # Decoupled settings chosen from the calibration in the README (K = 1 + grace, balanced fragments).
@@ -71,7 +71,7 @@ def _one(args: tuple[str, dict, dict]) -> tuple[str, dict]:
     outages = []
     if failures:
         # Horizon: the failure-free virtual duration, doubled (outages past the end do nothing).
-        steps = common["tokens"] / (cfg.batch_size * 128 * 4)
+        steps = common["tokens"] / (cfg.batch_size * model.preset(cfg.preset).seq_len * cfg.learners)
         outages = failure_tape(4, 2 * steps * cfg.step_time_s, 0.25, seed=1234)
     t0 = time.perf_counter()
     r = sim.run(cfg, outages)

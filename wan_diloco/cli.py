@@ -20,7 +20,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="wan-diloco", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="wan-diloco",
+        description="Decoupled DiLoCo across regions joined by WAN links: simulate, plan and train.",
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, (module, help_text) in SUBCOMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
