@@ -146,7 +146,10 @@ def launch(cfg: rt_config.RuntimeConfig, config_text: str, run_dir: str | None =
         with Cluster(cfg, rdir / "config.toml", rdir) as cluster, open(rdir / "metrics.jsonl", "w") as mf, \
                 Live(mon.table(), console=console, refresh_per_second=4, transient=False) if not quiet \
                 else _Null() as live:
-            cluster.start_syncer()
+            try:
+                cluster.start_syncer()
+            except RuntimeError as e:
+                raise RunFailed(str(e)) from None
             for m in range(cfg.run.learners):
                 cluster.start_learner(m)
             while True:
