@@ -245,7 +245,7 @@ class SyncerService:
             "quorum": self.core._quorum(), "alive": self.core.alive(),
             "quorum_sizes": list(st.quorum_sizes)[-100:], "grace_s": list(st.grace_s)[-100:],
             "grace_window_s": self.core.grace_window_s(), "history": history,
-            "final_done": self.final_done.is_set(), **self.summary(),
+            "fragment_bytes": list(self.layout.nbytes), "final_done": self.final_done.is_set(), **self.summary(),
         }
 
     def refresh_gauges(self) -> None:

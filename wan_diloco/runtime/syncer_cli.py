@@ -34,6 +34,7 @@ async def serve(cfg: rt_config.RuntimeConfig, token: str, port: int | None = Non
     await server.start()
     try:
         status_port = await status.start() if status is not None else None
+        service.refresh_gauges()
         emit({"event": "listening", "role": "syncer", "port": server.port, "status_port": status_port,
               "fragments": len(service.layout.fragments), "params": sum(service.layout.nbytes) // 4})
         last_report = 0.0
