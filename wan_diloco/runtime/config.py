@@ -132,7 +132,7 @@ DEFAULT_TOML = """\
 [run]
 learners = 4
 regions = ["us-east", "eu-west"]   # learner m runs in regions[m % 2]
-steps = 150                        # global step budget
+steps = 300                        # global step budget
 batch_size = 8
 seed = 0
 corpus = "stdlib"                  # this Python's standard library, read as bytes

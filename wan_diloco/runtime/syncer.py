@@ -39,6 +39,7 @@ class SyncerService:
         self.layout = layout_of(cfg, flat)
         self.codec = codec or wire.Float32Wire(self.layout)
         self.core = SyncerCore(cfg.syncer, self.layout.fragments, flat, model_lib.is_embedding, codec=self.codec)
+        self._warm_up()
         self.hub = UpdateHub(cfg.transport.chunk_bytes)
         self.M, self.P = cfg.run.learners, len(self.layout.fragments)
         self.started_s = time.monotonic()
@@ -56,6 +57,17 @@ class SyncerService:
         self.final_report: dict | None = None
         self.late_final: set[int] = set()
         self.stopping = False
+
+    def _warm_up(self) -> None:
+        """Compile the outer step of every fragment now: compiling on the first merge would stall the
+        event loop (seconds on a loaded CPU) while uploads and metadata wait behind it."""
+        import jax
+        import numpy as np
+
+        outer = self.core.outer
+        for p, theta in enumerate(self.core.theta):
+            zeros = {n: np.zeros_like(a) for n, a in theta.items()}
+            jax.block_until_ready(outer._step(dict(theta), zeros, outer.states[p]))  # result discarded
 
     # ---- plumbing -------------------------------------------------------------------
 
