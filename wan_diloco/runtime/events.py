@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 import threading
 import time
@@ -11,7 +12,7 @@ _lock = threading.Lock()
 
 def emit(event: dict) -> None:
     """Write ``event`` (with a wall-clock ``t``) as one JSON line on stdout and flush."""
-    line = json.dumps({"t": round(time.time(), 3), **event}, separators=(",", ":"), default=float)
+    line = json.dumps({"t": round(time.time(), 3), "pid": os.getpid(), **event}, separators=(",", ":"), default=float)
     with _lock:
         sys.stdout.write(line + "\n")
         sys.stdout.flush()

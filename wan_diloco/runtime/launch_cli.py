@@ -126,6 +126,7 @@ def print_summary(s: dict) -> None:
     ]
     for k, v in rows:
         t.add_row(k, v)
+    out.print()
     out.print(t)
 
 
@@ -180,7 +181,7 @@ def launch(cfg: rt_config.RuntimeConfig, config_text: str, run_dir: str | None =
         return 0, summary
     except RunFailed as e:
         console.print(f"[red]wan-diloco: run failed: {e}[/red]")
-        return (130 if stop["sig"] else 1), {"error": str(e), "run_dir": str(rdir)}
+        return (128 + stop["sig"] if stop["sig"] else 1), {"error": str(e), "run_dir": str(rdir)}
     finally:
         for s, h in old.items():
             signal.signal(s, h)
