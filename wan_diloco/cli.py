@@ -16,6 +16,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "simulate": ("wan_diloco.sim_cli", "simulated multi-region training run on a virtual clock"),
     "bandwidth": ("wan_diloco.planning.cli_bandwidth", "Gbit/s between datacenters needed for a compute-utilization target"),
     "goodput": ("wan_diloco.planning.cli_goodput", "chaos simulation of goodput and uptime under chip failures"),
+    "syncer": ("wan_diloco.runtime.syncer_cli", "serve the syncer of a networked run (gRPC over HTTP/2)"),
+    "learner": ("wan_diloco.runtime.learner_cli", "one learner process of a networked run"),
+    "launch": ("wan_diloco.runtime.launch_cli", "start a syncer and M learners as local processes, with live progress"),
+    "train": ("wan_diloco.runtime.train_cli", "the default local run: syncer + 4 learners in 2 regions on loopback"),
 }
 
 

@@ -1,0 +1,59 @@
+"""SIGKILL a learner mid-run: the others keep stepping, the syncer keeps merging (K = 1); restarted, it
+rejoins from the syncer's global parameters, contributes again, and ends bit-identical."""
+import json
+import time
+import urllib.request
+
+from wan_diloco.runtime import config as rt
+from wan_diloco.runtime.launch import Cluster
+
+from .conftest import micro_config
+
+
+def status(cluster):
+    with urllib.request.urlopen(f"http://127.0.0.1:{cluster.status_port}/status", timeout=5) as r:
+        return json.loads(r.read())
+
+
+def wait_for(what, predicate, timeout_s=60.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def last_step(child):
+    steps = [e["step"] for e in child.events if e.get("event") == "step"]
+    return steps[-1] if steps else 0
+
+
+def test_killed_learner_rejoins_and_contributes_again(tmp_path):
+    path = micro_config(tmp_path, learners=3, steps=260, min_step_s=0.04)
+    cfg = rt.load(path)
+    with Cluster(cfg, path, tmp_path / "run") as cluster:
+        cluster.start_syncer()
+        learners = [cluster.start_learner(m) for m in range(3)]
+        wait_for("learner 2 to train", lambda: last_step(learners[2]) >= 12)
+        cluster.kill("learner-2")
+        st = wait_for("the syncer to notice", lambda: (s := status(cluster))["learners"]["2"]["alive"] is False and s)
+        versions_at_kill, steps_at_kill = sum(st["versions"]), [last_step(c) for c in learners[:2]]
+        # The others keep stepping and the syncer keeps merging without learner 2.
+        st = wait_for("merges without learner 2", lambda: sum((s := status(cluster))["versions"]) >= versions_at_kill + 2 and s)
+        assert all(last_step(c) > n for c, n in zip(learners[:2], steps_at_kill))
+        restarted_s = st["uptime_s"]
+        assert 2 not in {m for h in st["history"] if h["closed_s"] > restarted_s for m in h["contributors"]}
+        rejoined = cluster.start_learner(2)
+        start = wait_for("the rejoin", lambda: next((e for e in rejoined.events if e.get("event") == "start"), None))
+        assert start["step"] > 0  # took up the global step from the syncer instead of starting at 0
+        wait_for("a merge with learner 2 after its restart", lambda: any(
+            2 in h["contributors"] and h["closed_s"] > restarted_s for h in status(cluster)["history"]))
+        wait_for("the end of the run", lambda: all(c.exit_code is not None for c in cluster.children.values()),
+                 timeout_s=90)
+        assert cluster.children["syncer"].exit_code == 0 and rejoined.exit_code == 0
+        syncer = next(e for e in cluster.children["syncer"].events if e.get("event") == "final")
+        for child in (learners[0], learners[1], rejoined):
+            final = next(e for e in child.events if e.get("event") == "final")
+            assert final["digests"] == syncer["digests"]

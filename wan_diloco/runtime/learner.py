@@ -1,0 +1,199 @@
+"""A networked learner: jitted inner steps on this thread, the network on a ``NetThread``.
+
+Between steps it merges what arrived (``LearnerCore.on_update``), and after a
+step it copies the fragment due to host memory and hands the upload to the
+network thread. It only waits on the network where the protocol says so
+(``LearnerCore.blocked``), at (re)join (it fetches the current global
+parameters from the syncer) and at the end (the final full sync).
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import queue
+import signal
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from wan_diloco import data as data_lib
+from wan_diloco import train as train_lib
+from wan_diloco import tree
+from wan_diloco.core import (
+    ApplyGlobal, LearnerCore, Resync, SendFragment, SendMetadata, Snapshot, learner_node,
+)
+from wan_diloco.runtime import wire
+from wan_diloco.runtime.config import RuntimeConfig
+from wan_diloco.runtime.events import emit
+from wan_diloco.runtime.netthread import NetThread
+from wan_diloco.runtime.setup import fragment_digest, host_flat, layout_of
+
+
+class Learner:
+    def __init__(self, cfg: RuntimeConfig, learner: int, target: str, token: str, codec: wire.WireCodec | None = None):
+        self.cfg, self.m = cfg, learner
+        self.region = cfg.run.region(learner)
+        mesh = train_lib.local_mesh()
+        self.state = train_lib.init_state(cfg.model, cfg.train, jax.random.PRNGKey(cfg.run.seed))
+        flat0 = host_flat(self.state.params)
+        self.layout = layout_of(cfg, flat0)
+        self.codec = codec or wire.Float32Wire(self.layout)
+        self.core = LearnerCore(cfg.learner, learner, self.layout.fragments, flat0, self.codec, self.region)
+        self.step_fn = train_lib.make_train_step(cfg.model, cfg.train, mesh)
+        corpus = data_lib.load_corpus(data_lib.DataConfig(corpus=cfg.run.corpus, vocab_size=cfg.model.vocab_size,
+                                                          max_bytes=cfg.run.corpus_max_bytes))
+        shard = data_lib.shard(corpus.train, learner, cfg.run.learners).tokens
+        seq = cfg.model.seq_len
+        self.batches = data_lib.batches(shard, cfg.run.batch_size, seq, seed=cfg.run.seed * 1009 + learner)
+        ev = data_lib.eval_batches(corpus.eval, cfg.run.batch_size, seq, cfg.run.eval_batches)
+        evaluate = train_lib.make_eval_fn(cfg.model, mesh)
+        self.evaluate = lambda: evaluate(self.state.params, ev)
+        self.net = NetThread(target, token, cfg.transport, learner_node(learner), self.region, self.codec, self.layout)
+        self.stop = threading.Event()
+        self.pending_resync: dict[int, concurrent.futures.Future] = {}
+        self.tokens = 0
+        self.compute_s = 0.0
+        self.raw_bytes = 0  # fp32 size of what was uploaded: numerator of the compression ratio
+        self.payload_bytes = 0
+        self.resyncs = 0
+
+    # ---- actions --------------------------------------------------------------------
+
+    def _handle(self, actions: list, final: bool = False) -> None:
+        for a in actions:
+            if isinstance(a, ApplyGlobal):
+                flat = tree.flatten(self.state.params)
+                for n, v in a.values.items():
+                    flat[n] = jnp.asarray(v) if a.alpha == 0 else a.alpha * flat[n] + (1 - a.alpha) * jnp.asarray(v)
+                self.state = train_lib.set_params(self.state, tree.unflatten(flat, self.state.params))
+            elif isinstance(a, Snapshot):
+                flat = tree.flatten(self.state.params)
+                theta = {n: np.asarray(flat[n]) for n in self.layout.fragments[a.fragment]}
+                self._handle(self.core.snapshot(time.monotonic(), a.fragment, a.due_step, theta), final)
+            elif isinstance(a, SendFragment):
+                step_s, sync_s = self.core.step_s.value, self.core.sync_s.value
+                self.raw_bytes += self.layout.nbytes[a.msg.fragment]
+                self.payload_bytes += a.msg.nbytes
+                self.net.upload(wire.upload_to_wire(a.msg, final, {"step_s": step_s, "sync_s": sync_s}))
+            elif isinstance(a, SendMetadata):
+                self.net.send_metadata(wire.metadata_to_wire(a.msg))
+            elif isinstance(a, Resync):
+                if a.fragment not in self.pending_resync:
+                    self.pending_resync[a.fragment] = self.net.fetch_fragment(f"fragment/{a.fragment}")
+
+    def _install(self, p: int, version: int, global_step: int, values: dict) -> None:
+        if version > self.core.version[p] or version == 0 == self.core.version[p]:
+            self.resyncs += 1
+            self._handle(self.core.resync(p, values, version))
+        if global_step > self.core.step:
+            self.core.step = global_step  # a (re)joining learner takes up the global schedule
+            self.state = self.state.replace(step=jnp.asarray(global_step, jnp.int32))
+
+    def _drain(self, block_s: float = 0.0) -> None:
+        """Merge what arrived; with ``block_s`` wait that long for the first item."""
+        while True:
+            try:
+                kind, item = self.net.inbox.get(timeout=block_s) if block_s else self.net.inbox.get_nowait()
+            except queue.Empty:
+                break
+            block_s = 0.0
+            if kind == "update":
+                self._handle(self.core.on_update(time.monotonic(), item))
+            else:
+                raise RuntimeError(f"learner {self.m}: {item}")
+        for p, fut in list(self.pending_resync.items()):
+            if fut.done():
+                del self.pending_resync[p]
+                self._install(*fut.result())
+
+    # ---- the run --------------------------------------------------------------------
+
+    def join(self, timeout_s: float) -> None:
+        """Fetch the current global parameters from the syncer: fresh start and rejoin alike."""
+        futs = [self.net.fetch_fragment(f"fragment/{p}") for p in range(len(self.layout.fragments))]
+        for fut in futs:
+            self._install(*fut.result(timeout=timeout_s))
+
+    def run(self) -> dict:
+        # Compile before joining: the first step on a shared CPU can take longer than the liveness timeout.
+        jax.block_until_ready(self.step_fn(self.state, next(self.batches).tokens))
+        self.net.start()
+        try:
+            self.join(self.cfg.transport.call_timeout_s + self.cfg.transport.retry_budget_s)
+            self.net.send_metadata(wire.metadata_to_wire(self.core.metadata()))
+            initial_loss = self.evaluate()
+            emit({"event": "start", "role": "learner", "learner": self.m, "region": self.region,
+                  "step": self.core.step, "eval_loss": initial_loss})
+            t_start, last_report, loss = time.monotonic(), 0.0, float("nan")
+            while self.core.step < self.cfg.run.steps and not self.stop.is_set():
+                self._drain()
+                while self.core.blocked and not self.stop.is_set():
+                    self._drain(block_s=0.05)
+                t0 = time.monotonic()
+                batch = next(self.batches)
+                self.core.begin_step(t0)
+                self.state, metrics = self.step_fn(self.state, batch.tokens)
+                loss = float(metrics["loss"])  # also waits for the step to finish
+                if self.cfg.run.min_step_s:
+                    time.sleep(max(0.0, self.cfg.run.min_step_s - (time.monotonic() - t0)))
+                t1 = time.monotonic()
+                self.compute_s += t1 - t0
+                self.tokens += batch.n_tokens
+                self._handle(self.core.step_done(t1, batch.n_tokens))
+                if t1 - last_report >= self.cfg.run.report_every_s:
+                    last_report = t1
+                    emit({"event": "step", "role": "learner", "learner": self.m, "step": self.core.step,
+                          "loss": loss, "tokens": self.tokens, "bytes_sent": self.net.bytes_sent,
+                          "bytes_received": self.net.bytes_received, "versions": list(self.core.version)})
+            if self.stop.is_set():
+                return {"event": "stopped", "role": "learner", "learner": self.m, "step": self.core.step}
+            train_s = time.monotonic() - t_start
+            report = self.final_sync()
+            return {"event": "final", "role": "learner", "learner": self.m, "region": self.region,
+                    "steps": self.core.step, "tokens": self.tokens, "train_s": train_s, "compute_s": self.compute_s,
+                    "initial_eval_loss": initial_loss, "last_loss": loss, "raw_bytes": self.raw_bytes,
+                    "payload_bytes": self.payload_bytes, "bytes_sent": self.net.bytes_sent,
+                    "bytes_received": self.net.bytes_received, "resyncs": self.resyncs, **report}
+        finally:
+            self.net.stop()
+
+    def final_sync(self) -> dict:
+        """Upload every fragment (flagged final); take the syncer's final fragments, by broadcast or bulk."""
+        self._drain()
+        now = time.monotonic()
+        flat = tree.flatten(self.state.params)
+        for p, names in enumerate(self.layout.fragments):
+            theta = {n: np.asarray(flat[n]) for n in names}
+            self._handle(self.core.snapshot(now, p, max(1, self.core.step), theta), final=True)
+        budget_s = self.cfg.run.final_timeout_s + self.cfg.transport.retry_budget_s
+        self.net.wait_uploads(budget_s)
+        finals = [f.result(timeout=budget_s) for f in
+                  [self.net.fetch_fragment(f"final/{p}") for p in range(len(self.layout.fragments))]]
+        # The broadcast of the final merge normally arrives on the update stream; bulk is the fallback.
+        deadline = time.monotonic() + 5.0
+        while any(self.core.version[p] < v for p, v, _, _ in finals) and time.monotonic() < deadline:
+            self._drain(block_s=0.05)
+        by_bulk = 0
+        for p, v, g, values in finals:
+            if self.core.version[p] < v:
+                by_bulk += 1
+                self._handle(self.core.resync(p, values, v))
+        flat = {n: np.asarray(a) for n, a in tree.flatten(self.state.params).items()}
+        return {
+            "versions": list(self.core.version), "final_by_bulk": by_bulk,
+            "digests": [fragment_digest(self.core.base[p], names) for p, names in enumerate(self.layout.fragments)],
+            "param_digests": [fragment_digest(flat, names) for names in self.layout.fragments],
+            "final_eval_loss": self.evaluate(),
+        }
+
+
+def run_learner(cfg: RuntimeConfig, learner: int, target: str, token: str) -> int:
+    """Process entry point: 0 after a completed final sync, 143 when stopped by a signal."""
+    lrn = Learner(cfg, learner, target, token)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: lrn.stop.set())
+    result = lrn.run()
+    emit(result)
+    return 0 if result["event"] == "final" else 143
