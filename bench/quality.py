@@ -45,6 +45,10 @@ def runs(sync_every: int) -> dict[str, dict]:
         "decoupled_hetero_nograce": dict(DECOUPLED, sync_every=sync_every, grace=False, **HETERO),
         "decoupled_m8_rda": dict(DECOUPLED, learners=8, merge="rda", sync_every=sync_every),
         "decoupled_m8_mean": dict(DECOUPLED, learners=8, merge="mean", sync_every=sync_every),
+        # Bits sweep: "decoupled" above is the 32-bit run.
+        "decoupled_int8": dict(DECOUPLED, sync_every=sync_every, bits=8),
+        "decoupled_int4": dict(DECOUPLED, sync_every=sync_every, bits=4),
+        "decoupled_int4_ef": dict(DECOUPLED, sync_every=sync_every, bits=4, error_feedback=True),
     }
 
 
@@ -108,10 +112,11 @@ def plot(results: dict[str, dict], path: Path) -> None:
 
 def markdown(results: dict[str, dict]) -> str:
     dp = results.get("dp", {}).get("final_eval_loss")
-    lines = ["| run | final eval loss | vs dp | goodput | tokens |", "|---|---|---|---|---|"]
+    lines = ["| run | final eval loss | vs dp | goodput | uptime | tokens | WAN bytes |", "|---|---|---|---|---|---|---|"]
     for name, r in results.items():
         rel = f"{(r['final_eval_loss'] / dp - 1) * 100:+.1f} %" if dp else ""
-        lines.append(f"| {name} | {r['final_eval_loss']:.4f} | {rel} | {r['goodput']:.3f} | {r['tokens']:,} |")
+        lines.append(f"| {name} | {r['final_eval_loss']:.4f} | {rel} | {r['goodput']:.3f} | {r['uptime']:.3f} "
+                     f"| {r['tokens']:,} | {r['bytes_sent'] / 1e6:,.0f} MB |")
     return "\n".join(lines)
 
 
@@ -120,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="fewer tokens (same run names), ~5 minutes")
     ap.add_argument("--preset", default="tiny", help="tiny | small | base (small/base: machines with an accelerator)")
     ap.add_argument("--tokens", type=float, default=None, help="token budget per run (default 2e6, quick 3e5)")
-    ap.add_argument("--sync-every", type=int, default=16)
+    ap.add_argument("--sync-every", type=int, default=8)
     ap.add_argument("--only", nargs="*", help="run only these names")
     ap.add_argument("--jobs", type=int, default=1, help="runs in parallel (processes)")
     ap.add_argument("--out", default=str(ROOT / "results" / "quality.json"))

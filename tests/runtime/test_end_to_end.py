@@ -2,14 +2,18 @@
 import json
 import socket
 
+import pytest
+
 from wan_diloco.runtime import config as rt
 from wan_diloco.runtime.launch_cli import launch
 
 from .conftest import micro_config
 
 
-def test_three_learners_end_bit_identical_to_the_syncer(tmp_path):
-    path = micro_config(tmp_path, learners=3, steps=40)
+@pytest.mark.parametrize("bits", [32, 4])
+def test_three_learners_end_bit_identical_to_the_syncer(tmp_path, bits):
+    extra = f"\n[codec]\nbits = {bits}\n" if bits != 32 else ""
+    path = micro_config(tmp_path, learners=3, steps=40, extra=extra)
     code, summary = launch(rt.load(path), path.read_text(), str(tmp_path / "run"), quiet=True)
     assert code == 0, summary
     events = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -25,6 +29,8 @@ def test_three_learners_end_bit_identical_to_the_syncer(tmp_path):
     assert sum(f["final_by_bulk"] for f in finals.values()) < 3 * len(syncer["versions"])
     assert summary["final_eval_loss"] < summary["initial_eval_loss"] - 0.5
     assert 0 < summary["bytes_sent"] < summary["dp_bytes"]
+    if bits == 4:
+        assert summary["compression_ratio"] > 5  # NF4 + scales + zstd on the fragment traffic
 
 
 def test_launch_fails_with_the_reason_when_the_syncer_cannot_start(tmp_path):

@@ -45,6 +45,8 @@ class LearnerConfig:
         require(self.sync_every >= 1, "sync_every", f"must be >= 1, got {self.sync_every}")
         require(self.num_fragments >= 1, "num_fragments", f"must be >= 1, got {self.num_fragments}")
         require(self.tau >= 0, "tau", f"must be >= 0, got {self.tau}")
+        # τ >= H/P is allowed (several fragments in flight at once); τ >= H would overtake the next sync.
+        require(self.tau < self.sync_every, "tau", f"must be < sync_every ({self.sync_every}), got {self.tau}")
         require(0.0 <= self.alpha <= 1.0, "alpha", f"must be in [0, 1], got {self.alpha}")
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from wan_diloco import model as model_lib
+from wan_diloco.compression.config import CodecConfig
 from wan_diloco.config import ConfigError, from_mapping, load_toml, require
 from wan_diloco.core import LearnerConfig, SyncerConfig
 from wan_diloco.fragments import STRATEGIES
@@ -75,6 +76,7 @@ class RuntimeConfig:
     syncer: SyncerConfig
     train: TrainConfig
     transport: TransportConfig
+    codec: CodecConfig = CodecConfig(bits=32)
 
     def token(self) -> str:
         """The bearer token: ``run.token``, else ``$WAN_DILOCO_TOKEN``; a missing one is a ConfigError."""
@@ -97,7 +99,7 @@ def _table(doc: Mapping[str, Any], name: str) -> dict[str, Any]:
 
 def from_document(doc: Mapping[str, Any]) -> RuntimeConfig:
     """Build and cross-check the whole config from a parsed TOML document."""
-    known = {"run", "model", "learner", "syncer", "train", "transport"}
+    known = {"run", "model", "learner", "syncer", "train", "transport", "codec"}
     unknown = sorted(set(doc) - known)
     require(not unknown, unknown[0] if unknown else "", f"unknown table; known tables are {', '.join(sorted(known))}")
     run = from_mapping(RunConfig, _table(doc, "run"), prefix="run.")
@@ -112,7 +114,10 @@ def from_document(doc: Mapping[str, Any]) -> RuntimeConfig:
     train_t.setdefault("total_steps", max(run.steps, train_t.get("warmup_steps", TrainConfig.warmup_steps) + 1))
     train = from_mapping(TrainConfig, train_t, prefix="train.")
     transport = from_mapping(TransportConfig, _table(doc, "transport"), prefix="transport.")
-    return RuntimeConfig(run, _model(_table(doc, "model")), learner, syncer, train, transport)
+    codec_t = _table(doc, "codec")
+    codec_t.setdefault("bits", 32)
+    codec = from_mapping(CodecConfig, codec_t, prefix="codec.")
+    return RuntimeConfig(run, _model(_table(doc, "model")), learner, syncer, train, transport, codec)
 
 
 def load(path: str | Path | None) -> RuntimeConfig:
@@ -147,17 +152,17 @@ preset = "tiny"
 seq_len = 64                       # shorter context than the preset's 128: 4 processes share 2 cores
 
 [learner]
-sync_every = 16                    # H: each fragment syncs every 16 steps
-num_fragments = 4                  # P: one fragment every 4 steps
+sync_every = 8                     # H: each fragment syncs every 8 steps
+num_fragments = 4                  # P: one fragment every 2 steps
 tau = 2                            # a fragment may travel for 2 steps while training goes on
 
 [syncer]
 quorum = 1                         # K: merge as soon as one learner delivered (then the grace window)
 merge = "rda"
 
-[syncer.outer]
-lr = 0.7
-momentum = 0.9
+[syncer.outer]                     # tuned for tiny models (README, "Model quality")
+lr = 0.4
+momentum = 0.6
 
 [train]
 lr = 3e-3
@@ -165,4 +170,7 @@ warmup_steps = 15
 
 [transport]
 channels = 1
+
+[codec]
+bits = 8                           # int8 outer gradients and updates (4 = NF4, 32 = uncompressed)
 """

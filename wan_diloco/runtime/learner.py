@@ -39,7 +39,7 @@ class Learner:
         self.state = train_lib.init_state(cfg.model, cfg.train, jax.random.PRNGKey(cfg.run.seed))
         flat0 = host_flat(self.state.params)
         self.layout = layout_of(cfg, flat0)
-        self.codec = codec or wire.Float32Wire(self.layout)
+        self.codec = codec or wire.make_codec(self.layout, cfg.codec)
         self.core = LearnerCore(cfg.learner, learner, self.layout.fragments, flat0, self.codec, self.region)
         self.step_fn = train_lib.make_train_step(cfg.model, cfg.train, mesh)
         corpus = data_lib.load_corpus(data_lib.DataConfig(corpus=cfg.run.corpus, vocab_size=cfg.model.vocab_size,

@@ -37,7 +37,7 @@ class SyncerService:
         self.cfg, self.metrics = cfg, metrics
         flat = host_flat(initial_params(cfg))
         self.layout = layout_of(cfg, flat)
-        self.codec = codec or wire.Float32Wire(self.layout)
+        self.codec = codec or wire.make_codec(self.layout, cfg.codec)
         self.core = SyncerCore(cfg.syncer, self.layout.fragments, flat, model_lib.is_embedding, codec=self.codec)
         self._warm_up()
         self.hub = UpdateHub(cfg.transport.chunk_bytes)

@@ -97,6 +97,42 @@ class Float32Wire:
         return out
 
 
+class CompressedWire:
+    """int8 / NF4 / bf16 outer gradients and updates through the wire codec (wan_diloco.compression)."""
+
+    def __init__(self, layout: Layout, cfg):
+        from wan_diloco.compression.fragment_codec import FragmentCodec
+
+        self.layout = layout
+        self._codec = FragmentCodec(cfg)
+
+    def roundtrip(self, values: Mapping[str, np.ndarray]) -> Encoded:
+        self.layout.fragment_for(list(values))
+        return self._codec.roundtrip(values)
+
+    def decode(self, fragment: int, payload: Any) -> dict[str, np.ndarray]:
+        from wan_diloco.compression import CodecError, decode
+
+        if not 0 <= fragment < len(self.layout.fragments):
+            raise ProtocolError(f"fragment {fragment} out of range 0..{len(self.layout.fragments) - 1}")
+        try:
+            # No honest encoding of fragment p is larger than its fp32 size plus headers.
+            out = decode(bytes(payload), max_bytes=2 * self.layout.nbytes[fragment] + (1 << 16))
+        except CodecError as e:
+            raise ProtocolError(f"fragment {fragment}: {e}") from None
+        if set(out) != set(self.layout.fragments[fragment]):
+            raise ProtocolError(f"fragment {fragment}: payload names other tensors than the fragment's")
+        for n, a in out.items():
+            if a.shape != self.layout.shapes[n]:
+                raise ProtocolError(f"{n!r}: shape {a.shape}, expected {self.layout.shapes[n]}")
+        return out
+
+
+def make_codec(layout: Layout, cfg) -> WireCodec:
+    """The codec a run's ``[codec]`` table asks for; 32 bits is the uncompressed fp32 path."""
+    return Float32Wire(layout) if cfg.bits == 32 else CompressedWire(layout, cfg)
+
+
 # ---- envelope ------------------------------------------------------------------------
 
 
