@@ -11,7 +11,6 @@ after warm-up, in GB/s of fp32 input, next to the same run's np.copy.
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import os
 import time
@@ -37,61 +36,27 @@ IMPLS = {"jnp": "jnp", "pallas_interpret": "pallas"}
 
 # --------------------------------------------------------- outer gradients
 def capture_outer_grads(quick: bool) -> dict[str, np.ndarray]:
-    """Real outer gradients Δ = Θ_start − θ_after, captured here without the simulator.
+    """Real outer gradients: the Δ = Θ_base − θ that learners upload in a simulated run.
 
-    Self-contained stand-in until the simulated driver exists: a small MLP
-    language model on the Python stdlib's source bytes is warmed up with AdamW,
-    then two learners each run H inner AdamW steps from that same start on
-    different data; each learner's Θ_start − θ_after is one outer gradient.
-    Replace this function by one that records the fragments a simulated run
-    sends; the rest of the bench only needs {name: float32 array}.
+    Two learners train the tiny transformer on the stdlib corpus (decoupled,
+    H = 8, P = 4); the syncer's input is recorded, keeping each learner's
+    latest upload of every tensor (mid-to-late training, not init).
     """
-    import flax.linen as nn
-    import optax
+    from wan_diloco import sim
 
-    from wan_diloco.tree import flatten
+    cfg = sim.SimConfig(preset="tiny", learners=2, steps=48 if quick else 160, eval_every=10_000, eval_batches=1)
+    run = sim._Simulation(cfg, sim._Setup(cfg), [], None)
+    captured: dict[str, np.ndarray] = {}
+    on_fragment = run.syncer.on_fragment
 
-    ctx, width = 16, 256 if quick else 512
+    def record(now_s, msg):
+        for name, delta in msg.delta.items():
+            captured[f"learner_{msg.learner}/{name}"] = np.array(delta, dtype=np.float32)
+        return on_fragment(now_s, msg)
 
-    class MLPLM(nn.Module):
-        @nn.compact
-        def __call__(self, x):
-            h = nn.Embed(256, 64)(x).reshape(x.shape[0], -1)
-            h = nn.gelu(nn.LayerNorm()(nn.Dense(width)(h)))
-            h = nn.gelu(nn.LayerNorm()(nn.Dense(width)(h)))
-            return nn.Dense(256)(h)
-
-    stdlib = sorted(glob.glob(os.path.dirname(os.__file__) + "/*.py"))[:60]
-    src = b"".join(Path(f).read_bytes() for f in stdlib)
-    corpus = np.frombuffer(src, np.uint8)
-    model, opt = MLPLM(), optax.adamw(1e-3, weight_decay=0.1)
-
-    def loss(p, x, y):
-        return optax.softmax_cross_entropy_with_integer_labels(model.apply(p, x), y).mean()
-
-    @jax.jit
-    def step(p, s, x, y):
-        u, s = opt.update(jax.grad(loss)(p, x, y), s, p)
-        return optax.apply_updates(p, u), s
-
-    def train(p, s, seed, steps):
-        rng = np.random.default_rng(seed)  # the seed picks this learner's data
-        for _ in range(steps):
-            starts = rng.integers(0, corpus.size - ctx - 1, 64)
-            w = corpus[starts[:, None] + np.arange(ctx + 1)].astype(np.int32)
-            p, s = step(p, s, w[:, :ctx], w[:, ctx])
-        return p, s
-
-    params = model.init(jax.random.key(0), jnp.zeros((1, ctx), jnp.int32))
-    warm, inner = (50, 20) if quick else (200, 50)
-    # Shared warm-up, so the outer gradients come from mid-training, not from init.
-    params, state = train(params, opt.init(params), 0, warm)
-    out = {}
-    for learner in (1, 2):
-        after, _ = train(params, state, 100 + learner, inner)
-        delta = jax.tree.map(lambda a, b: np.asarray(a - b, np.float32), params, after)
-        out.update({f"learner_{learner}/{k}": v for k, v in flatten(delta).items()})
-    return out
+    run.syncer.on_fragment = record
+    run.run()
+    return captured
 
 
 # ---------------------------------------------------------------- measure

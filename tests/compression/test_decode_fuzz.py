@@ -9,7 +9,7 @@ import struct
 import numpy as np
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from codec_forge import FIELDS, FIXED, WIDTHS, dim_offsets, fields, reseal
+from .codec_forge import FIELDS, FIXED, WIDTHS, dim_offsets, fields, reseal
 from wan_diloco.compression import CodecConfig, CodecError, decode, encode
 
 _RNG = np.random.default_rng(7)

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from codec_forge import FIXED, body_with, dim_offsets, fields, reseal, with_fields
+from .codec_forge import FIXED, body_with, dim_offsets, fields, reseal, with_fields
 from wan_diloco.compression import (
     CodecConfig, CodecError, EncodeError, NonFiniteError, decode, encode, roundtrip,
 )

@@ -31,7 +31,7 @@ def last_step(child):
 
 
 def test_killed_learner_rejoins_and_contributes_again(tmp_path):
-    path = micro_config(tmp_path, learners=3, steps=400, min_step_s=0.05)  # long enough for a restart under load
+    path = micro_config(tmp_path, learners=3, steps=600, min_step_s=0.05)  # long enough for a restart under load
     cfg = rt.load(path)
     with Cluster(cfg, path, tmp_path / "run") as cluster:
         cluster.start_syncer()

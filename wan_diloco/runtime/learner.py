@@ -100,7 +100,8 @@ class Learner:
                 break
             block_s = 0.0
             if kind == "update":
-                self._handle(self.core.on_update(time.monotonic(), item))
+                arrived_s, update = item
+                self._handle(self.core.on_update(arrived_s, update))
             else:
                 raise RuntimeError(f"learner {self.m}: {item}")
         for p, fut in list(self.pending_resync.items()):

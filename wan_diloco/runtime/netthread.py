@@ -13,6 +13,7 @@ import concurrent.futures
 import logging
 import queue
 import threading
+import time
 from typing import Any
 
 from wan_diloco.core import ProtocolError
@@ -28,7 +29,7 @@ class NetThread:
     def __init__(self, target: str, token: str, config: TransportConfig, node: str, region: str,
                  codec: wire.WireCodec, layout: wire.Layout):
         self.node, self.region, self.codec, self.layout = node, region, codec, layout
-        self.inbox: queue.Queue = queue.Queue()  # ("update", GlobalUpdate) | ("error", text)
+        self.inbox: queue.Queue = queue.Queue()  # ("update", (arrived_s, GlobalUpdate)) | ("error", text)
         self.metrics = TransportMetrics()
         self.loop = new_event_loop()
         self.client = SyncerClient(target, token, config, self.metrics)
@@ -75,7 +76,8 @@ class NetThread:
         try:
             async for msg in self.client.subscribe(self.node, self.region):
                 try:
-                    self.inbox.put(("update", wire.update_from_wire(msg, self.codec)))
+                    # Stamped on arrival: the learner merges between steps, but sync time is measured to here.
+                    self.inbox.put(("update", (time.monotonic(), wire.update_from_wire(msg, self.codec))))
                 except ProtocolError as e:
                     self.bad_updates += 1
                     log.error("%s: refused a global update: %s", self.node, e)
