@@ -21,7 +21,7 @@ os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})  # one core, befor
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
+
 import numpy as np  # noqa: E402
 
 from wan_diloco.compression import CodecConfig, decode, encode  # noqa: E402

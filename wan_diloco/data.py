@@ -21,7 +21,7 @@ from typing import Iterator, Literal
 
 import numpy as np
 
-from wan_diloco.config import ConfigError, require
+from wan_diloco.config import require
 
 # Directory names skipped in the stdlib corpus: tests hold generated and
 # deliberately odd data, and site-packages is not the stdlib.

@@ -17,7 +17,7 @@ from typing import Any, Mapping
 
 from wan_diloco import model as model_lib
 from wan_diloco.compression.config import CodecConfig
-from wan_diloco.config import ConfigError, from_mapping, load_toml, require
+from wan_diloco.config import from_mapping, load_toml, require
 from wan_diloco.core import LearnerConfig, SyncerConfig
 from wan_diloco.fragments import STRATEGIES
 from wan_diloco.model import ModelConfig
