@@ -43,6 +43,17 @@ def test_shards_disjoint_and_cover():
         d.shard(train, 4, 4)
 
 
+def test_interleaved_shards_disjoint_cover_and_span_the_corpus():
+    train = np.arange(1003)
+    shards = [d.shard(train, i, 4, block_tokens=10) for i in range(4)]
+    together = np.sort(np.concatenate([s.tokens for s in shards]))
+    assert np.array_equal(together, train)  # disjoint and complete
+    for s in shards:  # each learner draws from the start and the end of the corpus
+        assert s.tokens.min() < 40 and s.tokens.max() > 960
+    with pytest.raises(ConfigError, match="block_tokens"):
+        d.shard(train, 0, 4, block_tokens=-1)
+
+
 def test_batches_shape_and_determinism():
     tokens = np.arange(500, dtype=np.uint16)
     a, b = d.batches(tokens, 4, 16, seed=7), d.batches(tokens, 4, 16, seed=7)

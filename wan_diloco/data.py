@@ -157,11 +157,22 @@ class Shard:
     stop: int
 
 
-def shard(train: np.ndarray, learner_id: int, num_learners: int) -> Shard:
-    """Split ``train`` into ``num_learners`` near-equal contiguous slices; return slice ``learner_id``."""
+def shard(train: np.ndarray, learner_id: int, num_learners: int, block_tokens: int = 0) -> Shard:
+    """Learner ``learner_id``'s disjoint share of ``train``.
+
+    ``block_tokens = 0``: one contiguous slice (a learner sees only some files,
+    like regions holding different data). ``block_tokens > 0``: blocks of that
+    many tokens dealt round-robin, so every learner sees the whole corpus's mix.
+    """
     require(num_learners > 0, "num_learners", f"must be positive, got {num_learners}")
     require(0 <= learner_id < num_learners, "learner_id",
             f"must be in 0..{num_learners - 1}, got {learner_id}")
+    require(block_tokens >= 0, "block_tokens", f"must be >= 0, got {block_tokens}")
+    if block_tokens:
+        n_blocks = -(-len(train) // block_tokens)
+        mine = [train[b * block_tokens:(b + 1) * block_tokens] for b in range(learner_id, n_blocks, num_learners)]
+        tokens = np.concatenate(mine) if mine else train[:0]
+        return Shard(tokens, learner_id, num_learners, learner_id * block_tokens, len(train))
     start = learner_id * len(train) // num_learners
     stop = (learner_id + 1) * len(train) // num_learners
     return Shard(train[start:stop], learner_id, num_learners, start, stop)

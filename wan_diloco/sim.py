@@ -102,7 +102,8 @@ class _Setup:
         ev = data_lib.eval_batches(corpus.eval, cfg.batch_size, self.seq_len, cfg.eval_batches)
         self.evaluate = lambda params: evaluate(params, ev)
         self.state0 = train_lib.init_state(self.model_cfg, train_cfg, jax.random.PRNGKey(cfg.seed))
-        self.shards = [data_lib.shard(corpus.train, m, cfg.learners).tokens for m in range(cfg.learners)]
+        self.shards = [data_lib.shard(corpus.train, m, cfg.learners, cfg.shard_block_tokens).tokens
+                       for m in range(cfg.learners)]
 
     def batches(self, cfg: SimConfig, m: int):
         return data_lib.batches(self.shards[m], cfg.batch_size, self.seq_len, seed=cfg.seed * 1009 + m)

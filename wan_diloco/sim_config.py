@@ -47,6 +47,8 @@ class SimConfig:
     eval_every: int = 50  # global steps between eval points on the curve
     eval_batches: int = 8
     corpus: str = "stdlib"
+    # 0: contiguous shards (learners see different files); > 0: blocks of this many tokens dealt round-robin.
+    shard_block_tokens: int = 0
     bits: int = 32  # outer gradients and updates on the wire: 32 (fp32), 16 (bf16), 8 (int8), 4 (NF4)
     error_feedback: bool = False
 
@@ -62,6 +64,7 @@ class SimConfig:
         require(self.fragmenter in STRATEGIES, "fragmenter", f"must be one of {', '.join(STRATEGIES)}")
         require(self.steps >= 1, "steps", f"must be >= 1, got {self.steps}")
         require(self.tokens >= 0, "tokens", f"must be >= 0, got {self.tokens}")
+        require(self.shard_block_tokens >= 0, "shard_block_tokens", f"must be >= 0, got {self.shard_block_tokens}")
         require(self.batch_size >= 1, "batch_size", f"must be >= 1, got {self.batch_size}")
         require(not self.speeds or len(self.speeds) == self.learners, "speeds",
                 f"needs one factor per learner ({self.learners}), got {len(self.speeds)}")
