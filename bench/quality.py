@@ -96,11 +96,12 @@ def plot(results: dict[str, dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 5))
-    for name, r in results.items():
+    fig, ax = plt.subplots(figsize=(9, 5.5))
+    colors = plt.cm.tab20.colors
+    for i, (name, r) in enumerate(results.items()):
         pts = [p for p in r["curve"] if p["tokens"] > 0]
-        ax.plot([p["tokens"] for p in pts], [p["eval_loss"] for p in pts], label=name,
-                linestyle="--" if name.startswith("dp") else "-")
+        ax.plot([p["tokens"] for p in pts], [p["eval_loss"] for p in pts], label=name, color=colors[i % 20],
+                linestyle="--" if name.startswith("dp") else "-", marker="." if name == "dp_failures" else None)
     ax.set_xlabel("tokens (all learners)")
     ax.set_ylabel("eval loss (held-out stdlib files)")
     ax.set_title("Equal-token quality, tiny preset")
@@ -129,7 +130,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", nargs="*", help="run only these names")
     ap.add_argument("--jobs", type=int, default=1, help="runs in parallel (processes)")
     ap.add_argument("--out", default=str(ROOT / "results" / "quality.json"))
+    ap.add_argument("--replot", action="store_true", help="redraw the PNG and table from --out without running")
     args = ap.parse_args(argv)
+    if args.replot:
+        results = json.loads(Path(args.out).read_text())["runs"]
+        plot(results, Path(args.out).with_suffix(".png"))
+        print(markdown(results))
+        return 0
     tokens = int(args.tokens or (3e5 if args.quick else 2e6))
     common = dict(preset=args.preset, tokens=tokens, eval_every=10 if args.quick else 25, seed=0)
     todo = runs(args.sync_every)
