@@ -32,7 +32,7 @@ seq_len = 32
 [learner]
 sync_every = 8
 num_fragments = 2
-tau = 1
+tau = {tau}
 
 [syncer]
 liveness_timeout_s = 20.0
@@ -48,9 +48,9 @@ retry_budget_s = 15.0
 
 
 def micro_config(tmp_path: Path, learners: int = 3, steps: int = 40, min_step_s: float = 0.0,
-                 token: str = TOKEN, extra: str = "") -> Path:
+                 token: str = TOKEN, extra: str = "", tau: int = 1) -> Path:
     path = tmp_path / "micro.toml"
-    path.write_text(MICRO.format(learners=learners, steps=steps, min_step_s=min_step_s, token=token) + extra)
+    path.write_text(MICRO.format(learners=learners, steps=steps, min_step_s=min_step_s, token=token, tau=tau) + extra)
     return path
 
 

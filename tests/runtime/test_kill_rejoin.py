@@ -31,7 +31,10 @@ def last_step(child):
 
 
 def test_killed_learner_rejoins_and_contributes_again(tmp_path):
-    path = micro_config(tmp_path, learners=3, steps=600, min_step_s=0.05)  # long enough for a restart under load
+    # Long enough for a restart under load; τ = 2 gives a grace window longer than a step, so the
+    # rejoined learner is merged whatever its phase relative to the others (with τ = 1 a learner
+    # lagging by more than the grace is dropped as late every round: K = 1 without enough grace).
+    path = micro_config(tmp_path, learners=3, steps=600, min_step_s=0.05, tau=2)
     cfg = rt.load(path)
     with Cluster(cfg, path, tmp_path / "run") as cluster:
         cluster.start_syncer()

@@ -78,8 +78,9 @@ class _Round:
 @dataclass
 class SyncerStats:
     fragment_syncs: list[int]
-    quorum_sizes: list[int] = field(default_factory=list)
-    grace_s: list[float] = field(default_factory=list)
+    # Bounded: means over the most recent rounds, so a long networked run does not grow without end.
+    quorum_sizes: deque = field(default_factory=lambda: deque(maxlen=10_000))
+    grace_s: deque = field(default_factory=lambda: deque(maxlen=10_000))
     late_dropped: int = 0
     stale_dropped: int = 0
     bytes_in: int = 0
