@@ -34,7 +34,7 @@ def test_quorum_then_grace_then_everyone_in_closes_early():
     [b] = s.on_fragment(1.5, upload(2))  # last live learner arrives inside the grace: close now
     assert b.msg.contributors == (0, 1, 2)
     assert s.on_timer(timer.at_s, timer.key) == []  # the round is gone
-    assert s.stats.quorum_sizes == [3]
+    assert list(s.stats.quorum_sizes) == [3]
 
 
 def test_grace_expiry_closes_with_quorum_and_late_one_is_dropped():
