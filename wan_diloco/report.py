@@ -55,3 +55,16 @@ def summary_table(result) -> None:
     for k, v in rows:
         t.add_row(k, v)
     out.print(t)
+
+
+def save_figure(fig, ax, path) -> None:
+    """Grid, legend, tight layout, write a PNG (creating its folder), free the figure."""
+    import matplotlib.pyplot as plt
+    from pathlib import Path
+
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -165,9 +165,6 @@ def plot_cu_curves(cfg: BandwidthConfig, methods, rates: dict[str, list[float]],
     ax.set_xlabel("bandwidth between datacenters (Gbit/s)")
     ax.set_ylabel("compute utilization")
     ax.set_title(f"{cfg.params:.3g} params, {cfg.layers} layers, step {cfg.step_time_s:.3g} s")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    from wan_diloco.report import save_figure
+
+    save_figure(fig, ax, path)

@@ -120,9 +120,6 @@ def plot_goodput_vs_chips(cfg: GoodputConfig, path: Path, points: int = 7) -> No
     ax.set_xlabel("chips")
     ax.set_ylabel("goodput")
     ax.set_title(f"MTBF {cfg.mtbf_chip_years:g} chip-years, slices of {cfg.slice_chips}, {cfg.days:g} days")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    from wan_diloco.report import save_figure
+
+    save_figure(fig, ax, path)
