@@ -5,7 +5,7 @@ token budget in the simulated driver (virtual clock, real JAX training), and
 reports final eval loss, goodput and tokens. Writes bench/results/quality.json
 and bench/results/quality.png (eval loss against tokens).
 
-    python bench/quality.py            # tiny preset, ~30 min on 2 CPU cores
+    python bench/quality.py            # tiny preset, ~30 min on 2 CPU cores (2 runs at a time)
     python bench/quality.py --quick    # same runs, fewer tokens, ~5 min
     python bench/quality.py --only dp decoupled --tokens 4e6
 """
@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import multiprocessing as mp
 import sys
 import time
@@ -127,8 +128,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--preset", default="tiny", help="tiny | small | base (small/base: machines with an accelerator)")
     ap.add_argument("--tokens", type=float, default=None, help="token budget per run (default 2e6, quick 3e5)")
     ap.add_argument("--sync-every", type=int, default=8)
+    ap.add_argument("--batch-size", type=int, default=2,
+                    help="sequences per learner step (dp: learners x this); 2 is where dp itself does best "
+                         "at 2M tokens among 16/8/4/2 (bench/quality_sweep.py)")
     ap.add_argument("--only", nargs="*", help="run only these names")
-    ap.add_argument("--jobs", type=int, default=1, help="runs in parallel (processes)")
+    ap.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="runs in parallel (processes)")
     ap.add_argument("--out", default=str(ROOT / "results" / "quality.json"))
     ap.add_argument("--replot", action="store_true", help="redraw the PNG and table from --out without running")
     args = ap.parse_args(argv)
@@ -138,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
         print(markdown(results))
         return 0
     tokens = int(args.tokens or (3e5 if args.quick else 2e6))
-    common = dict(preset=args.preset, tokens=tokens, eval_every=10 if args.quick else 25, seed=0)
+    steps = tokens // (args.batch_size * model.preset(args.preset).seq_len * 4)
+    common = dict(preset=args.preset, tokens=tokens, batch_size=args.batch_size, eval_every=max(1, steps // 40), seed=0)
     todo = runs(args.sync_every)
     if args.only:
         unknown = set(args.only) - set(todo)
@@ -154,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     results = {k: results[k] for k in todo}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    doc = {"preset": args.preset, "tokens": tokens, "quick": args.quick,
+    doc = {"preset": args.preset, "tokens": tokens, "batch_size": args.batch_size, "quick": args.quick,
            "runs": {k: {kk: vv for kk, vv in v.items()} for k, v in results.items()}}
     out.write_text(json.dumps(doc, indent=1))
     plot(results, out.with_suffix(".png"))

@@ -70,7 +70,7 @@ def test_synchronous_baselines_block_and_sync_whole_model():
 @pytest.mark.parametrize(
     "kw, field",
     [({"quorum": 4}, "quorum"), ({"speeds": (1.0,)}, "speeds"), ({"baseline": "x"}, "baseline"),
-     ({"preset": "huge"}, "preset"), ({"tau": -1}, "tau")],
+     ({"preset": "huge"}, "preset"), ({"tau": -1}, "tau"), ({"eval_batch_size": 0}, "eval_batch_size")],
 )
 def test_bad_config_names_the_field(kw, field):
     with pytest.raises(ConfigError, match=field):

@@ -99,7 +99,7 @@ class _Setup:
         mesh = train_lib.local_mesh()
         self.step_fn = train_lib.make_train_step(self.model_cfg, train_cfg, mesh)
         evaluate = train_lib.make_eval_fn(self.model_cfg, mesh)
-        ev = data_lib.eval_batches(corpus.eval, cfg.batch_size, self.seq_len, cfg.eval_batches)
+        ev = data_lib.eval_batches(corpus.eval, cfg.eval_batch_size, self.seq_len, cfg.eval_batches)
         self.evaluate = lambda params: evaluate(params, ev)
         self.state0 = train_lib.init_state(self.model_cfg, train_cfg, jax.random.PRNGKey(cfg.seed))
         self.shards = [data_lib.shard(corpus.train, m, cfg.learners, cfg.shard_block_tokens).tokens

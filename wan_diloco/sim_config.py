@@ -34,8 +34,8 @@ class SimConfig:
     batch_size: int = 16
     inner_lr: float = 3e-3
     warmup_steps: int = 50
-    # Tuned for the tiny preset at 1–2M tokens (README, "Model quality"); DiLoCo's published 0.7 / 0.9
-    # at H = 16 ended 17 % above data parallel there.
+    # Tuned for the tiny preset at 1–2M tokens, batch 16 and batch 2 (bench/quality_sweep.py);
+    # DiLoCo's published 0.7 / 0.9 ended 19–27 % above data parallel there.
     outer_lr: float = 0.4
     outer_momentum: float = 0.6
     speeds: tuple[float, ...] = ()
@@ -46,6 +46,8 @@ class SimConfig:
     seed: int = 0
     eval_every: int = 50  # global steps between eval points on the curve
     eval_batches: int = 8
+    # The eval set (eval_batches x eval_batch_size windows) does not shrink with the training batch.
+    eval_batch_size: int = 16
     corpus: str = "stdlib"
     # 0: contiguous shards (learners see different files); > 0: blocks of this many tokens dealt round-robin.
     shard_block_tokens: int = 0
@@ -74,6 +76,7 @@ class SimConfig:
         require(self.bandwidth_gbit_s > 0, "bandwidth_gbit_s", "must be > 0")
         require(self.rtt_s >= 0, "rtt_s", "must be >= 0")
         require(self.eval_every >= 1 and self.eval_batches >= 1, "eval_every", "eval_every and eval_batches must be >= 1")
+        require(self.eval_batch_size >= 1, "eval_batch_size", f"must be >= 1, got {self.eval_batch_size}")
         model_lib.preset(self.preset)
         OuterConfig(self.outer_lr, self.outer_momentum).validate()
 
