@@ -14,8 +14,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import multiprocessing as mp
+import os
 import sys
 import time
 from pathlib import Path

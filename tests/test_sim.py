@@ -51,6 +51,15 @@ def test_runs_are_deterministic_for_a_seed():
     assert c.final_eval_loss != a.final_eval_loss
 
 
+def test_eval_set_does_not_depend_on_the_training_batch():
+    # Runs with different batches must be compared on the same held-out text.
+    a = sim._Setup(micro(batch_size=2))
+    b = sim._Setup(micro(batch_size=8))
+    assert a.evaluate(a.state0.params) == b.evaluate(b.state0.params)
+    c = sim._Setup(micro(batch_size=2, eval_batch_size=4))
+    assert c.evaluate(c.state0.params) != a.evaluate(a.state0.params)
+
+
 def test_dp_stalls_while_a_learner_is_down():
     outage = [Outage(learner=1, down_at=2.0, up_at=8.0)]
     dp = sim.run(micro(baseline="dp", steps=16), outage)
