@@ -29,6 +29,7 @@ from wan_diloco.runtime.config import RuntimeConfig
 from wan_diloco.runtime.events import emit
 from wan_diloco.runtime.netthread import NetThread
 from wan_diloco.runtime.setup import fragment_digest, host_flat, layout_of
+from wan_diloco.transport import MessageError, TransportError
 
 
 class Learner:
@@ -105,9 +106,18 @@ class Learner:
             else:
                 raise RuntimeError(f"learner {self.m}: {item}")
         for p, fut in list(self.pending_resync.items()):
-            if fut.done():
-                del self.pending_resync[p]
-                self._install(*fut.result())
+            if not fut.done():
+                continue
+            del self.pending_resync[p]
+            try:
+                got = fut.result()
+            except (TransportError, MessageError) as e:
+                # Not fatal: the version gap persists, so the next update asks again, and the
+                # final sync fetches every fragment anyway.
+                emit({"event": "warning", "role": "learner", "learner": self.m,
+                      "what": f"fetch of fragment {p} failed, will ask again: {e}"})
+                continue
+            self._install(*got)
 
     # ---- the run --------------------------------------------------------------------
 
@@ -170,8 +180,8 @@ class Learner:
             self._handle(self.core.snapshot(now, p, max(1, self.core.step), theta), final=True)
         budget_s = self.cfg.run.final_timeout_s + self.cfg.transport.retry_budget_s
         self.net.wait_uploads(budget_s)
-        finals = [f.result(timeout=budget_s) for f in
-                  [self.net.fetch_fragment(f"final/{p}") for p in range(len(self.layout.fragments))]]
+        futs = [self.net.fetch_fragment(f"final/{p}") for p in range(len(self.layout.fragments))]
+        finals = [self._final_fragment(p, fut, budget_s) for p, fut in enumerate(futs)]
         # The broadcast of the final merge normally arrives on the update stream; bulk is the fallback.
         deadline = time.monotonic() + 5.0
         while any(self.core.version[p] < v for p, v, _, _ in finals) and time.monotonic() < deadline:
@@ -188,6 +198,18 @@ class Learner:
             "param_digests": [fragment_digest(flat, names) for names in self.layout.fragments],
             "final_eval_loss": self.evaluate(),
         }
+
+    def _final_fragment(self, p: int, fut: concurrent.futures.Future, budget_s: float, tries: int = 3):
+        """The syncer's final fragment p; a failed fetch is retried (a learner that gives up loses the run)."""
+        for attempt in range(1, tries + 1):
+            try:
+                return fut.result(timeout=budget_s)
+            except (TransportError, MessageError) as e:
+                if attempt == tries:
+                    raise
+                emit({"event": "warning", "role": "learner", "learner": self.m,
+                      "what": f"fetch of final fragment {p} failed (try {attempt} of {tries}): {e}"})
+                fut = self.net.fetch_fragment(f"final/{p}")
 
 
 def run_learner(cfg: RuntimeConfig, learner: int, target: str, token: str) -> int:

@@ -1,0 +1,53 @@
+"""A failed fetch of a global fragment must not kill a learner (it happened at the end of a run)."""
+import concurrent.futures
+import json
+import queue
+
+import grpc
+
+from wan_diloco.core import Resync
+from wan_diloco.runtime.learner import Learner
+from wan_diloco.transport import TransportError
+
+
+class FakeNet:
+    def __init__(self):
+        self.inbox: queue.Queue = queue.Queue()
+        self.fetched: list[str] = []
+
+    def fetch_fragment(self, name: str) -> concurrent.futures.Future:
+        self.fetched.append(name)
+        return concurrent.futures.Future()
+
+
+def test_failed_fragment_fetch_is_reported_and_asked_again(capsys):
+    lrn = object.__new__(Learner)  # only the drain/resync bookkeeping is exercised
+    lrn.m, lrn.net = 1, FakeNet()
+    failed = concurrent.futures.Future()
+    failed.set_exception(TransportError("Bulk", grpc.StatusCode.CANCELLED, "CANCELLED"))
+    waiting = concurrent.futures.Future()
+    lrn.pending_resync = {2: failed, 3: waiting}
+
+    lrn._drain()
+
+    assert lrn.pending_resync == {3: waiting}  # the failed one is dropped, the live one kept
+    events = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [e["event"] for e in events] == ["warning"]
+    assert "fragment 2" in events[0]["what"] and "CANCELLED" in events[0]["what"]
+
+    lrn._handle([Resync(2, 3, 5), Resync(3, 3, 5)])  # the gap persists: ask again, once per fragment
+    assert lrn.net.fetched == ["fragment/2"]
+
+
+def test_final_fragment_fetch_is_retried(capsys):
+    lrn = object.__new__(Learner)
+    lrn.m, lrn.net = 0, FakeNet()
+    failed = concurrent.futures.Future()
+    failed.set_exception(TransportError("Bulk", grpc.StatusCode.CANCELLED, "CANCELLED"))
+    good = concurrent.futures.Future()
+    good.set_result((1, 7, 300, {}))
+    lrn.net.fetch_fragment = lambda name: (lrn.net.fetched.append(name), good)[1]
+
+    assert lrn._final_fragment(1, failed, budget_s=1.0) == (1, 7, 300, {})
+    assert lrn.net.fetched == ["final/1"]
+    assert "final fragment 1" in capsys.readouterr().out
