@@ -64,6 +64,10 @@ SWEEP: dict[str, dict] = {
     "dec_bs2_o66": dict(DEC, batch_size=2, outer_lr=0.6),
     "dec_bs2_o36": dict(DEC, batch_size=2, outer_lr=0.3),
     "dec_bs2_failures": dict(DEC, batch_size=2, failures=True),
+    # il: shards of 4096-token blocks dealt round-robin (every learner sees every file), not contiguous
+    "dp_bs2_il": dict(DP, batch_size=2, shard_block_tokens=4096),
+    "dec_bs2_il": dict(DEC, batch_size=2, shard_block_tokens=4096),
+    "dec_bs2_il_failures": dict(DEC, batch_size=2, shard_block_tokens=4096, failures=True),
     "dp_bs2_s1": dict(DP, batch_size=2, seed=1),
     "dec_bs2_s1": dict(DEC, batch_size=2, seed=1),
     "dp_s1": dict(DP, seed=1),
@@ -71,7 +75,7 @@ SWEEP: dict[str, dict] = {
 }
 
 
-KEYS = ("seed", "batch_size", "tokens", "preset", "eval_batch_size")
+KEYS = ("seed", "batch_size", "tokens", "preset", "eval_batch_size", "shard_block_tokens")
 
 
 def reference(name: str, runs: dict) -> str | None:
