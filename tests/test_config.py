@@ -52,3 +52,6 @@ def test_load_toml_errors(tmp_path):
     bad.write_text("x = = 1")
     with pytest.raises(ConfigError, match="invalid TOML"):
         load_toml(bad)
+    bad.write_bytes(b"\xff\xfe not text")
+    with pytest.raises(ConfigError, match="invalid TOML"):
+        load_toml(bad)

@@ -107,5 +107,5 @@ def load_toml(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"config file {p}: not found")
     try:
         return tomllib.loads(p.read_text())
-    except tomllib.TOMLDecodeError as e:
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"config file {p}: invalid TOML: {e}") from None
