@@ -27,7 +27,7 @@ from wan_diloco.core import (
 )
 from wan_diloco.fragments import make_fragments
 from wan_diloco.planning.tape import Outage
-from wan_diloco.sim_config import BASELINES, SimConfig  # noqa: F401  (re-exported: sim.SimConfig)
+from wan_diloco.sim_config import SimConfig  # noqa: F401  (re-exported: sim.SimConfig)
 
 @dataclass
 class SimResult:
