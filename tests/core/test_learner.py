@@ -2,6 +2,7 @@ import numpy as np
 import pytest
 
 from wan_diloco.clock import VectorClock
+from wan_diloco.config import ConfigError
 from wan_diloco.core import (
     ApplyGlobal, GlobalUpdate, LearnerConfig, LearnerCore, Resync, SendFragment, SendMetadata, Snapshot,
 )
@@ -55,6 +56,44 @@ def test_update_between_steps_applies_and_resets_counters():
     np.testing.assert_allclose(apply.values["block_0/w"], PARAMS["block_0/w"] + 1)
     assert lc.c_steps == [0, 3] and lc.version == [1, 0]
     assert lc.step == 7  # adopted the global step
+
+
+def test_keep_local_keeps_the_steps_taken_while_the_fragment_travelled():
+    lc = make(keep_local=True)
+    for t in range(4):
+        step(lc, float(t))  # fragment 0 is due at step 4
+    snap = {"block_0/w": PARAMS["block_0/w"] - 0.5}
+    lc.snapshot(4.0, 0, 4, snap)
+    step(lc, 4.0, tokens=70)  # one more step while Δ travels: θ moves on to snap - 0.25
+    now = {"block_0/w": snap["block_0/w"] - 0.25}
+    [apply] = lc.on_update(6.0, update(0, 0, 1, {"block_0/w": np.full(3, -0.4, np.float32)}))
+    assert apply.shift
+    new = apply.mixed(now)["block_0/w"]
+    # θ ← Θ_new + (θ_now − θ_snapshot): the new global value, plus the one step kept.
+    np.testing.assert_allclose(new, PARAMS["block_0/w"] - 0.4 - 0.25)
+    assert lc.c_steps[0] == 1 and lc.c_tokens[0] == 70  # that step stays counted for the next Δ
+    # The next Δ is measured from the new base, so the kept step is sent exactly once.
+    [send] = lc.snapshot(7.0, 0, 8, {"block_0/w": new})
+    np.testing.assert_allclose(send.msg.delta["block_0/w"], 0.25, rtol=1e-6)
+
+
+def test_keep_local_without_a_snapshot_in_flight_overwrites():
+    lc = make(keep_local=True)
+    step(lc, 0.0)
+    [apply] = lc.on_update(2.0, update(0, 0, 1, {"block_0/w": np.ones(3, np.float32)}))
+    assert not apply.shift and apply.alpha == 0.0
+    np.testing.assert_allclose(apply.mixed({"block_0/w": np.zeros(3)})["block_0/w"], PARAMS["block_0/w"] + 1)
+    assert lc.c_steps[0] == 0
+
+
+def test_keep_local_and_alpha_are_exclusive():
+    with pytest.raises(ConfigError, match="alpha"):
+        make(keep_local=True, alpha=0.5)
+
+
+def test_alpha_mixes():
+    a = ApplyGlobal(0, {"w": np.full(2, 4.0)}, 0.25)
+    np.testing.assert_allclose(a.mixed({"w": np.zeros(2)})["w"], 3.0)
 
 
 def test_update_during_step_is_buffered_until_step_done():

@@ -38,6 +38,9 @@ class LearnerConfig:
     num_fragments: int = 4  # P
     tau: int = 1  # overlap: steps a fragment may travel while the learner keeps training
     alpha: float = 0.0  # θ_p ← α·θ_local + (1−α)·Θ_global; 0 overwrites (Decoupled default)
+    # θ_p ← Θ_global + (θ_local − θ_p at the snapshot): the steps taken while the fragment travelled
+    # are kept (and counted into the next Δ) instead of being overwritten. Replaces the α rule.
+    keep_local: bool = False
     blocking: bool = False  # wait for fragment p's update τ steps after sending it (synchronous baselines)
     error_feedback: bool = False
 
@@ -48,6 +51,8 @@ class LearnerConfig:
         # τ >= H/P is allowed (several fragments in flight at once); τ >= H would overtake the next sync.
         require(self.tau < self.sync_every, "tau", f"must be < sync_every ({self.sync_every}), got {self.tau}")
         require(0.0 <= self.alpha <= 1.0, "alpha", f"must be in [0, 1], got {self.alpha}")
+        require(not (self.keep_local and self.alpha), "alpha",
+                f"keep_local replaces the alpha rule: alpha must be 0 with it, got {self.alpha}")
 
 
 @dataclass
@@ -55,6 +60,9 @@ class _InFlight:
     due_step: int
     sent_at_s: float
     sent_at_step: int
+    c_steps: int = 0  # the fragment's counters when it was sent
+    c_tokens: int = 0
+    theta: Tensors | None = None  # θ_p as sent (keep_local only)
 
 
 class LearnerCore:
@@ -128,7 +136,9 @@ class LearnerCore:
         delta = self.feedback.compensate(fragment, {n: base[n] - np.asarray(theta[n], dtype=np.float32) for n in base})
         enc = self.codec.roundtrip(delta)
         self.feedback.update(fragment, delta, enc.values)
-        self.in_flight[fragment] = _InFlight(due_step, now_s, self.step)
+        kept = {n: np.array(theta[n], dtype=np.float32) for n in base} if self.cfg.keep_local else None
+        self.in_flight[fragment] = _InFlight(due_step, now_s, self.step, self.c_steps[fragment],
+                                             self.c_tokens[fragment], kept)
         self.clock = self.clock.tick(self.node)
         self.bytes_sent += enc.nbytes
         msg = FragmentUpload(
@@ -204,11 +214,16 @@ class LearnerCore:
                 raise ProtocolError(f"global update for {n!r}: shape {u.update[n].shape}, expected {base[n].shape}")
         self.base[p] = {n: base[n] + u.update[n] for n in base}
         self.version[p] = u.to_version
-        self.c_steps[p] = self.c_tokens[p] = 0
         sent = self.in_flight.pop(p, None)
         if sent is not None and self.learner in u.held_s:
             self.sync_s.add(max(0.0, arrived_s - sent.sent_at_s - u.held_s[self.learner]))
         # Adopt the global step: a slow learner jumps forward so fragments stay due together.
         self.step = max(self.step, u.global_step)
         self.clock = self.clock.receive(self.node, u.clock)
+        if sent is not None and sent.theta is not None:
+            # The steps since the snapshot stay in θ_p, so they stay on the counters of the next Δ.
+            self.c_steps[p] -= sent.c_steps
+            self.c_tokens[p] -= sent.c_tokens
+            return [ApplyGlobal(p, {n: self.base[p][n] - sent.theta[n] for n in base}, 0.0, shift=True)]
+        self.c_steps[p] = self.c_tokens[p] = 0
         return [ApplyGlobal(p, self.base[p], self.cfg.alpha)]

@@ -6,7 +6,7 @@ driver) or into events on a virtual clock (simulated driver).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Mapping, Protocol
+from typing import Any, Mapping, Protocol
 
 import numpy as np
 
@@ -126,11 +126,20 @@ class SendFragment:
 
 @dataclass(frozen=True)
 class ApplyGlobal:
-    """Driver: θ_p ← α·θ_p + (1−α)·values."""
+    """Driver: θ_p ← α·θ_p + (1−α)·values, or with ``shift`` θ_p ← θ_p + values. See :meth:`mixed`."""
 
     fragment: int
     values: Mapping[str, np.ndarray]
     alpha: float
+    shift: bool = False
+
+    def mixed(self, current: Mapping[str, Any]) -> dict[str, Any]:
+        """The fragment's new tensors from its current ones (numpy or jax arrays alike)."""
+        if self.shift:
+            return {n: current[n] + v for n, v in self.values.items()}
+        if self.alpha == 0:
+            return dict(self.values)
+        return {n: self.alpha * current[n] + (1 - self.alpha) * v for n, v in self.values.items()}
 
 
 @dataclass(frozen=True)

@@ -66,8 +66,7 @@ class Learner:
         for a in actions:
             if isinstance(a, ApplyGlobal):
                 flat = tree.flatten(self.state.params)
-                for n, v in a.values.items():
-                    flat[n] = jnp.asarray(v) if a.alpha == 0 else a.alpha * flat[n] + (1 - a.alpha) * jnp.asarray(v)
+                flat.update({n: jnp.asarray(v) for n, v in a.mixed(flat).items()})
                 self.state = train_lib.set_params(self.state, tree.unflatten(flat, self.state.params))
             elif isinstance(a, Snapshot):
                 flat = tree.flatten(self.state.params)
