@@ -53,6 +53,22 @@ def test_set_params_keeps_opt_state_and_step(state0):
     assert new.params is other and new.opt_state is state.opt_state and new.step is state.step
 
 
+def test_schedule_step_moves_the_learning_rate_only(tokens, state0):
+    step = tr.make_train_step(MICRO, TRAIN, tr.local_mesh())
+    batch = next(d.batches(tokens, 8, MICRO.seq_len, seed=0)).tokens
+    sched = tr.lr_schedule(TRAIN)
+    early, m0 = step(state0, batch)  # lr(0) = 0 at the start of the warmup: nothing moves
+    late, m1 = step(tr.set_schedule_step(state0, 60), batch)
+    assert float(m0["lr"]) == 0.0 and float(m1["lr"]) == pytest.approx(float(sched(60)))
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree_util.tree_leaves(early.params),
+                                                    jax.tree_util.tree_leaves(state0.params)))
+    assert not all(np.array_equal(a, b) for a, b in zip(jax.tree_util.tree_leaves(late.params),
+                                                        jax.tree_util.tree_leaves(state0.params)))
+    # The schedule moved on from 60; the local step and Adam's bias-correction count did not jump.
+    assert int(tr.schedule_step(late)) == 61 and int(tr.schedule_step(early)) == 1
+    assert int(late.step) == 1 and int(late.opt_state[1][0].count) == 1
+
+
 def test_weight_decay_skips_norm_scales(state0):
     tx = tr.make_optimizer(tr.TrainConfig(warmup_steps=0, total_steps=10))
     zeros = jax.tree_util.tree_map(np.zeros_like, state0.params)

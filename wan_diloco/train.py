@@ -86,6 +86,29 @@ def set_params(state: TrainState, params: Params) -> TrainState:
     return state.replace(params=params)
 
 
+def _is_sched(x: Any) -> bool:
+    return isinstance(x, optax.ScaleByScheduleState)
+
+
+def schedule_step(state: TrainState) -> jax.Array:
+    """Where the learning-rate schedule is (the local step unless :func:`set_schedule_step` moved it)."""
+    return next(x.count for x in jax.tree_util.tree_leaves(state.opt_state, is_leaf=_is_sched) if _is_sched(x))
+
+
+def set_schedule_step(state: TrainState, step: int) -> TrainState:
+    """Put the learning-rate schedule at ``step``, leaving Adam's own count (bias correction) alone.
+
+    A learner's local step count is the wrong clock for a token budget once
+    learners drop out: the live ones then take more steps than planned and
+    would reach the end of the schedule early. A driver that knows the global
+    progress sets the schedule position from it.
+    """
+    count = jnp.asarray(step, jnp.int32)
+    opt_state = jax.tree_util.tree_map(lambda x: x._replace(count=count) if _is_sched(x) else x,
+                                       state.opt_state, is_leaf=_is_sched)
+    return state.replace(opt_state=opt_state)
+
+
 def local_mesh(devices: Sequence[jax.Device] | None = None) -> Mesh:
     """A 1-D mesh with axis ``"data"`` over ``devices`` (default: all local devices)."""
     devices = list(jax.local_devices() if devices is None else devices)
@@ -127,7 +150,7 @@ def make_train_step(model_cfg: ModelConfig, train_cfg: TrainConfig, mesh: Mesh,
         loss, grads = jax.value_and_grad(model_lib.loss_fn)(state.params, model_cfg, tokens_BxLp1)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics = {"loss": loss, "grad_norm": _global_norm(grads), "lr": schedule(state.step)}
+        metrics = {"loss": loss, "grad_norm": _global_norm(grads), "lr": schedule(schedule_step(state))}
         return TrainState(params, opt_state, state.step + 1), metrics
 
     jitted = jax.jit(step, in_shardings=(replicated, batch_sharding),
@@ -163,4 +186,5 @@ def make_eval_fn(model_cfg: ModelConfig, mesh: Mesh) -> Callable[[Params, Sequen
 
 
 __all__ = ["DATA_AXIS", "TrainConfig", "TrainState", "init_state", "local_mesh", "lr_schedule",
-           "make_eval_fn", "make_optimizer", "make_train_step", "set_params"]
+           "make_eval_fn", "make_optimizer", "make_train_step", "schedule_step", "set_params",
+           "set_schedule_step"]
