@@ -70,6 +70,46 @@ def test_batches_too_short_shard():
         next(d.batches(np.arange(10), 2, 16, seed=0))
 
 
+def _marked_shards(n: int = 4, length: int = 200) -> list[np.ndarray]:
+    return [np.full(length, m, dtype=np.uint16) for m in range(n)]  # a window shows which shard it came from
+
+
+def test_failover_batches_without_failures_equal_plain_batches():
+    shards = [np.arange(500, dtype=np.uint16) + 1000 * m for m in range(3)]
+    a, b = d.FailoverBatches(shards, 1, 4, 16, seed=7), d.batches(shards[1], 4, 16, seed=7)
+    for _ in range(3):
+        assert np.array_equal(a.next().tokens, next(b).tokens)
+    # Being told that you yourself are down changes nothing either.
+    a, b = d.FailoverBatches(shards, 1, 4, 16, seed=7), d.batches(shards[1], 4, 16, seed=7)
+    assert np.array_equal(a.next(frozenset({1})).tokens, next(b).tokens)
+
+
+def test_failover_batches_keep_every_shard_at_the_same_rate():
+    M, down, n = 4, frozenset({1, 3}), 4000
+    live = [m for m in range(M) if m not in down]
+    counts = np.zeros(M)
+    for m in live:
+        batch = d.FailoverBatches(_marked_shards(M), m, n, 8, seed=m).next(down)
+        assert batch.tokens.shape == (n, 9) and batch.n_tokens == n * 8
+        assert np.all(batch.tokens == batch.tokens[:, :1])  # each window from one shard
+        src = np.bincount(batch.tokens[:, 0], minlength=M)
+        assert set(np.nonzero(src)[0]) == {m, *down}  # own shard and the down ones, never another live one
+        assert src[m] / n == pytest.approx(len(live) / M, abs=0.03)
+        counts += src
+    # Over the live learners every shard, down or not, is read 1/M of the time.
+    assert counts / counts.sum() == pytest.approx(np.full(M, 1 / M), abs=0.02)
+
+
+def test_failover_batches_bad_input():
+    with pytest.raises(ConfigError, match="shard 2"):
+        d.FailoverBatches([np.arange(100), np.arange(100), np.arange(5)], 0, 2, 16, seed=0)
+    with pytest.raises(ConfigError, match="learner_id"):
+        d.FailoverBatches(_marked_shards(2), 2, 2, 16, seed=0)
+    fb = d.FailoverBatches(_marked_shards(2), 0, 2, 16, seed=0)
+    with pytest.raises(ConfigError, match="down"):
+        fb.next(frozenset({5}))
+
+
 def test_eval_batches_fixed():
     tokens = np.arange(1000)
     ev = d.eval_batches(tokens, 4, 16, 3)

@@ -3,7 +3,7 @@ import json
 import numpy as np
 import pytest
 
-from wan_diloco import cli, model, sim
+from wan_diloco import cli, model, sim, train
 from wan_diloco.config import ConfigError
 from wan_diloco.planning.tape import Outage
 
@@ -41,6 +41,33 @@ def test_decoupled_run_learns_syncs_and_survives_a_failure():
     assert 0.5 < r.goodput < 0.95  # the outage cost learner 2's share
     assert r.uptime == pytest.approx(1.0)
     assert r.bytes_sent > 0 and r.tokens > 0
+
+
+@pytest.mark.parametrize("failover", [True, False])
+def test_live_learners_read_a_down_learners_shard(failover):
+    cfg = micro(steps=24, data_failover=failover)
+    s = sim._Simulation(cfg, sim._Setup(cfg), [Outage(learner=2, down_at=3.0, up_at=8.0)], None)
+    asked = []
+    for m, l in enumerate(s.learners):
+        def record(down=frozenset(), _m=m, _next=l.batches.next):
+            asked.append((_m, s.now, down))
+            return _next(down)
+        l.batches.next = record
+    s.run()
+    during = {down for m, t, down in asked if 3.5 < t < 8.0}
+    assert during == ({frozenset({2})} if failover else {frozenset()})
+    assert all(m != 2 for m, t, _ in asked if 3.0 <= t < 8.0)
+    assert {down for _, t, down in asked if t > 10.0} == {frozenset()}
+
+
+def test_token_budget_schedule_follows_the_runs_tokens():
+    # 24 steps of 3 learners x 4 x 32 tokens; learner 2 is down from 2 s (step 4) to past the end.
+    cfg = micro(tokens=24 * 3 * 4 * 32, eval_every=100)
+    s, r = run_sim(cfg, [Outage(learner=2, down_at=2.0, up_at=1000.0)])
+    assert r.tokens >= cfg.tokens
+    for l in s.learners[:2]:
+        assert l.core.step >= 32  # the live learners took more steps than the schedule has ...
+        assert 22 <= int(train.schedule_step(l.state)) <= 25  # ... but the schedule ran at the run's pace
 
 
 def test_runs_are_deterministic_for_a_seed():
@@ -97,12 +124,13 @@ def test_cli_simulate_writes_json(tmp_path, capsys):
     tape.write_text(json.dumps([{"learner": 0, "down_at": 1.0, "up_at": 3.0}]))
     rc = cli.main(["simulate", "--preset", "micro", "--learners", "2", "--steps", "8", "--sync-every", "4",
                    "--fragments", "2", "--batch-size", "4", "--speeds", "1,1.2", "--failures", str(tape),
-                   "--json", str(out)])
+                   "--no-data-failover", "--json", str(out)])
     assert rc == 0
     data = json.loads(out.read_text())
     for key in ("initial_eval_loss", "final_eval_loss", "tokens", "goodput", "uptime", "fragment_syncs", "bytes_sent"):
         assert key in data
     assert len(data["fragment_syncs"]) == 2 and data["bytes_sent"] > 0
+    assert data["config"]["data_failover"] is False
     assert "goodput" in capsys.readouterr().out
 
 

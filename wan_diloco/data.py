@@ -208,6 +208,46 @@ def batches(tokens: np.ndarray, batch_size: int, seq_len: int, seed: int) -> Ite
         yield Batch(_windows(tokens, starts, seq_len), batch_size * seq_len)
 
 
+class FailoverBatches:
+    """Learner ``learner_id``'s batches that also read the shards of learners that are down.
+
+    Shards are disjoint and may hold different data (one region's files), so a
+    learner that is down would otherwise take its data out of the global mix
+    for as long as it is away; data parallel, which stalls instead, never
+    loses it. Here every live learner draws each window from its own shard with
+    probability live/M and from each down learner's shard with probability
+    1/M, so every shard is still read at the same rate. With nobody down the
+    stream equals :func:`batches` with the same seed.
+    """
+
+    def __init__(self, shards: list[np.ndarray], learner_id: int, batch_size: int, seq_len: int, seed: int):
+        require(0 <= learner_id < len(shards), "learner_id",
+                f"must be in 0..{len(shards) - 1}, got {learner_id}")
+        for m, s in enumerate(shards):
+            _check_len(s, batch_size, seq_len, f"shard {m}")
+        self.shards, self.learner_id = shards, learner_id
+        self.batch_size, self.seq_len = batch_size, seq_len
+        self._rng = np.random.default_rng(seed)
+
+    def next(self, down: frozenset[int] = frozenset()) -> Batch:
+        """The next batch, given which learners are down now (this learner is never down to itself)."""
+        b, L, M = self.batch_size, self.seq_len, len(self.shards)
+        others = sorted(d for d in down if d != self.learner_id)
+        require(all(0 <= d < M for d in others), "down", f"learner ids must be in 0..{M - 1}, got {sorted(down)}")
+        if not others:
+            own = self.shards[self.learner_id]
+            return Batch(_windows(own, self._rng.integers(0, len(own) - L, size=b), L), b * L)
+        sources = [self.learner_id, *others]
+        probs = np.array([(M - len(others)) / M] + [1 / M] * len(others))
+        picks = self._rng.choice(len(sources), size=b, p=probs)
+        rows = []
+        for k in picks:
+            tokens = self.shards[sources[k]]
+            start = self._rng.integers(0, len(tokens) - L, size=1)
+            rows.append(_windows(tokens, start, L))
+        return Batch(np.concatenate(rows), b * L)
+
+
 def eval_batches(tokens: np.ndarray, batch_size: int, seq_len: int, n_batches: int) -> list[np.ndarray]:
     """A fixed list of eval batches: evenly spaced windows across ``tokens``."""
     require(n_batches > 0, "n_batches", f"must be positive, got {n_batches}")
@@ -216,5 +256,5 @@ def eval_batches(tokens: np.ndarray, batch_size: int, seq_len: int, n_batches: i
     return [_windows(tokens, s, seq_len) for s in starts.reshape(n_batches, batch_size)]
 
 
-__all__ = ["Batch", "Corpus", "DataConfig", "Shard", "batches", "eval_batches", "load_corpus", "shard",
+__all__ = ["Batch", "Corpus", "DataConfig", "FailoverBatches", "Shard", "batches", "eval_batches", "load_corpus", "shard",
            "stdlib_root"]

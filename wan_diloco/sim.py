@@ -70,7 +70,7 @@ class _Link:
 class _Learner:
     core: LearnerCore
     state: Any
-    batches: Any
+    batches: data_lib.FailoverBatches
     rng: np.random.Generator
     speed: float
     up_link: _Link
@@ -90,7 +90,7 @@ class _Setup:
         self.model_cfg = model_lib.preset(cfg.preset)
         corpus = data_lib.load_corpus(data_lib.DataConfig(corpus=cfg.corpus))
         self.seq_len = self.model_cfg.seq_len
-        per_step = cfg.batch_size * self.seq_len * cfg.learners
+        per_step = self.tokens_per_step = cfg.batch_size * self.seq_len * cfg.learners
         inner_steps = max(2, -(-cfg.tokens // per_step)) if cfg.tokens else cfg.steps
         self.inner_steps = inner_steps
         train_cfg = train_lib.TrainConfig(
@@ -105,8 +105,8 @@ class _Setup:
         self.shards = [data_lib.shard(corpus.train, m, cfg.learners, cfg.shard_block_tokens).tokens
                        for m in range(cfg.learners)]
 
-    def batches(self, cfg: SimConfig, m: int):
-        return data_lib.batches(self.shards[m], cfg.batch_size, self.seq_len, seed=cfg.seed * 1009 + m)
+    def batches(self, cfg: SimConfig, m: int) -> data_lib.FailoverBatches:
+        return data_lib.FailoverBatches(self.shards, m, cfg.batch_size, self.seq_len, seed=cfg.seed * 1009 + m)
 
 
 def _step_time(cfg: SimConfig, speed: float, rng: np.random.Generator) -> float:
@@ -123,13 +123,6 @@ def _uptime(intervals: Iterable[tuple[float, float]], end_s: float) -> float:
             covered += b - a
             reach = b
     return covered / end_s if end_s > 0 else 0.0
-
-
-def _mix(params: Any, values: dict[str, np.ndarray], alpha: float) -> Any:
-    flat = tree.flatten(params)
-    for n, v in values.items():
-        flat[n] = jnp.asarray(v) if alpha == 0 else alpha * flat[n] + (1 - alpha) * jnp.asarray(v)
-    return tree.unflatten(flat, params)
 
 
 Progress = Callable[[float, dict], None]
@@ -245,7 +238,12 @@ class _Simulation:
         if l.core.blocked:
             l.waiting = True
             return
-        batch = next(l.batches)
+        down = frozenset(i for i, p in enumerate(self.learners) if not p.up) if self.cfg.data_failover else frozenset()
+        batch = l.batches.next(down)
+        if self.cfg.tokens:
+            # A token budget: the schedule follows the run's tokens, as data parallel's would, so
+            # live learners do not run off the end of it while others are down.
+            l.state = train_lib.set_schedule_step(l.state, self.tokens // self.setup.tokens_per_step)
         l.state, _ = self.setup.step_fn(l.state, batch.tokens)
         dt = _step_time(self.cfg, l.speed, l.rng)
         l.core.begin_step(self.now)
@@ -280,7 +278,9 @@ class _Simulation:
                 self.bytes_sent += a.msg.nbytes
                 self._at(l.up_link.send(self.now, a.msg.nbytes), self._syncer_event, self.syncer.on_fragment, a.msg)
             elif isinstance(a, ApplyGlobal):
-                l.state = train_lib.set_params(l.state, _mix(l.state.params, a.values, a.alpha))
+                flat = tree.flatten(l.state.params)
+                flat.update({n: jnp.asarray(v) for n, v in a.mixed(flat).items()})
+                l.state = train_lib.set_params(l.state, tree.unflatten(flat, l.state.params))
             elif isinstance(a, Resync):
                 p = a.fragment
                 self.bytes_sent += sum(x.nbytes for x in self.syncer.theta[p].values())

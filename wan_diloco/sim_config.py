@@ -27,6 +27,7 @@ class SimConfig:
     sync_every: int = 8
     tau: int = 2
     alpha: float = 0.0
+    keep_local: bool = False  # keep the steps taken while a fragment travelled (core LearnerConfig.keep_local)
     merge: Literal["rda", "mean"] = "rda"
     fragmenter: Literal["layer", "tensor", "balanced"] = "balanced"
     steps: int = 300  # global step budget
@@ -51,6 +52,9 @@ class SimConfig:
     corpus: str = "stdlib"
     # 0: contiguous shards (learners see different files); > 0: blocks of this many tokens dealt round-robin.
     shard_block_tokens: int = 0
+    # Live learners also read the shards of learners that are down, so no shard drops out of the mix
+    # while its learner is away (data.FailoverBatches). Off: a down learner's data waits for it.
+    data_failover: bool = True
     bits: int = 32  # outer gradients and updates on the wire: 32 (fp32), 16 (bf16), 8 (int8), 4 (NF4)
     error_feedback: bool = False
 
@@ -87,7 +91,7 @@ class SimConfig:
                                  error_feedback=self.error_feedback)
         blocking = self.baseline == "streaming"
         return LearnerConfig(self.sync_every, self.fragments, tau=self.tau, alpha=self.alpha, blocking=blocking,
-                             error_feedback=self.error_feedback)
+                             error_feedback=self.error_feedback, keep_local=self.keep_local)
 
     def codec(self) -> Codec:
         if self.bits == 32:

@@ -46,7 +46,7 @@ def run_dp(cfg: SimConfig, setup: _Setup, outages: list[Outage], progress: Progr
         if failure:
             now = min(failure)  # the step dies with the learner; redone after the stall
             continue
-        batches = [next(it) for it in its]
+        batches = [it.next() for it in its]
         state, _ = setup.step_fn(state, np.concatenate([b.tokens for b in batches]))
         tokens += sum(b.n_tokens for b in batches)
         useful += sum(dts)
