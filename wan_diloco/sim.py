@@ -44,6 +44,7 @@ class SimResult:
     wall_s: float
     curve: list[dict] = field(default_factory=list)  # {step, tokens, time_s, eval_loss}
     late_dropped: int = 0
+    late_carried: int = 0
     mean_quorum: float = 0.0
     mean_grace_s: float = 0.0
     params_count: int = 0
@@ -201,7 +202,7 @@ class _Simulation:
             goodput=sum(l.useful_s for l in self.learners) / (self.cfg.learners * end),
             uptime=_uptime(busy, end), fragment_syncs=list(st.fragment_syncs), bytes_sent=self.bytes_sent,
             global_steps=self._global_step(), virtual_time_s=end, wall_s=time.perf_counter() - t0,
-            curve=self.curve, late_dropped=st.late_dropped,
+            curve=self.curve, late_dropped=st.late_dropped, late_carried=st.late_carried,
             mean_quorum=float(np.mean(st.quorum_sizes)) if st.quorum_sizes else 0.0,
             mean_grace_s=float(np.mean(st.grace_s)) if st.grace_s else 0.0,
             params_count=model_lib.param_count(self.setup.state0.params),

@@ -37,15 +37,55 @@ def test_quorum_then_grace_then_everyone_in_closes_early():
     assert list(s.stats.quorum_sizes) == [3]
 
 
-def test_grace_expiry_closes_with_quorum_and_late_one_is_dropped():
-    s = make(quorum=1, grace=True)
+def test_grace_expiry_closes_with_quorum_and_late_one_is_dropped_without_carry():
+    s = make(quorum=1, grace=True, carry_late=False)
     for m in range(3):
         s.on_metadata(0.0, meta(m, step_s=1.0))
     [timer] = s.on_fragment(1.0, upload(0))
     [b] = s.on_timer(timer.at_s, timer.key)
     assert b.msg.contributors == (0,)
     assert s.on_fragment(timer.at_s + 0.1, upload(1)) == []
-    assert s.stats.late_dropped == 1
+    assert s.stats.late_dropped == 1 and s.carried[0] == {}
+
+
+def test_late_delta_joins_the_fragments_next_merge():
+    s = make(quorum=1, grace=False)
+    [first] = s.on_fragment(1.0, upload(0, due=8))
+    theta1 = dict(s.theta[0])
+    d_late = np.full(3, 0.3, np.float32)
+    assert s.on_fragment(1.5, upload(1, due=8, delta=d_late)) == []  # round 8 closed: carried
+    assert s.stats.late_dropped == 0 and s.carried[0].keys() == {1}
+    d0 = np.full(3, 0.2, np.float32)
+    [b] = s.on_fragment(9.0, upload(0, due=16, delta=d0, base_version=1))
+    assert b.msg.contributors == (0, 1)  # learner 1's fresh Δ for 16 has not come; its late one rides along
+    assert s.stats.late_carried == 1 and s.carried[0] == {}
+    assert list(s.stats.quorum_sizes) == [1, 2]
+    assert set(b.msg.held_s) == {0}  # no held time for a carried Δ: it would skew that learner's sync estimate
+    # The merge saw both Δs: RDA of two parallel Δs is their weighted mean, so Θ moved by more than d0 alone gives.
+    moved = theta1["block_0/w"] - s.theta[0]["block_0/w"]
+    only0 = make(quorum=1, grace=False)
+    only0.on_fragment(1.0, upload(0, due=8))
+    only0.on_fragment(9.0, upload(0, due=16, delta=d0, base_version=1))
+    assert np.all(moved > theta1["block_0/w"] - only0.theta[0]["block_0/w"])
+
+
+def test_late_deltas_of_one_learner_are_summed():
+    s = make(quorum=1, grace=False)
+    s.on_fragment(1.0, upload(0, due=8))
+    s.on_fragment(1.5, upload(1, due=8, delta=np.full(3, 0.3, np.float32), c_steps=8, c_tokens=800))
+    s._carry(upload(1, due=8, delta=np.full(3, 0.1, np.float32), c_steps=2, c_tokens=200))
+    held = s.carried[0][1]
+    np.testing.assert_allclose(held.delta["block_0/w"], 0.4)
+    assert held.c_steps == 10 and held.c_tokens == 1000 and held.payload is None
+
+
+def test_too_stale_carried_delta_is_dropped():
+    s = make(quorum=1, grace=False, max_staleness=0)
+    s.on_fragment(1.0, upload(0, due=8))
+    s.on_fragment(1.5, upload(1, due=8, base_version=1))  # late, but built on the current Θ: carried
+    s.carried[0][1] = dataclasses.replace(s.carried[0][1], base_version=0)
+    [b] = s.on_fragment(9.0, upload(0, due=16, base_version=1))
+    assert b.msg.contributors == (0,) and s.stats.stale_dropped == 1
 
 
 def test_no_grace_flag_and_no_estimates_give_zero_grace():

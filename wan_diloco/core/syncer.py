@@ -6,7 +6,7 @@ fragment. Events come in with their time; actions (broadcasts, timers) go out.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import numpy as np
@@ -40,6 +40,9 @@ class SyncerConfig:
     tau: int = 1  # the learners' overlap, in steps (bounds the grace window)
     merge: MergeMethod = "rda"
     max_staleness: int = 1  # accept a Δ whose base is this many versions behind
+    # A Δ that misses its round joins the fragment's next merge instead of being dropped, so a
+    # learner that is persistently a little late (phase after a rejoin, a slow region) still counts.
+    carry_late: bool = True
     liveness_timeout_s: float = 30.0
     outer: OuterConfig = OuterConfig()
 
@@ -82,6 +85,7 @@ class SyncerStats:
     quorum_sizes: deque = field(default_factory=lambda: deque(maxlen=10_000))
     grace_s: deque = field(default_factory=lambda: deque(maxlen=10_000))
     late_dropped: int = 0
+    late_carried: int = 0  # late Δs merged into the fragment's next round instead
     stale_dropped: int = 0
     bytes_in: int = 0
     bytes_out: int = 0  # one copy per broadcast; the driver multiplies by recipients
@@ -107,6 +111,7 @@ class SyncerCore:
         self.version = [0] * len(fragments)
         self.outer = OuterOptimizer(cfg.outer, dict(enumerate(self.theta)))
         self.rounds: dict[tuple[int, int], _Round] = {}
+        self.carried: list[dict[int, FragmentUpload]] = [{} for _ in fragments]  # per fragment, per learner
         self.last_closed_due = [0] * len(fragments)
         self.learners: dict[int, _Learner] = {}
         self.global_step = 0
@@ -136,11 +141,15 @@ class SyncerCore:
         self.clock = self.clock.merge(msg.clock)
         self.stats.bytes_in += msg.nbytes
         p = msg.fragment
-        if msg.due_step <= self.last_closed_due[p]:
-            self.stats.late_dropped += 1  # its round closed without it; the learner gets Θ anyway
-            return []
         if msg.base_version < self.version[p] - self.cfg.max_staleness:
             self.stats.stale_dropped += 1
+            return []
+        if msg.due_step <= self.last_closed_due[p]:
+            # Its round closed without it; the learner gets Θ anyway.
+            if self.cfg.carry_late:
+                self._carry(msg)
+            else:
+                self.stats.late_dropped += 1
             return []
         key = (p, msg.due_step)
         rnd = self.rounds.setdefault(key, _Round(opened_s=now_s))
@@ -215,6 +224,10 @@ class SyncerCore:
             if not np.all(np.isfinite(d)):
                 raise ProtocolError(f"{n!r} from learner {msg.learner}: NaN or Inf in the outer gradient")
 
+    def _carry(self, msg: FragmentUpload) -> None:
+        held = self.carried[msg.fragment]
+        held[msg.learner] = msg if msg.learner not in held else _combine(held[msg.learner], msg)
+
     def _lose(self, learner: int, now_s: float) -> None:
         info = self.learners.setdefault(learner, _Learner(last_seen_s=now_s))
         info.alive = False
@@ -262,7 +275,20 @@ class SyncerCore:
         rnd = self.rounds.pop(key)
         # Older open rounds of this fragment are now late: their Θ has moved on.
         for old in [k for k in self.rounds if k[0] == p and k[1] < due]:
-            self.stats.late_dropped += len(self.rounds.pop(old).contributions)
+            late = self.rounds.pop(old).contributions.values()
+            if self.cfg.carry_late:
+                for msg in late:
+                    self._carry(msg)
+            else:
+                self.stats.late_dropped += len(late)
+        for m, msg in self.carried[p].items():
+            if msg.base_version < self.version[p] - self.cfg.max_staleness:
+                self.stats.stale_dropped += 1
+                continue
+            self.stats.late_carried += 1
+            mine = rnd.contributions.get(m)
+            rnd.contributions[m] = msg if mine is None else _combine(msg, mine)
+        self.carried[p] = {}
         learners = sorted(rnd.contributions)
         ups = [rnd.contributions[m] for m in learners]
         weights = token_weights([u.c_tokens for u in ups], [u.c_steps for u in ups])
@@ -286,7 +312,7 @@ class SyncerCore:
         msg = GlobalUpdate(
             fragment=p, from_version=from_version, to_version=self.version[p], due_step=due,
             global_step=self.global_step, clock=self.clock, update=enc.values, nbytes=enc.nbytes,
-            contributors=tuple(learners), held_s={m: now_s - rnd.received_s[m] for m in learners},
+            contributors=tuple(learners), held_s={m: now_s - t for m, t in rnd.received_s.items()},
             payload=enc.payload,
         )
         return [Broadcast(msg)]
@@ -310,3 +336,12 @@ class SyncerCore:
 
     def global_params(self) -> dict[str, np.ndarray]:
         return {n: a for frag in self.theta for n, a in frag.items()}
+
+
+def _combine(a: FragmentUpload, b: FragmentUpload) -> FragmentUpload:
+    """One learner's two Δs for a fragment (a late one and a newer one) as one: its whole displacement."""
+    return replace(
+        b, delta={n: a.delta[n] + b.delta[n] for n in b.delta}, c_steps=a.c_steps + b.c_steps,
+        c_tokens=a.c_tokens + b.c_tokens, base_version=min(a.base_version, b.base_version), nbytes=a.nbytes + b.nbytes,
+        payload=None,
+    )

@@ -228,7 +228,7 @@ class SyncerService:
             "global_step": self.core.global_step, "fragment_syncs": list(st.fragment_syncs),
             "mean_quorum": sum(st.quorum_sizes) / len(st.quorum_sizes) if st.quorum_sizes else 0.0,
             "mean_grace_s": sum(st.grace_s) / len(st.grace_s) if st.grace_s else 0.0,
-            "late_dropped": st.late_dropped, "stale_dropped": st.stale_dropped,
+            "late_dropped": st.late_dropped, "late_carried": st.late_carried, "stale_dropped": st.stale_dropped,
             "bytes_in": _total(self.metrics.bytes_in), "bytes_out": _total(self.metrics.bytes_out),
             "rejected": self.rejected, "resyncs_served": self.resyncs_served,
         }
