@@ -60,6 +60,26 @@ def test_live_learners_read_a_down_learners_shard(failover):
     assert {down for _, t, down in asked if t > 10.0} == {frozenset()}
 
 
+def test_recovering_learner_applies_updates_sent_during_its_transfer():
+    # 0.002 Gbit/s: copying the state takes ~1.6 virtual s (3 steps), during which fragments sync.
+    cfg = micro(steps=48, bandwidth_gbit_s=0.002)
+    s = sim._Simulation(cfg, sim._Setup(cfg), [Outage(learner=2, down_at=3.0, up_at=5.0)], None)
+    seen = {}
+    rejoin = s._rejoin
+
+    def check(m, epoch):
+        seen["at"] = s.now
+        seen["versions"] = (list(s.learners[m].core.version), list(s.syncer.version))
+        rejoin(m, epoch)
+
+    s._rejoin = check
+    s.run()
+    synced = [t for t, *_ in s.syncer.stats.history if 5.0 < t < seen["at"]]
+    assert len(synced) >= 2  # fragments synced while the state travelled ...
+    learner_v, syncer_v = seen["versions"]
+    assert learner_v == syncer_v  # ... and the learner starts with every one of them applied
+
+
 def test_token_budget_schedule_follows_the_runs_tokens():
     # 24 steps of 3 learners x 4 x 32 tokens; learner 2 is down from 2 s (step 4) to past the end.
     cfg = micro(tokens=24 * 3 * 4 * 32, eval_every=100)

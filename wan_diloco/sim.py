@@ -77,6 +77,7 @@ class _Learner:
     up_link: _Link
     down_link: _Link
     up: bool = True
+    listening: bool = True  # receives global updates: up, or recovering (SPEC §6 replays them)
     stepping: bool = False
     waiting: bool = False
     epoch: int = 0  # bumped on failure: events of a dead incarnation are ignored
@@ -289,16 +290,16 @@ class _Simulation:
 
     def _deliver(self, m: int, epoch: int, msg) -> None:
         l = self.learners[m]
-        if not l.up or epoch != l.epoch:
+        if not l.listening or epoch != l.epoch:
             return
         self._learner_actions(m, l.core.on_update(self.now, msg))
         self._resume_if_unblocked(m)
 
     def _go_down(self, m: int) -> None:
         l = self.learners[m]
-        if not l.up:
+        if not (l.up or l.listening):
             return
-        l.up, l.stepping, l.waiting = False, False, False
+        l.up, l.listening, l.stepping, l.waiting = False, False, False, False
         l.epoch += 1
         self._syncer_actions(self.syncer.on_peer_lost(self.now, m))
 
@@ -309,7 +310,7 @@ class _Simulation:
         peers = [p for p in self.learners if p.up and p is not l]
         l.epoch += 1
         if peers:
-            # Simple recovery: copy the most advanced healthy peer (SPEC §6's protocol comes later).
+            # Copy the most advanced healthy peer; its state takes state_bytes over the link.
             peer = max(peers, key=lambda p: p.core.step)
             l.state = peer.state
             l.core.copy_state_from(peer.core)
@@ -318,6 +319,9 @@ class _Simulation:
             for p in range(len(self.frags)):
                 self._learner_actions(m, l.core.resync(p, self.syncer.theta[p], self.syncer.version[p]))
             ready = self.now + self.cfg.rtt_s
+        # Global updates sent while the state travels are applied in order on top of it (SPEC §6,
+        # step 4), so the learner starts current instead of resyncing fragment by fragment.
+        l.listening = True
         self._at(ready, self._rejoin, m, l.epoch)
 
     def _rejoin(self, m: int, epoch: int) -> None:
@@ -342,7 +346,7 @@ class _Simulation:
         for a in actions:
             if isinstance(a, Broadcast):
                 for m, l in enumerate(self.learners):
-                    if l.up:
+                    if l.listening:
                         self.bytes_sent += a.msg.nbytes
                         self._at(l.down_link.send(self.now, a.msg.nbytes), self._deliver, m, l.epoch, a.msg)
             elif isinstance(a, SetTimer):
