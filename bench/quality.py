@@ -30,6 +30,7 @@ from wan_diloco.planning.tape import Outage  # noqa: E402
 
 # Decoupled settings chosen from the calibration in the README (K = 1 + grace, balanced fragments).
 DECOUPLED = dict(baseline="decoupled", learners=4, quorum=1, grace=True, fragments=4, tau=2)
+DOWN_FRACTION = 0.25  # share of learner time the failure tape keeps learners down
 HETERO = dict(speeds=(1.0, 1.0, 1.0, 1.2), step_noise=0.1)
 
 
@@ -41,6 +42,8 @@ def runs(sync_every: int) -> dict[str, dict]:
         "streaming": dict(baseline="streaming", learners=4, fragments=4, tau=2, sync_every=sync_every),
         "decoupled": dict(DECOUPLED, sync_every=sync_every),
         "decoupled_failures": dict(DECOUPLED, sync_every=sync_every, failures=True),
+        # The same tape with a down learner's shard left unread until it returns (shards hold different files).
+        "decoupled_failures_nofailover": dict(DECOUPLED, sync_every=sync_every, failures=True, data_failover=False),
         "dp_failures": dict(baseline="dp", learners=4, failures=True),
         "decoupled_hetero_grace": dict(DECOUPLED, sync_every=sync_every, **HETERO),
         "decoupled_hetero_nograce": dict(DECOUPLED, sync_every=sync_every, grace=False, **HETERO),
@@ -53,19 +56,31 @@ def runs(sync_every: int) -> dict[str, dict]:
     }
 
 
-def failure_tape(learners: int, horizon_s: float, down_fraction: float, seed: int) -> list[Outage]:
-    """Each learner alternates exponential up and down periods, down ``down_fraction`` of the time."""
-    rng = np.random.default_rng(seed)
-    mean_down = horizon_s / 12
-    mean_up = mean_down * (1 - down_fraction) / down_fraction
-    tape = []
-    for m in range(learners):
-        t = rng.exponential(mean_up)
-        while t < horizon_s:
-            d = rng.exponential(mean_down)
-            tape.append(Outage(learner=m, down_at=float(t), up_at=float(t + d)))
-            t += d + rng.exponential(mean_up)
-    return tape
+def failure_tape(learners: int, run_s: float, down_fraction: float, seed: int,
+                 cycles: int = 6, tolerance: float = 0.02) -> list[Outage]:
+    """Each learner alternates exponential up and down periods, about ``cycles`` of them in ``run_s``.
+
+    ``run_s`` is how long the run is expected to last with the failures. A few
+    exponential periods scatter widely, so the first tape seed (from ``seed``
+    on) whose outages cover ``down_fraction`` ± ``tolerance`` of the learners'
+    time in ``[0, run_s)`` is used; the seed is picked on downtime alone, before
+    anything trains. Outages run on past ``run_s`` in case the run lasts longer.
+    """
+    mean_down = run_s / cycles * down_fraction
+    mean_up = run_s / cycles * (1 - down_fraction)
+    for s in range(seed, seed + 1000):
+        rng = np.random.default_rng(s)
+        tape = []
+        for m in range(learners):
+            t = rng.exponential(mean_up)
+            while t < 2 * run_s:
+                d = rng.exponential(mean_down)
+                tape.append(Outage(learner=m, down_at=float(t), up_at=float(t + d)))
+                t += d + rng.exponential(mean_up)
+        covered = sum(max(0.0, min(o.up_at, run_s) - o.down_at) for o in tape) / (learners * run_s)
+        if abs(covered - down_fraction) <= tolerance:
+            return tape
+    raise RuntimeError(f"no tape seed in {seed}..{seed + 999} gives down_fraction {down_fraction} ± {tolerance}")
 
 
 def _one(args: tuple[str, dict, dict]) -> tuple[str, dict]:
@@ -75,9 +90,9 @@ def _one(args: tuple[str, dict, dict]) -> tuple[str, dict]:
     cfg = sim.SimConfig(**{**common, **overrides})
     outages = []
     if failures:
-        # Horizon: the failure-free virtual duration, doubled (outages past the end do nothing).
+        # With a quarter of the learners down the tokens come at 3/4 of the rate: the run lasts 4/3 longer.
         steps = common["tokens"] / (cfg.batch_size * model.preset(cfg.preset).seq_len * cfg.learners)
-        outages = failure_tape(4, 2 * steps * cfg.step_time_s, 0.25, seed=1234)
+        outages = failure_tape(4, steps * cfg.step_time_s / (1 - DOWN_FRACTION), DOWN_FRACTION, seed=1234)
     t0 = time.perf_counter()
     r = sim.run(cfg, outages)
     out = dataclasses.asdict(r)
@@ -131,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-size", type=int, default=2,
                     help="sequences per learner step (dp: learners x this); 2 is where dp itself does best "
                          "at 2M tokens among 16/8/4/2 (bench/quality_sweep.py)")
+    ap.add_argument("--seed", type=int, default=0, help="model init, data order and step noise (not the tape)")
     ap.add_argument("--only", nargs="*", help="run only these names")
     ap.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="runs in parallel (processes)")
     ap.add_argument("--out", default=str(ROOT / "results" / "quality.json"))
@@ -143,7 +159,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     tokens = int(args.tokens or (3e5 if args.quick else 2e6))
     steps = tokens // (args.batch_size * model.preset(args.preset).seq_len * 4)
-    common = dict(preset=args.preset, tokens=tokens, batch_size=args.batch_size, eval_every=max(1, steps // 40), seed=0)
+    common = dict(preset=args.preset, tokens=tokens, batch_size=args.batch_size, eval_every=max(1, steps // 40),
+                  seed=args.seed)
     todo = runs(args.sync_every)
     if args.only:
         unknown = set(args.only) - set(todo)
@@ -160,6 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     doc = {"preset": args.preset, "tokens": tokens, "batch_size": args.batch_size, "quick": args.quick,
+           "seed": args.seed,
            "runs": {k: {kk: vv for kk, vv in v.items()} for k, v in results.items()}}
     out.write_text(json.dumps(doc, indent=1))
     plot(results, out.with_suffix(".png"))

@@ -144,13 +144,13 @@ def test_cli_simulate_writes_json(tmp_path, capsys):
     tape.write_text(json.dumps([{"learner": 0, "down_at": 1.0, "up_at": 3.0}]))
     rc = cli.main(["simulate", "--preset", "micro", "--learners", "2", "--steps", "8", "--sync-every", "4",
                    "--fragments", "2", "--batch-size", "4", "--speeds", "1,1.2", "--failures", str(tape),
-                   "--no-data-failover", "--json", str(out)])
+                   "--no-data-failover", "--keep-local", "--json", str(out)])
     assert rc == 0
     data = json.loads(out.read_text())
     for key in ("initial_eval_loss", "final_eval_loss", "tokens", "goodput", "uptime", "fragment_syncs", "bytes_sent"):
         assert key in data
     assert len(data["fragment_syncs"]) == 2 and data["bytes_sent"] > 0
-    assert data["config"]["data_failover"] is False
+    assert data["config"]["data_failover"] is False and data["config"]["keep_local"] is True
     assert "goodput" in capsys.readouterr().out
 
 

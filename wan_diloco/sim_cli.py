@@ -43,6 +43,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-grace", dest="grace", action="store_false", help="merge as soon as the quorum is reached")
     p.add_argument("--error-feedback", dest="error_feedback", action="store_true", default=None,
                    help="carry quantization residuals into the next send of each fragment")
+    p.add_argument("--keep-local", dest="keep_local", action="store_true", default=None,
+                   help="keep the steps taken while a fragment travelled instead of overwriting them")
     p.add_argument("--no-data-failover", dest="data_failover", action="store_false", default=None,
                    help="a down learner's shard waits for it (default: live learners also read it)")
     p.add_argument("--speeds", default=None, help="comma-separated step-time factors per learner, e.g. 1,1,1,1.2")
@@ -65,7 +67,7 @@ def config_from_args(args: argparse.Namespace):
             values[field] = v
     if args.grace is not None:
         values["grace"] = args.grace
-    for field in ("error_feedback", "data_failover"):
+    for field in ("error_feedback", "keep_local", "data_failover"):
         if getattr(args, field) is not None:
             values[field] = getattr(args, field)
     if args.rtt_ms is not None:
