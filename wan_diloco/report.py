@@ -52,6 +52,7 @@ def summary_table(result) -> None:
     ]
     if result.mean_quorum:
         rows.append(("mean quorum / grace", f"{result.mean_quorum:.2f} / {result.mean_grace_s * 1000:.0f} ms"))
+        rows.append(("late Δs carried / dropped", f"{result.late_carried} / {result.late_dropped}"))
     for k, v in rows:
         t.add_row(k, v)
     out.print(t)
