@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer tokens (same run names), ~5 minutes")
     ap.add_argument("--preset", default="tiny", help="tiny | small | base (small/base: machines with an accelerator)")
-    ap.add_argument("--tokens", type=float, default=None, help="token budget per run (default 2e6, quick 3e5)")
+    ap.add_argument("--tokens", type=float, default=None, help="token budget per run (default 2e6, quick 2.5e5)")
     ap.add_argument("--sync-every", type=int, default=8)
     ap.add_argument("--batch-size", type=int, default=2,
                     help="sequences per learner step (dp: learners x this); 2 is where dp itself does best "
@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         plot(results, Path(args.out).with_suffix(".png"))
         print(markdown(results))
         return 0
-    tokens = int(args.tokens or (3e5 if args.quick else 2e6))
+    tokens = int(args.tokens or (2.5e5 if args.quick else 2e6))
     steps = tokens // (args.batch_size * model.preset(args.preset).seq_len * 4)
     common = dict(preset=args.preset, tokens=tokens, batch_size=args.batch_size, eval_every=max(1, steps // 40),
                   seed=args.seed)
