@@ -256,5 +256,5 @@ def eval_batches(tokens: np.ndarray, batch_size: int, seq_len: int, n_batches: i
     return [_windows(tokens, s, seq_len) for s in starts.reshape(n_batches, batch_size)]
 
 
-__all__ = ["Batch", "Corpus", "DataConfig", "FailoverBatches", "Shard", "batches", "eval_batches", "load_corpus", "shard",
-           "stdlib_root"]
+__all__ = ["Batch", "Corpus", "DataConfig", "FailoverBatches", "Shard", "batches", "eval_batches", "load_corpus",
+           "shard", "stdlib_root"]
