@@ -56,6 +56,12 @@ def runs(sync_every: int) -> dict[str, dict]:
     }
 
 
+def down_share(tape: list[Outage], learners: int, until_s: float) -> float:
+    """Share of the learners' time in ``[0, until_s)`` that the tape keeps them down."""
+    down = sum(max(0.0, min(o.up_at, until_s) - o.down_at) for o in tape)
+    return down / (learners * until_s) if until_s > 0 else 0.0
+
+
 def failure_tape(learners: int, run_s: float, down_fraction: float, seed: int,
                  cycles: int = 6, tolerance: float = 0.02) -> list[Outage]:
     """Each learner alternates exponential up and down periods, about ``cycles`` of them in ``run_s``.
@@ -77,8 +83,7 @@ def failure_tape(learners: int, run_s: float, down_fraction: float, seed: int,
                 d = rng.exponential(mean_down)
                 tape.append(Outage(learner=m, down_at=float(t), up_at=float(t + d)))
                 t += d + rng.exponential(mean_up)
-        covered = sum(max(0.0, min(o.up_at, run_s) - o.down_at) for o in tape) / (learners * run_s)
-        if abs(covered - down_fraction) <= tolerance:
+        if abs(down_share(tape, learners, run_s) - down_fraction) <= tolerance:
             return tape
     raise RuntimeError(f"no tape seed in {seed}..{seed + 999} gives down_fraction {down_fraction} ± {tolerance}")
 
@@ -97,10 +102,7 @@ def _one(args: tuple[str, dict, dict]) -> tuple[str, dict]:
     r = sim.run(cfg, outages)
     out = dataclasses.asdict(r)
     out["wall_s"] = time.perf_counter() - t0
-    out["down_fraction"] = (
-        sum(min(o.up_at, r.virtual_time_s) - o.down_at for o in outages if o.down_at < r.virtual_time_s)
-        / (cfg.learners * r.virtual_time_s) if outages else 0.0
-    )
+    out["down_fraction"] = down_share(outages, cfg.learners, r.virtual_time_s)
     print(f"{name:26s} loss {r.final_eval_loss:.4f}  goodput {r.goodput:.3f}  tokens {r.tokens:,}  "
           f"wall {out['wall_s']:.0f}s", flush=True)
     return name, out

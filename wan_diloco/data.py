@@ -198,14 +198,6 @@ def _check_len(tokens: np.ndarray, batch_size: int, seq_len: int, what: str) -> 
             f"{len(tokens)} tokens is shorter than one window of seq_len + 1 = {seq_len + 1}")
 
 
-def batches(tokens: np.ndarray, batch_size: int, seq_len: int, seed: int) -> Iterator[Batch]:
-    """Endless batches of uniformly random windows from ``tokens``; same seed, same stream."""
-    _check_len(tokens, batch_size, seq_len, "shard")
-    rng = np.random.default_rng(seed)
-    n_starts = len(tokens) - seq_len
-    while True:
-        starts = rng.integers(0, n_starts, size=batch_size)
-        yield Batch(_windows(tokens, starts, seq_len), batch_size * seq_len)
 
 
 class FailoverBatches:
@@ -246,6 +238,13 @@ class FailoverBatches:
             start = self._rng.integers(0, len(tokens) - L, size=1)
             rows.append(_windows(tokens, start, L))
         return Batch(np.concatenate(rows), b * L)
+
+
+def batches(tokens: np.ndarray, batch_size: int, seq_len: int, seed: int) -> Iterator[Batch]:
+    """Endless batches of uniformly random windows from ``tokens``; same seed, same stream."""
+    source = FailoverBatches([tokens], 0, batch_size, seq_len, seed)
+    while True:
+        yield source.next()
 
 
 def eval_batches(tokens: np.ndarray, batch_size: int, seq_len: int, n_batches: int) -> list[np.ndarray]:
