@@ -51,6 +51,13 @@ def weighted_mean(deltas: Sequence[np.ndarray], weights: Sequence[float]) -> np.
     return (acc / w.sum()).astype(np.float32)
 
 
+def _norm(x: np.ndarray) -> float:
+    """‖x‖ accumulated in float64 without BLAS: a BLAS dot spins up its threads, which on a few
+    cores shared with XLA's made the norms of one merge cost more than the training step."""
+    x = x.ravel()
+    return float(np.sqrt(np.einsum("i,i->", x, x, dtype=np.float64)))
+
+
 def rda(deltas: Sequence[np.ndarray], weights: Sequence[float]) -> np.ndarray:
     """Radial-directional average of one tensor's outer gradients.
 
@@ -58,7 +65,7 @@ def rda(deltas: Sequence[np.ndarray], weights: Sequence[float]) -> np.ndarray:
     (they carry no direction). All-zero input returns zeros.
     """
     w = _check(deltas, np.asarray(weights))
-    norms = np.array([np.linalg.norm(d.astype(np.float64)) for d in deltas])
+    norms = np.array([_norm(d) for d in deltas])
     keep = (norms > 0) & (w > 0)
     if not keep.any():
         return np.zeros(deltas[0].shape, dtype=np.float32)
@@ -67,7 +74,7 @@ def rda(deltas: Sequence[np.ndarray], weights: Sequence[float]) -> np.ndarray:
     direction = np.zeros(deltas[0].shape, dtype=np.float64)
     for wm, nm, d in zip(wk, nk, (d for d, k in zip(deltas, keep) if k)):
         direction += (wm / nm) * d
-    dnorm = np.linalg.norm(direction)
+    dnorm = _norm(direction)
     if dnorm == 0:  # exactly opposite directions cancel: no consensus, no step
         return np.zeros(deltas[0].shape, dtype=np.float32)
     return (direction * (mean_norm / dnorm)).astype(np.float32)
