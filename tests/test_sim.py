@@ -43,6 +43,27 @@ def test_decoupled_run_learns_syncs_and_survives_a_failure():
     assert r.bytes_sent > 0 and r.tokens > 0
 
 
+def test_messages_a_learner_had_in_flight_die_with_it():
+    # Steps end every 0.5 s; learner 2's metadata of its step ending at 5.0 s is on the wire until
+    # 5.03 s, and at 0.0005 Gbit/s an upload is on the wire for about half a second.
+    cfg = micro(bandwidth_gbit_s=0.0005)
+    s = sim._Simulation(cfg, sim._Setup(cfg), [Outage(learner=2, down_at=5.01, up_at=12.0)], None)
+    heard = []
+    for name in ("on_metadata", "on_fragment"):
+        def record(now_s, msg, _handler=getattr(s.syncer, name)):
+            heard.append((now_s, msg.learner))
+            return _handler(now_s, msg)
+        setattr(s.syncer, name, record)
+    waited = []
+    close = s.syncer._close
+    s.syncer._close = lambda now_s, key: (waited.append((now_s, s.syncer.alive())), close(now_s, key))[1]
+    s.run()
+    assert not [t for t, m in heard if m == 2 and 5.01 <= t < 12.0]
+    during = [alive for t, alive in waited if 5.01 <= t < 12.0]
+    assert during and all(2 not in alive for alive in during)  # no round waited for the dead learner
+    assert any(m == 2 for t, m in heard if t > 12.0)
+
+
 @pytest.mark.parametrize("failover", [True, False])
 def test_live_learners_read_a_down_learners_shard(failover):
     cfg = micro(steps=24, data_failover=failover)

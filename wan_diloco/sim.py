@@ -271,14 +271,15 @@ class _Simulation:
         l = self.learners[m]
         for a in actions:
             if isinstance(a, SendMetadata):
-                self._at(self.now + self.cfg.rtt_s / 2, self._syncer_event, self.syncer.on_metadata, a.msg)
+                self._at(self.now + self.cfg.rtt_s / 2, self._from_learner, m, l.epoch, self.syncer.on_metadata, a.msg)
             elif isinstance(a, Snapshot):
                 flat = tree.flatten(l.state.params)
                 theta = {n: np.asarray(flat[n]) for n in self.frags[a.fragment]}
                 self._learner_actions(m, l.core.snapshot(self.now, a.fragment, a.due_step, theta))
             elif isinstance(a, SendFragment):
                 self.bytes_sent += a.msg.nbytes
-                self._at(l.up_link.send(self.now, a.msg.nbytes), self._syncer_event, self.syncer.on_fragment, a.msg)
+                self._at(l.up_link.send(self.now, a.msg.nbytes), self._from_learner, m, l.epoch,
+                         self.syncer.on_fragment, a.msg)
             elif isinstance(a, ApplyGlobal):
                 flat = tree.flatten(l.state.params)
                 flat.update({n: jnp.asarray(v) for n, v in a.mixed(flat).items()})
@@ -338,6 +339,13 @@ class _Simulation:
             self._start_step(m)
 
     # ---- syncer ---------------------------------------------------------------------
+
+    def _from_learner(self, m: int, epoch: int, handler: Callable, msg) -> None:
+        # A learner's failure resets its connection: what it had in flight is lost with it. Delivered
+        # after the syncer was told it is down, a message would make it look alive again, and every
+        # round would wait out the grace window for it until it came back.
+        if epoch == self.learners[m].epoch:
+            self._syncer_event(handler, msg)
 
     def _syncer_event(self, handler: Callable, msg) -> None:
         self._syncer_actions(handler(self.now, msg))
