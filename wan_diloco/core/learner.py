@@ -219,6 +219,14 @@ class LearnerCore:
             self.sync_s.add(max(0.0, arrived_s - sent.sent_at_s - u.held_s[self.learner]))
         # Adopt the global step: a slow learner jumps forward so fragments stay due together.
         self.step = max(self.step, u.global_step)
+        if sent is not None and self.learner not in u.contributors and u.due_step >= sent.due_step:
+            # Our Δ missed its round: we reach due steps later than the quorum by more than the grace.
+            # The global step above was counted before the update left the syncer, and the quorum
+            # has stepped since; adopting it alone leaves a learner one step behind in phase (as
+            # after a rejoin with steady step times), so that every Δ it sends misses by the same
+            # margin. One step more puts it back in phase; the token weights already count it fewer
+            # steps.
+            self.step = max(self.step, u.global_step + 1)
         self.clock = self.clock.receive(self.node, u.clock)
         if sent is not None and sent.theta is not None:
             # The steps since the snapshot stay in θ_p, so they stay on the counters of the next Δ.
