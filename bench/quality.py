@@ -145,9 +145,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--preset", default="tiny", help="tiny | small | base (small/base: machines with an accelerator)")
     ap.add_argument("--tokens", type=float, default=None, help="token budget per run (default 2e6, quick 2.5e5)")
     ap.add_argument("--sync-every", type=int, default=8)
-    ap.add_argument("--batch-size", type=int, default=2,
-                    help="sequences per learner step (dp: learners x this); 2 is where dp itself does best "
-                         "at 2M tokens among 16/8/4/2 (bench/quality_sweep.py)")
+    ap.add_argument("--batch-size", type=int, default=1,
+                    help="sequences per learner step (dp: learners x this); 1 is where dp itself ends lowest "
+                         "at 2M tokens among 16/8/4/2/1, on the mean of three seeds (bench/quality_sweep.py)")
     ap.add_argument("--seed", type=int, default=0, help="model init, data order and step noise (not the tape)")
     ap.add_argument("--only", nargs="*", help="run only these names")
     ap.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="runs in parallel (processes)")
