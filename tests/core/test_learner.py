@@ -60,21 +60,18 @@ def test_update_between_steps_applies_and_resets_counters():
     assert lc.step == 7  # adopted the global step
 
 
-def test_a_learner_whose_delta_missed_its_round_steps_back_into_phase():
+@pytest.mark.parametrize("contributors, expected", [
+    ((1, 2), 6),  # missed: one past the reported global step, the quorum has stepped since it was counted
+    ((0, 1), 5),  # in its round: the global step alone
+])
+def test_a_learner_whose_delta_missed_its_round_steps_back_into_phase(contributors, expected):
     lc = make()
     for t in range(4):
         step(lc, float(t))
     lc.snapshot(5.0, 0, 4, {"block_0/w": PARAMS["block_0/w"]})
-    missed = replace(update(0, 0, 1, {"block_0/w": np.zeros(3, np.float32)}, global_step=5), contributors=(1, 2))
-    lc.on_update(6.0, missed)
-    assert lc.step == 6  # one past the reported global step: the quorum has stepped since it was counted
-    lc = make()
-    for t in range(4):
-        step(lc, float(t))
-    lc.snapshot(5.0, 0, 4, {"block_0/w": PARAMS["block_0/w"]})
-    made_it = replace(update(0, 0, 1, {"block_0/w": np.zeros(3, np.float32)}, global_step=5), contributors=(0, 1))
-    lc.on_update(6.0, made_it)
-    assert lc.step == 5  # in its round: the global step alone
+    u = update(0, 0, 1, {"block_0/w": np.zeros(3, np.float32)}, global_step=5)
+    lc.on_update(6.0, replace(u, contributors=contributors))
+    assert lc.step == expected
 
 
 def test_keep_local_keeps_the_steps_taken_while_the_fragment_travelled():
