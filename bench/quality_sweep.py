@@ -8,7 +8,7 @@ updates just those rows. The rows at batch 8 and 4 were measured while the
 eval set still scaled with the training batch (their "eval seqs" column);
 a rerun now evaluates every run on the same 128 sequences.
 
-    python bench/quality_sweep.py --jobs 2                 # every run (58), ~2 h on 2 cores
+    python bench/quality_sweep.py --jobs 2                 # every run (60), ~2 h on 2 cores
     python bench/quality_sweep.py --only dp dec_o56 --jobs 2
 """
 from __future__ import annotations
@@ -92,6 +92,8 @@ SWEEP: dict[str, dict] = {
     "dec_bs1_s2": dict(DEC, batch_size=1, seed=2),
     "dec_bs1_h16": dict(DEC, batch_size=1, sync_every=16),
     "dec_bs1_o36": dict(DEC, batch_size=1, outer_lr=0.3),
+    "dec_bs1_keep": dict(DEC, batch_size=1, keep_local=True),
+    "dec_bs1_keep_failures": dict(DEC, batch_size=1, keep_local=True, failures=True),
     "dp_s1": dict(DP, seed=1),
     "dec_o56_s1": dict(DEC, outer_lr=0.5, seed=1),
 }
