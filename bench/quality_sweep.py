@@ -8,7 +8,7 @@ updates just those rows. The rows at batch 8 and 4 were measured while the
 eval set still scaled with the training batch (their "eval seqs" column);
 a rerun now evaluates every run on the same 128 sequences.
 
-    python bench/quality_sweep.py --jobs 2                 # every run (60), ~2 h on 2 cores
+    python bench/quality_sweep.py --jobs 2                 # every run (58), ~2 h on 2 cores
     python bench/quality_sweep.py --only dp dec_o56 --jobs 2
 """
 from __future__ import annotations
