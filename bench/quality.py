@@ -97,7 +97,7 @@ def _one(args: tuple[str, dict, dict]) -> tuple[str, dict]:
     if failures:
         # With a quarter of the learners down the tokens come at 3/4 of the rate: the run lasts 4/3 longer.
         steps = common["tokens"] / (cfg.batch_size * model.preset(cfg.preset).seq_len * cfg.learners)
-        outages = failure_tape(4, steps * cfg.step_time_s / (1 - DOWN_FRACTION), DOWN_FRACTION, seed=1234)
+        outages = failure_tape(cfg.learners, steps * cfg.step_time_s / (1 - DOWN_FRACTION), DOWN_FRACTION, seed=1234)
     t0 = time.perf_counter()
     r = sim.run(cfg, outages)
     out = dataclasses.asdict(r)

@@ -198,8 +198,6 @@ def _check_len(tokens: np.ndarray, batch_size: int, seq_len: int, what: str) -> 
             f"{len(tokens)} tokens is shorter than one window of seq_len + 1 = {seq_len + 1}")
 
 
-
-
 class FailoverBatches:
     """Learner ``learner_id``'s batches that also read the shards of learners that are down.
 

@@ -9,14 +9,10 @@ quality = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(quality)
 
 
-def _down_share(tape, learners, run_s):
-    return sum(max(0.0, min(o.up_at, run_s) - o.down_at) for o in tape) / (learners * run_s)
-
-
 @pytest.mark.parametrize("fraction", [0.1, 0.25, 0.4])
 def test_failure_tape_keeps_learners_down_the_asked_share(fraction):
     tape = quality.failure_tape(4, 1000.0, fraction, seed=7)
-    assert _down_share(tape, 4, 1000.0) == pytest.approx(fraction, abs=0.02)
+    assert quality.down_share(tape, 4, 1000.0) == pytest.approx(fraction, abs=0.02)
     assert {o.learner for o in tape} <= set(range(4)) and all(o.down_at < o.up_at for o in tape)
     assert max(o.down_at for o in tape) > 1000.0  # outages go on past the expected end
     assert tape == quality.failure_tape(4, 1000.0, fraction, seed=7)  # deterministic

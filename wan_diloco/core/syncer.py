@@ -145,11 +145,7 @@ class SyncerCore:
             self.stats.stale_dropped += 1
             return []
         if msg.due_step <= self.last_closed_due[p]:
-            # Its round closed without it; the learner gets Θ anyway.
-            if self.cfg.carry_late:
-                self._carry(msg)
-            else:
-                self.stats.late_dropped += 1
+            self._late([msg])  # its round closed without it; the learner gets Θ anyway
             return []
         key = (p, msg.due_step)
         rnd = self.rounds.setdefault(key, _Round(opened_s=now_s))
@@ -224,6 +220,14 @@ class SyncerCore:
             if not np.all(np.isfinite(d)):
                 raise ProtocolError(f"{n!r} from learner {msg.learner}: NaN or Inf in the outer gradient")
 
+    def _late(self, msgs) -> None:
+        """Δs whose round closed without them: carried into the fragment's next merge, or dropped."""
+        for msg in msgs:
+            if self.cfg.carry_late:
+                self._carry(msg)
+            else:
+                self.stats.late_dropped += 1
+
     def _carry(self, msg: FragmentUpload) -> None:
         held = self.carried[msg.fragment]
         held[msg.learner] = msg if msg.learner not in held else _combine(held[msg.learner], msg)
@@ -275,12 +279,7 @@ class SyncerCore:
         rnd = self.rounds.pop(key)
         # Older open rounds of this fragment are now late: their Θ has moved on.
         for old in [k for k in self.rounds if k[0] == p and k[1] < due]:
-            late = self.rounds.pop(old).contributions.values()
-            if self.cfg.carry_late:
-                for msg in late:
-                    self._carry(msg)
-            else:
-                self.stats.late_dropped += len(late)
+            self._late(self.rounds.pop(old).contributions.values())
         for m, msg in self.carried[p].items():
             if msg.base_version < self.version[p] - self.cfg.max_staleness:
                 self.stats.stale_dropped += 1
