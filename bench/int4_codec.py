@@ -6,6 +6,8 @@ independently of) the codec.
 """
 from __future__ import annotations
 
+from functools import lru_cache
+
 import numpy as np
 
 BLOCK = 4096  # stand-in: one float32 scale per block of 4096 values
@@ -39,20 +41,25 @@ def standin_decode(buf, n: int) -> np.ndarray:
 def load_codec():
     """(name, encode(x) -> bytes-like, decode(buf, n) -> array).
 
-    The project codec (``wan_diloco.compression``: ``encode({name: array}, cfg)``,
-    ``decode(buf) -> {name: array}``) at 4 bits with its default block size and
-    zstd, when importable and a tiny round trip works; otherwise the numpy
+    The project codec (``wan_diloco.compression.FragmentCodec`` with a
+    one-tensor layout of ``n`` values) at 4 bits with its default block size
+    and zstd, when importable and a tiny round trip works; otherwise the numpy
     stand-in above, reported as ``"codec": "standin"``.
     """
     try:
-        from wan_diloco.compression import CodecConfig, decode, encode
+        from wan_diloco.compression import CodecConfig, FragmentCodec
+        from wan_diloco.fragments import Layout
         cfg = CodecConfig(bits=4)
 
+        @lru_cache(maxsize=8)
+        def codec(n: int) -> FragmentCodec:
+            return FragmentCodec(cfg, Layout([("outer_grad",)], {"outer_grad": (n,)}))
+
         def enc(x):
-            return encode({"outer_grad": x}, cfg)
+            return codec(x.size).encode({"outer_grad": x})
 
         def dec(buf, n):
-            return decode(buf)["outer_grad"]
+            return codec(n).decode(0, buf)["outer_grad"]
 
         probe = np.linspace(-1, 1, 2 * BLOCK, dtype=np.float32)
         if np.abs(np.asarray(dec(enc(probe), probe.size)) - probe).max() > 0.25:

@@ -25,17 +25,17 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT.parent))
 
-from wan_diloco import model, sim  # noqa: E402
+from wan_diloco import model, sim, spec as spec_lib  # noqa: E402
 from wan_diloco.planning.tape import Outage  # noqa: E402
 
-# Decoupled settings chosen from the calibration in the README (K = 1 + grace, balanced fragments).
+# Decoupled settings chosen from the calibration in docs/quality.md (K = 1 + grace, balanced fragments).
 DECOUPLED = dict(baseline="decoupled", learners=4, quorum=1, grace=True, fragments=4, tau=2)
 DOWN_FRACTION = 0.25  # share of learner time the failure tape keeps learners down
 HETERO = dict(speeds=(1.0, 1.0, 1.0, 1.2), step_noise=0.1)
 
 
 def runs(sync_every: int) -> dict[str, dict]:
-    """Run name -> SimConfig overrides. The same token budget and seed everywhere."""
+    """Run name -> settings (``spec.SHORT_NAMES``). The same token budget and seed everywhere."""
     return {
         "dp": dict(baseline="dp", learners=4),
         "diloco": dict(baseline="diloco", learners=4, sync_every=sync_every),
@@ -92,17 +92,18 @@ def _one(args: tuple[str, dict, dict]) -> tuple[str, dict]:
     name, overrides, common = args
     overrides = dict(overrides)
     failures = overrides.pop("failures", False)
-    cfg = sim.SimConfig(**{**common, **overrides})
+    spec = spec_lib.from_short(**{**common, **overrides})
+    M = spec.run.learners
     outages = []
     if failures:
         # With a quarter of the learners down the tokens come at 3/4 of the rate: the run lasts 4/3 longer.
-        steps = common["tokens"] / (cfg.batch_size * model.preset(cfg.preset).seq_len * cfg.learners)
-        outages = failure_tape(cfg.learners, steps * cfg.step_time_s / (1 - DOWN_FRACTION), DOWN_FRACTION, seed=1234)
+        steps = common["tokens"] / (spec.run.batch_size * spec.model.seq_len * M)
+        outages = failure_tape(M, steps * spec.simulate.step_time_s / (1 - DOWN_FRACTION), DOWN_FRACTION, seed=1234)
     t0 = time.perf_counter()
-    r = sim.run(cfg, outages)
+    r = sim.run(spec, outages)
     out = dataclasses.asdict(r)
     out["wall_s"] = time.perf_counter() - t0
-    out["down_fraction"] = down_share(outages, cfg.learners, r.virtual_time_s)
+    out["down_fraction"] = down_share(outages, M, r.virtual_time_s)
     print(f"{name:26s} loss {r.final_eval_loss:.4f}  goodput {r.goodput:.3f}  tokens {r.tokens:,}  "
           f"wall {out['wall_s']:.0f}s", flush=True)
     return name, out

@@ -23,12 +23,12 @@ ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
 
 from quality import DECOUPLED, _one  # noqa: E402  (bench/quality.py)
-from wan_diloco.sim_config import SimConfig  # noqa: E402
+from wan_diloco import spec as spec_lib  # noqa: E402
 
 DEC = dict(DECOUPLED, sync_every=8)
 DP = dict(baseline="dp", learners=4)
 
-# name -> SimConfig overrides. What each row tests is in its name:
+# name -> settings (spec.SHORT_NAMES). What each row tests is in its name:
 # o<lr><momentum> outer Nesterov (o56 = 0.5 / 0.6), i<lr> inner peak lr (i20 = 2e-3),
 # h<H> steps between syncs of a fragment, bs<B> sequences per learner step, s<seed>.
 SWEEP: dict[str, dict] = {
@@ -99,15 +99,29 @@ SWEEP: dict[str, dict] = {
 }
 
 
-DP_LR = SimConfig().inner_lr
+DP_LR = spec_lib.from_document({}).train.lr
 KEYS = ("seed", "batch_size", "tokens", "preset", "eval_batch_size", "shard_block_tokens")
+
+
+def flat(config: dict) -> dict:
+    """A run's settings by short name, from a result's config (a spec document; older results are flat)."""
+    if "simulate" not in config:
+        return config
+    out = {}
+    for name, (table, key) in spec_lib.SHORT_NAMES.items():
+        node = config
+        for part in table.split("."):
+            node = node.get(part, {})
+        if key in node:
+            out[name] = node[key]
+    return out
 
 
 def reference(name: str, runs: dict) -> str | None:
     """The dp run at the default inner lr with the same seed, batch, token budget and eval set as ``name``."""
-    cfg = runs[name]["config"]
+    cfg = flat(runs[name]["config"])
     for other, r in runs.items():
-        c = r["config"]
+        c = flat(r["config"])
         if c["baseline"] == "dp" and c["inner_lr"] == DP_LR and all(c.get(k) == cfg.get(k) for k in KEYS):
             return other
     return None
@@ -118,7 +132,7 @@ def markdown(runs: dict) -> str:
     for name, r in runs.items():
         ref = reference(name, runs)
         rel = f"{r['final_eval_loss'] / runs[ref]['final_eval_loss'] - 1:+.1%}" if ref else "no dp run"
-        c = r["config"]
+        c = flat(r["config"])
         lines.append(f"| {name} | {c['batch_size']} | {c['eval_batches'] * c['eval_batch_size']} "
                      f"| {r['final_eval_loss']:.4f} | {rel} |")
     return "\n".join(lines)

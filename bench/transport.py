@@ -37,7 +37,7 @@ import grpc  # noqa: E402
 import numpy as np  # noqa: E402
 
 from wan_diloco.transport import (  # noqa: E402
-    Ack, FragmentUpload, SyncerClient, TlsConfig, TransportConfig, TransportServer, run, tune_for_link,
+    Ack, Frame, SyncerClient, TlsConfig, TransportConfig, TransportServer, run, tune_for_link,
 )
 from wan_diloco.transport.dev_certs import make_dev_certs  # noqa: E402
 from wan_diloco.transport.loop import have_uvloop  # noqa: E402
@@ -59,10 +59,11 @@ class CountingHandler:
     async def on_metadata(self, msg):
         return None
 
-    async def on_fragment(self, msg):
-        if self.decode is not None and msg.tokens:  # warm-up uploads carry no values
-            await asyncio.to_thread(self.decode, msg.payload, msg.tokens)  # tokens = value count here
-        return Ack("bench", global_step=msg.steps)
+    async def on_fragment(self, frame):
+        values = frame.meta.get("values", 0)
+        if self.decode is not None and values:  # warm-up uploads carry no values
+            await asyncio.to_thread(self.decode, frame.payload, values)
+        return Ack("bench", global_step=frame.meta.get("index", 0))
 
     def subscribe(self, msg):
         raise NotImplementedError
@@ -184,13 +185,14 @@ async def send_fragments(port: int, spec: dict, total_bytes: int, fragment_bytes
     payload = os.urandom(fragment_bytes)
     n_fragments = max(1, total_bytes // fragment_bytes)
     async with SyncerClient(f"127.0.0.1:{port}", TOKEN, config) as client:
-        warm = FragmentUpload("bench", "local", 0, 0, 0, 0, {}, b"w")
+        warm = Frame("bench", 0, {}, b"w")
         await asyncio.gather(*(client.upload_fragment(warm) for _ in range(config.channels)))
         todo = iter(range(n_fragments))
 
         async def worker():
             for i in todo:
-                await client.upload_fragment(FragmentUpload("bench", "local", i, 0, i, 0, {"bench": i}, payload))
+                meta = {"index": i, "clock": {"bench": i}}  # about the size of a real upload's meta
+                await client.upload_fragment(Frame("bench", i, meta, payload))
 
         t0 = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(spec["streams"])))
@@ -207,7 +209,7 @@ async def send_int4(port: int, spec: dict, total_wire_bytes: int, values: int) -
     n_fragments = max(spec["streams"], total_wire_bytes // per_fragment)
     sent = 0
     async with SyncerClient(f"127.0.0.1:{port}", TOKEN, config) as client:
-        warm = FragmentUpload("bench", "local", 0, 0, 0, 0, {}, b"w")
+        warm = Frame("bench", 0, {}, b"w")
         await asyncio.gather(*(client.upload_fragment(warm) for _ in range(config.channels)))
         todo = iter(range(n_fragments))
 
@@ -215,7 +217,7 @@ async def send_int4(port: int, spec: dict, total_wire_bytes: int, values: int) -
             nonlocal sent
             for i in todo:
                 wire = await asyncio.to_thread(encode, grad)
-                await client.upload_fragment(FragmentUpload("bench", "local", i, 0, i, values, {}, wire))
+                await client.upload_fragment(Frame("bench", i, {"index": i, "values": values}, wire))
                 sent += len(wire)
 
         t0 = time.perf_counter()

@@ -40,6 +40,8 @@ class DataConfig:
     max_bytes: int = 32 * 2**20
     eval_every_nth_file: int = 10  # directories: every nth file (sorted) is held out
     eval_fraction: float = 0.05  # single file / *.bin: the tail fraction is held out
+    # 0: contiguous shards (learners see different files); > 0: blocks of this many tokens dealt round-robin.
+    shard_block_tokens: int = 0
 
     def validate(self) -> None:
         require(self.corpus != "", "corpus", "must be 'stdlib' or a path")
@@ -48,6 +50,7 @@ class DataConfig:
         require(self.eval_every_nth_file >= 2, "eval_every_nth_file",
                 f"must be >= 2, got {self.eval_every_nth_file}")
         require(0.0 < self.eval_fraction < 1.0, "eval_fraction", f"must be in (0, 1), got {self.eval_fraction}")
+        require(self.shard_block_tokens >= 0, "shard_block_tokens", f"must be >= 0, got {self.shard_block_tokens}")
 
 
 @dataclasses.dataclass(frozen=True)

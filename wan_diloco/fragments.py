@@ -1,13 +1,16 @@
-"""Parameter fragments and their sync schedule (SPEC §3, from Streaming DiLoCo).
+"""Parameter fragments, their layout and their sync schedule (docs/method.md, "Fragments").
 
 A fragmentation is a list of P fragments, each a tuple of flat tensor names.
 Fragment p syncs every H learner steps at offset t_p = floor(p·H/P), so one
-fragment is due every H/P steps and the WAN carries a steady stream.
+fragment is due every H/P steps and the WAN carries a steady stream. Both ends
+of a run derive the same :class:`Layout` from the same config, so names and
+shapes never travel with a fragment.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Callable, Literal, Mapping, Sequence
+from typing import Any, Callable, Literal, Mapping, Sequence
 
 import numpy as np
 
@@ -156,3 +159,36 @@ def check_cover(fragments: Sequence[Sequence[str]], names: Sequence[str]) -> Non
     missing = [n for n in names if n not in seen]
     if missing or len(seen) != len(names):
         raise ValueError(f"fragments: tensors not covered: {missing[:3]}")
+
+
+class Layout:
+    """Names and shapes of every fragment, derived from the model config on both ends of a run."""
+
+    def __init__(self, fragments: Sequence[Sequence[str]], shapes: Mapping[str, tuple[int, ...]]):
+        self.fragments = [tuple(f) for f in fragments]
+        self.shapes = {n: tuple(shapes[n]) for f in self.fragments for n in f}
+        self.fragment_of = {n: p for p, f in enumerate(self.fragments) for n in f}
+        self.nbytes = [4 * sum(math.prod(self.shapes[n]) for n in f) for f in self.fragments]
+
+    def fragment_for(self, names: Sequence[str]) -> int:
+        """The fragment whose tensors are exactly ``names``; ValueError otherwise."""
+        names = list(names)
+        if not names or names[0] not in self.fragment_of:
+            raise ValueError(f"tensors {names[:2]} belong to no fragment")
+        p = self.fragment_of[names[0]]
+        if set(names) != set(self.fragments[p]):
+            raise ValueError(f"tensors do not form fragment {p}")
+        return p
+
+    def check_index(self, fragment: int) -> None:
+        if not isinstance(fragment, int) or not 0 <= fragment < len(self.fragments):
+            raise ValueError(f"fragment {fragment!r} out of range 0..{len(self.fragments) - 1}")
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """One fragment as it crosses the wire: the bytes, their length, and exactly what decoding them gives."""
+
+    values: dict[str, Any]
+    nbytes: int
+    payload: bytes | None = None

@@ -1,4 +1,4 @@
-"""Merging learners' outer gradients (SPEC §5): token weights, weighted mean, RDA.
+"""Merging learners' outer gradients (docs/method.md, "Merging"): token weights, weighted mean, RDA.
 
 Outer gradients of different learners are nearly orthogonal, so a plain mean
 shrinks like 1/sqrt(M); radial-directional averaging (RDA) averages norm and

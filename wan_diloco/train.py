@@ -29,7 +29,7 @@ class TrainConfig:
     """Inner optimizer: AdamW, linear warmup then cosine decay, global-norm clipping."""
 
     lr: float = 3e-3  # peak learning rate; suits the tiny preset
-    warmup_steps: int = 100
+    warmup_steps: int = 50  # capped at a tenth of the run by the run spec
     total_steps: int = 5000  # length of the cosine schedule (warmup included)
     weight_decay: float = 0.1  # applied to matrices only, not to norm scales
     b1: float = 0.9

@@ -1,44 +1,35 @@
-"""Helpers for tests that forge wire messages (with a valid checksum)."""
+"""Helpers for tests that forge fragment payloads (the fixed header of ``compression.frame``)."""
 import struct
-import zlib
 
-FIXED = struct.Struct("<4sHBBBBIIQQI")
-FIELDS = ("magic", "version", "bits", "flags", "scale_dtype", "codebook", "block_size",
-          "n_tensors", "raw_len", "payload_len", "header_len")
-WIDTHS = dict(zip(FIELDS, (4, 2, 1, 1, 1, 1, 4, 4, 8, 8, 4)))  # bytes per field
-
-
-def reseal(body: bytes) -> bytes:
-    """Append a correct CRC-32, so only the field validator can reject the body."""
-    return bytes(body) + struct.pack("<I", zlib.crc32(body))
+HEADER = struct.Struct("<4sBBBBBBHIQQ")
+FIELDS = ("magic", "version", "bits", "flags", "scale_dtype", "codebook", "reserved", "block_size",
+          "fragment", "raw_len", "payload_len")
+WIDTHS = dict(zip(FIELDS, (4, 1, 1, 1, 1, 1, 1, 2, 4, 8, 8)))  # bytes per field
 
 
 def fields(msg: bytes) -> dict:
-    return dict(zip(FIELDS, FIXED.unpack_from(msg, 0)))
+    return dict(zip(FIELDS, HEADER.unpack_from(msg, 0)))
 
 
 def with_fields(msg: bytes, **changes) -> bytes:
+    """``msg`` with header fields replaced (values taken modulo their width)."""
     f = fields(msg)
-    f.update(changes)
-    return reseal(FIXED.pack(*(f[k] for k in FIELDS)) + msg[FIXED.size:-4])
+    for k, v in changes.items():
+        f[k] = v if k == "magic" else v % (1 << (8 * WIDTHS[k]))
+    return HEADER.pack(*(f[k] for k in FIELDS)) + msg[HEADER.size:]
 
 
-def dim_offsets(msg: bytes) -> list[int]:
-    """Byte offsets of every u64 dim in the tensor table."""
-    f = fields(msg)
-    pos, out = FIXED.size, []
-    for _ in range(f["n_tensors"]):
-        (name_len,) = struct.unpack_from("<H", msg, pos)
-        pos += 2 + name_len
-        _, ndim = struct.unpack_from("<BB", msg, pos)
-        pos += 2
-        out += [pos + 8 * i for i in range(ndim)]
-        pos += 8 * ndim
-    return out
+def body(msg: bytes) -> bytes:
+    return msg[HEADER.size:]
 
 
-def body_with(msg: bytes, offset: int, raw: bytes) -> bytes:
-    """Overwrite bytes at ``offset`` and reseal."""
-    body = bytearray(msg[:-4])
-    body[offset:offset + len(raw)] = raw
-    return reseal(bytes(body))
+def with_body(msg: bytes, new_body: bytes, **changes) -> bytes:
+    """Header of ``msg`` (payload_len fixed up, then ``changes``) in front of ``new_body``."""
+    return with_fields(msg[:HEADER.size] + new_body, **{"payload_len": len(new_body), **changes})
+
+
+def patched(msg: bytes, offset: int, raw: bytes) -> bytes:
+    """Overwrite bytes at ``offset``."""
+    out = bytearray(msg)
+    out[offset:offset + len(raw)] = raw
+    return bytes(out)

@@ -4,8 +4,10 @@ import numpy as np
 import pytest
 
 from wan_diloco.compression import (
-    CodecConfig, decode, dequantize, dequantize_pallas, encode, quantize, quantize_pallas,
+    HEADER_BYTES, CodecConfig, FragmentCodec, dequantize, dequantize_pallas, quantize, quantize_pallas,
 )
+from wan_diloco.compression.blocks import dequantize_host
+from wan_diloco.fragments import Layout
 
 B = 32
 
@@ -45,14 +47,25 @@ def test_default_tiling_and_empty_input():
     assert c0.shape == (0, B // 2) and s0.shape == (0,)
 
 
-@pytest.mark.parametrize("bits", [8, 4])
-def test_decode_is_identical_across_impls(bits):
+@pytest.mark.parametrize("bits,codebook", [(8, "nf4"), (4, "nf4"), (4, "uniform")])
+def test_encode_and_decode_are_identical_across_impls(bits, codebook):
     frag = {"w": _data(5 * B + 3, seed=1).reshape(-1, 1), "big": _data(40, 2) * np.float32(1e37)}
-    data = encode(frag, CodecConfig(bits=bits, block_size=B, impl="pallas"))
-    assert data == encode(frag, CodecConfig(bits=bits, block_size=B, impl="jnp"))
-    ref = decode(data, impl="numpy")
-    for impl in ("jnp", "pallas"):
-        out = decode(data, impl=impl)
-        for k in frag:
-            assert out[k].dtype == np.float32 and out[k].shape == frag[k].shape
-            np.testing.assert_array_equal(out[k].view(np.uint32), ref[k].view(np.uint32))
+    layout = Layout([tuple(frag)], {k: v.shape for k, v in frag.items()})
+    kw = dict(bits=bits, block_size=B, int4_codebook=codebook, zstd=False)
+    pallas = FragmentCodec(CodecConfig(impl="pallas", **kw), layout)
+    data = pallas.encode(frag)
+    assert data == FragmentCodec(CodecConfig(impl="jnp", **kw), layout).encode(frag)
+    # The host decoder (numpy) against jax.numpy and Pallas on the payload's own blocks.
+    fmt = pallas.cfg.format
+    nb = 6 + 2
+    raw = np.frombuffer(data, np.uint8, offset=HEADER_BYTES)
+    bits16 = (raw[:nb].astype(np.uint16) << 8) | raw[nb:2 * nb]
+    scales = (bits16.astype(np.uint32) << 16).view(np.float32)
+    codes = raw[2 * nb:].reshape(nb, -1)
+    host = dequantize_host(codes, scales, fmt)
+    dev_codes = codes.view(np.int8) if bits == 8 else codes
+    for fn in (dequantize, dequantize_pallas):
+        out = np.asarray(fn(dev_codes, scales, shape=host.shape, bits=bits, codebook=codebook))
+        np.testing.assert_array_equal(out.view(np.uint32), host.view(np.uint32))
+    decoded = pallas.decode(0, data)
+    np.testing.assert_array_equal(decoded["w"].ravel().view(np.uint32), host.ravel()[:5 * B + 3].view(np.uint32))

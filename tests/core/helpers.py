@@ -1,10 +1,13 @@
 import numpy as np
 
 from wan_diloco.clock import VectorClock
+from wan_diloco.compression import CodecConfig, FragmentCodec
 from wan_diloco.core import FragmentUpload, Metadata
+from wan_diloco.fragments import Layout
 
 FRAGS = [("block_0/w",), ("embed/embedding",)]
 PARAMS = {"block_0/w": np.array([1.0, 2.0, 3.0], np.float32), "embed/embedding": np.array([[0.5, -0.5]], np.float32)}
+CODEC = FragmentCodec(CodecConfig(bits=32), Layout(FRAGS, {n: a.shape for n, a in PARAMS.items()}))
 
 
 def is_embedding(name):

@@ -9,12 +9,12 @@ from wan_diloco.core import (
     ApplyGlobal, GlobalUpdate, LearnerConfig, LearnerCore, Resync, SendFragment, SendMetadata, Snapshot,
 )
 
-from .helpers import FRAGS, PARAMS
+from .helpers import CODEC, FRAGS, PARAMS
 
 
 def make(**kw):
     cfg = LearnerConfig(**{"sync_every": 4, "num_fragments": 2, "tau": 1, **kw})
-    return LearnerCore(cfg, 0, FRAGS, PARAMS)
+    return LearnerCore(cfg, 0, FRAGS, PARAMS, CODEC)
 
 
 def step(lc, t, tokens=100):
@@ -45,7 +45,8 @@ def test_snapshot_sends_base_minus_theta():
     [send] = lc.snapshot(0.0, 0, 4, theta)
     assert isinstance(send, SendFragment)
     np.testing.assert_allclose(send.msg.delta["block_0/w"], -0.5)
-    assert send.msg.base_version == 0 and send.msg.due_step == 4 and send.msg.nbytes == 12
+    assert send.msg.base_version == 0 and send.msg.due_step == 4 and send.msg.nbytes == len(send.msg.payload)
+    np.testing.assert_array_equal(CODEC.decode(0, send.msg.payload)["block_0/w"], send.msg.delta["block_0/w"])
 
 
 def test_update_between_steps_applies_and_resets_counters():
@@ -147,7 +148,7 @@ def test_blocking_learner_waits_tau_steps_after_sending():
 def test_error_feedback_carries_what_was_dropped():
     class Round1:  # a "codec" that rounds to 1 decimal
         def roundtrip(self, values):
-            from wan_diloco.core import Encoded
+            from wan_diloco.fragments import Encoded
             return Encoded({n: np.round(v, 1) for n, v in values.items()}, 0)
 
     lc = LearnerCore(LearnerConfig(sync_every=4, num_fragments=2, error_feedback=True), 0, FRAGS, PARAMS, codec=Round1())

@@ -3,15 +3,17 @@ import dataclasses
 import numpy as np
 import pytest
 
-from wan_diloco.core import Broadcast, LearnerConfig, LearnerCore, ProtocolError, SetTimer, SyncerConfig, SyncerCore
+from wan_diloco.core import (
+    FINAL_TIMER, Broadcast, LearnerConfig, LearnerCore, ProtocolError, SetTimer, SyncerConfig, SyncerCore,
+)
 from wan_diloco.outer import OuterConfig
 
-from .helpers import FRAGS, PARAMS, is_embedding, meta, upload
+from .helpers import CODEC, FRAGS, PARAMS, is_embedding, meta, upload
 
 
 def make(**kw):
     cfg = SyncerConfig(**{"num_learners": 3, "tau": 2, **kw})
-    return SyncerCore(cfg, FRAGS, PARAMS, is_embedding)
+    return SyncerCore(cfg, FRAGS, PARAMS, is_embedding, CODEC)
 
 
 def test_quorum_one_without_grace_merges_at_once():
@@ -155,9 +157,61 @@ def test_stale_base_dropped():
 
 def test_learner_copy_is_bit_identical_to_syncer():
     s = make(quorum=1, grace=False)
-    lc = LearnerCore(LearnerConfig(sync_every=8, num_fragments=2), 0, FRAGS, PARAMS)
+    lc = LearnerCore(LearnerConfig(sync_every=8, num_fragments=2), 0, FRAGS, PARAMS, CODEC)
     for due in (8, 16, 24):
         [b] = s.on_fragment(float(due), upload(0, due=due, base_version=s.version[0]))
         lc.on_update(float(due), b.msg)
     np.testing.assert_array_equal(lc.base[0]["block_0/w"], s.theta[0]["block_0/w"])
     assert lc.version[0] == s.version[0] == 3
+
+
+def final(learner, fragment, due=9, **kw):
+    return dataclasses.replace(upload(learner, fragment=fragment, due=due, **kw), final=True)
+
+
+def test_final_sync_waits_for_every_live_learner_then_merges_all_at_once():
+    s = make(quorum=1, grace=False, outer=OuterConfig(lr=1.0, momentum=0.0))
+    for m in range(3):
+        s.on_metadata(0.0, meta(m))
+    [timer] = s.on_fragment(1.0, final(0, 0))
+    assert timer.key == FINAL_TIMER and timer.at_s == pytest.approx(1.0 + s.cfg.final_timeout_s)
+    assert s.on_fragment(1.0, final(0, 1)) == [] and not s.final_done  # quorum 1 does not apply to the final sync
+    s.on_fragment(1.1, final(1, 0))
+    s.on_fragment(1.1, final(1, 1))
+    assert s.on_peer_lost(1.2, 2) != [] and s.final_done  # the last live learner went away: merge now
+    assert s.final_participants() == {0, 1}
+    assert s.version == [1, 1] and [h[3] for h in list(s.stats.history)[-2:]] == [(0, 1), (0, 1)]
+    assert s.on_fragment(2.0, final(2, 0)) == []  # too late: ignored, nothing changes
+    assert s.version == [1, 1]
+
+
+def test_final_sync_broadcasts_final_updates_that_learners_apply():
+    s = make(num_learners=2, quorum=2, grace=False)
+    learners = [LearnerCore(LearnerConfig(sync_every=8, num_fragments=2), m, FRAGS, PARAMS, CODEC) for m in range(2)]
+    out = []
+    for m, lc in enumerate(learners):
+        lc.begin_step(0.0)
+        lc.step_done(0.5, 10)
+        snaps = lc.finish()
+        assert [a.fragment for a in snaps] == [0, 1] and all(a.final for a in snaps)
+        for a in snaps:
+            theta = {n: PARAMS[n] + 0.25 * (m + 1) for n in FRAGS[a.fragment]}
+            [send] = lc.snapshot(1.0, a.fragment, a.due_step, theta, a.final)
+            assert send.msg.final
+            out += s.on_fragment(1.0, send.msg)
+    assert [type(a) for a in out] == [SetTimer, Broadcast, Broadcast] and all(a.msg.final for a in out[1:])
+    for lc in learners:
+        for b in out[1:]:
+            lc.on_update(1.1, b.msg)
+        for p, frag in enumerate(s.theta):
+            for n, a in frag.items():
+                np.testing.assert_array_equal(lc.base[p][n], a)
+
+
+def test_final_timer_merges_what_arrived():
+    s = make(quorum=1)
+    for m in range(3):
+        s.on_metadata(0.0, meta(m))
+    [timer] = s.on_fragment(1.0, final(0, 0))
+    assert s.on_timer(timer.at_s, timer.key) != [] and s.final_done
+    assert s.version == [1, 0]  # only fragment 0 had a final upload

@@ -14,13 +14,15 @@ MICRO = """\
 learners = {learners}
 steps = {steps}
 batch_size = 4
-corpus_max_bytes = 262144
 eval_batches = 1
-final_timeout_s = 20
+eval_batch_size = 4
 tick_s = 0.2
 report_every_s = 0.2
 min_step_s = {min_step_s}
 token = "{token}"
+
+[data]
+max_bytes = 262144
 
 [model]
 d_model = 32
@@ -36,6 +38,7 @@ tau = {tau}
 
 [syncer]
 liveness_timeout_s = 20.0
+final_timeout_s = 20
 
 [train]
 warmup_steps = 2

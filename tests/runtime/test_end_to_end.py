@@ -4,8 +4,8 @@ import socket
 
 import pytest
 
-from wan_diloco.runtime import config as rt
-from wan_diloco.runtime.launch_cli import launch
+from wan_diloco import spec as rt
+from wan_diloco.cli.launch import launch
 
 from .conftest import micro_config
 

@@ -4,7 +4,7 @@ import json
 import time
 import urllib.request
 
-from wan_diloco.runtime import config as rt
+from wan_diloco import spec as rt
 from wan_diloco.runtime.launch import Cluster
 
 from .conftest import micro_config

@@ -1,6 +1,7 @@
 """The real syncer process: a wrong token changes nothing, malformed fragments get clear errors while it
 keeps serving, /metrics is Prometheus text."""
 import asyncio
+import dataclasses
 import json
 import urllib.request
 
@@ -9,10 +10,14 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from wan_diloco.runtime import config as rt
-from wan_diloco.runtime import wire
+from wan_diloco import spec as rt
+from wan_diloco.assemble import Assembly
+from wan_diloco.clock import VectorClock
+from wan_diloco.compression import CodecConfig, FragmentCodec
+from wan_diloco.core import FragmentUpload, Metadata
+from wan_diloco.runtime import serde
 from wan_diloco.runtime.launch import Cluster
-from wan_diloco.transport import FragmentUpload, Metadata, SyncerClient, TransportError, run
+from wan_diloco.transport import SyncerClient, TransportError, run
 
 from .conftest import TOKEN, micro_config
 
@@ -22,8 +27,16 @@ def get(cluster, page):
         return r.read().decode()
 
 
-def upload(fragment, payload, sender="learner-0"):
-    return FragmentUpload(sender, "region-a", fragment, 0, 8, 1024, {sender: 3}, payload)
+def upload(fragment, payload, learner=0):
+    msg = FragmentUpload(learner=learner, fragment=fragment, due_step=8, base_version=0, c_steps=8, c_tokens=1024,
+                         clock=VectorClock({f"learner-{learner}": 3}), delta={}, nbytes=len(payload), payload=payload,
+                         region="region-a")
+    return serde.to_frame(msg)
+
+
+def metadata(learner, step):
+    return serde.to_frame(Metadata(learner=learner, step=step, c_steps=(step, step), c_tokens=(128 * step,) * 2,
+                                   clock=VectorClock({f"learner-{learner}": step}), region="region-a"))
 
 
 @pytest.fixture(scope="module")
@@ -32,6 +45,7 @@ def syncer(tmp_path_factory):
     path = micro_config(tmp, learners=2)
     with Cluster(rt.load(path), path, tmp / "run") as cluster:
         cluster.start_syncer()
+        cluster.layout = Assembly(rt.load(path)).layout
         yield cluster
 
 
@@ -41,7 +55,7 @@ def test_wrong_token_is_unauthenticated_and_changes_nothing(syncer):
     async def main():
         async with SyncerClient(syncer.syncer_target, "not-the-token-42", rt.load(None).transport) as client:
             with pytest.raises(TransportError) as err:
-                await client.send_metadata(Metadata("learner-0", "region-a", 5, (5, 5), (640, 640), {"learner-0": 5}))
+                await client.send_metadata(metadata(0, 5))
             assert err.value.code == grpc.StatusCode.UNAUTHENTICATED
             with pytest.raises(TransportError, match="UNAUTHENTICATED"):
                 await client.upload_fragment(upload(0, b"x" * 100))
@@ -55,17 +69,21 @@ def test_wrong_token_is_unauthenticated_and_changes_nothing(syncer):
 
 def test_malformed_fragments_get_clear_errors_and_the_syncer_keeps_serving(syncer):
     status = json.loads(get(syncer, "status"))
-    n0 = status["fragment_bytes"][0]
-    good_meta = Metadata("learner-1", "region-b", 1, (1, 1), (128, 128), {"learner-1": 1})
-    nan = np.full(n0 // 4, np.nan, np.float32).tobytes()
+    layout = syncer.layout
+    zeros = {n: np.zeros(layout.shapes[n], np.float32) for n in layout.fragments[0]}
+    raw = FragmentCodec(CodecConfig(bits=32, zstd=False), layout).encode(zeros)  # the run's codec: fp32
+    nan = raw[:-4] + np.float32(np.nan).tobytes()  # a well-formed payload whose last value is NaN
+    good = upload(0, raw)
+    no_final = dataclasses.replace(good, meta={k: v for k, v in good.meta.items() if k != "final"})
     cases = [
-        (upload(0, b"garbage"), "envelope"),
-        (upload(0, wire.seal({"due_step": 8, "final": False}, b"\0" * (n0 + 4))), f"payload of {n0 + 4} bytes, expected {n0}"),
-        (upload(0, wire.seal({"due_step": 8, "final": False}, nan)), "NaN or Inf"),
-        (upload(5, wire.seal({"due_step": 8, "final": False}, b"")), "fragment 5 out of range"),
-        (upload(0, wire.seal({"due_step": 8}, b"")), "'final'"),
-        (upload(0, wire.seal({"due_step": 8, "final": False}, b""), sender="learner-7"), "not a learner of this run"),
+        (upload(0, b"garbage"), "fragment 0"),
+        (upload(0, raw + b"\0\0\0\0"), "fragment 0"),
+        (upload(0, nan), "NaN"),
+        (dataclasses.replace(good, fragment=5), "fragment 5"),
+        (no_final, "final"),
+        (dataclasses.replace(good, sender="learner-7"), "learner-7"),
     ]
+    good_meta = metadata(1, 1)
 
     async def main():
         async with SyncerClient(syncer.syncer_target, TOKEN, rt.load(None).transport) as client:

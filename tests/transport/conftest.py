@@ -23,13 +23,13 @@ class RecordingHandler:
         self.bulk_objects: dict[str, bytes] = {}
         self.reject_fragments = False
 
-    async def on_metadata(self, msg):
-        self.metadata.append(msg)
+    async def on_metadata(self, frame):
+        self.metadata.append(frame)
         return Ack(sender="syncer", global_step=len(self.metadata))
 
     async def on_fragment(self, msg):
         if self.reject_fragments:
-            raise Rejected(f"fragment {msg.fragment}: stale base version {msg.base_version}")
+            raise Rejected(f"fragment {msg.fragment}: stale base version {msg.meta['base_version']}")
         # keep a private copy: the payload view points into a transport buffer
         self.fragments.append((msg, bytes(msg.payload)))
         return Ack(sender="syncer", global_step=len(self.fragments), detail="merged")

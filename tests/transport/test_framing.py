@@ -2,11 +2,9 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from wan_diloco.transport.framing import MessageReader, Prepared, encode_chunks
-from wan_diloco.transport.messages import (
-    FragmentUpload, GlobalUpdate, MessageError, OversizedError, encode_message,
-)
+from wan_diloco.transport.messages import Frame, MessageError, OversizedError, encode_message
 
-MSG = FragmentUpload("learner-0", "us", 1, 2, 3, 4, {"learner-0": 3}, bytes(range(256)) * 40)
+MSG = Frame("learner-0", 1, {"base_version": 2, "clock": {"learner-0": 3}}, bytes(range(256)) * 40)
 
 
 @pytest.mark.parametrize("chunk_bytes", [28, 100, 1000, 10_239, 10_240, 10_244, 1 << 20])
@@ -17,8 +15,9 @@ def test_chunks_concatenate_to_the_encoding(chunk_bytes):
 
 
 def test_prepared_encodes_once():
-    update = GlobalUpdate("syncer", 1, 2, 3, {}, b"p" * 5000)
-    prepared = Prepared.of(update, 1024)
+    update = Frame("syncer", 1, {"to_version": 2}, b"p" * 5000)
+    prepared = Prepared.of(update, 1024, seq=7)
+    assert prepared.seq == 7 and prepared.message is update
     assert prepared.nbytes == len(encode_message(update))
     assert b"".join(prepared.chunks) == encode_message(update)
     assert max(map(len, prepared.chunks)) <= 1024
@@ -32,7 +31,7 @@ def test_one_chunk_one_message_is_not_copied():
 
 def test_large_bytes_payload_travels_as_its_own_chunk_both_ways():
     payload = bytes(200_000)
-    msg = FragmentUpload("a", "r", 1, 2, 3, 4, {}, payload)
+    msg = Frame("a", 1, {}, payload)
     chunks = list(encode_chunks(msg, 1 << 20))
     assert len(chunks) == 3 and chunks[1] is payload  # head, payload (not copied), trailer
     reader = MessageReader(1 << 20)
@@ -81,7 +80,7 @@ def test_partial_message_is_not_idle():
 
 
 def test_every_chunk_size_around_the_trailer_boundary():
-    small = FragmentUpload("a", "r", 1, 2, 3, 4, {}, b"0123456789" * 20)
+    small = Frame("a", 1, {"r": "x"}, b"0123456789" * 20)
     encoded = encode_message(small)
     for chunk_bytes in range(28, len(encoded) + 8):
         chunks = list(encode_chunks(small, chunk_bytes))

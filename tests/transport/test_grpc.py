@@ -3,24 +3,33 @@ import asyncio
 import contextlib
 import dataclasses
 
+import json
+
 import grpc
 import pytest
+import xxhash
 
 from wan_diloco.transport import (
-    BulkRequest, BulkSource, FragmentUpload, GlobalUpdate, Metadata, SyncerClient, TransportError,
-    TransportServer, encode_message,
+    BulkRequest, BulkSource, Frame, MessageError, Subscribe, SyncerClient, TransportError, TransportServer,
+    encode_message,
 )
+from wan_diloco.transport.messages import MESSAGE_MAGIC, PRELUDE, TRAILER, WIRE_VERSION, Kind
 from wan_diloco.transport.security import bearer_metadata
 from wan_diloco.transport.server import SERVICE
 
 from .conftest import SMALL, TOKEN, RecordingHandler, arun, client_for, syncer
 
 CLOCK = {"learner-0": 7}
-META = Metadata("learner-0", "us", 7, (1, 2), (100, 200), CLOCK)
+META = Frame("learner-0", 0, {"step": 7, "c_steps": [1, 2], "c_tokens": [100, 200], "clock": CLOCK, "region": "us"})
 
 
-def fragment(n_bytes: int, fragment_id: int = 0) -> FragmentUpload:
-    return FragmentUpload("learner-0", "us", fragment_id, 3, 24, 4096, CLOCK, bytes(range(251)) * (n_bytes // 251))
+def fragment(n_bytes: int, fragment_id: int = 0) -> Frame:
+    meta = {"base_version": 3, "c_steps": 24, "c_tokens": 4096, "clock": CLOCK}
+    return Frame("learner-0", fragment_id, meta, bytes(range(251)) * (n_bytes // 251))
+
+
+def update(fragment_id: int, version: int, payload: bytes) -> Frame:
+    return Frame("syncer", fragment_id, {"to_version": version, "clock": {"syncer": version}}, payload)
 
 
 def test_metadata_and_multi_chunk_upload_over_several_channels():
@@ -76,6 +85,13 @@ async def raw_call(server, method, payload, streaming=False):
         return await channel.unary_unary(f"/{SERVICE}/{method}")(payload, timeout=5, metadata=md)
 
 
+def forged_frame(header) -> bytes:
+    """A Frame message with an arbitrary header and a valid checksum."""
+    body = json.dumps(header).encode()
+    head = PRELUDE.pack(MESSAGE_MAGIC, WIRE_VERSION, Kind.FRAME, 0, len(body), 0) + body
+    return head + TRAILER.pack(xxhash.xxh3_64_intdigest(head))
+
+
 def test_malformed_bodies_get_clear_errors_and_the_server_keeps_serving():
     good = encode_message(META)
     wrong_version = good[:4] + bytes([9]) + good[5:]
@@ -84,9 +100,14 @@ def test_malformed_bodies_get_clear_errors_and_the_server_keeps_serving():
         ("Metadata", b"hello", False, grpc.StatusCode.INVALID_ARGUMENT, "truncated"),
         ("Metadata", wrong_version, False, grpc.StatusCode.INVALID_ARGUMENT, "unsupported wire version 9"),
         ("Metadata", good[:-1] + b"!", False, grpc.StatusCode.INVALID_ARGUMENT, "checksum mismatch"),
-        ("Metadata", encode_message(fragment(1000)), False, grpc.StatusCode.INVALID_ARGUMENT,
-         "expected Metadata, got FragmentUpload"),
-        ("Upload", [good], True, grpc.StatusCode.INVALID_ARGUMENT, "expected FragmentUpload, got Metadata"),
+        ("Metadata", encode_message(Subscribe("learner-0", "us")), False, grpc.StatusCode.INVALID_ARGUMENT,
+         "expected Frame, got Subscribe"),
+        ("Metadata", forged_frame({"sender": "learner-0", "fragment": 0, "meta": [1]}), False,
+         grpc.StatusCode.INVALID_ARGUMENT, "Frame.meta: must be a JSON object"),
+        ("Metadata", forged_frame({"sender": "learner-0", "fragment": 0}), False,
+         grpc.StatusCode.INVALID_ARGUMENT, "missing ['meta']"),
+        ("Upload", [encode_message(BulkRequest("learner-0", "x", {}))], True, grpc.StatusCode.INVALID_ARGUMENT,
+         "expected Frame, got BulkRequest"),
         ("Upload", [good, good], True, grpc.StatusCode.INVALID_ARGUMENT, "exactly one message"),
         ("Upload", [good[:30]], True, grpc.StatusCode.INVALID_ARGUMENT, "ended mid-message"),
         ("Upload", [big[:65536], big[65536:131072]], True, grpc.StatusCode.RESOURCE_EXHAUSTED, "oversized"),
@@ -101,9 +122,16 @@ def test_malformed_bodies_get_clear_errors_and_the_server_keeps_serving():
                 assert text in err.value.details()
                 assert (await client.send_metadata(META)).global_step == len(handler.metadata)
             assert handler.fragments == [] and len(handler.metadata) == len(cases)
-            # a fragment too big for our own limit is refused before it is sent
-            with pytest.raises(Exception, match="exceeds max_message_bytes"):
+            # too big for our own limits, or not a Frame: refused before anything is sent
+            with pytest.raises(MessageError, match="exceeds max_message_bytes"):
                 await client.upload_fragment(fragment(SMALL.max_message_bytes + 1000))
+            with pytest.raises(MessageError, match="exceeds one gRPC message"):
+                await client.send_metadata(fragment(SMALL.chunk_bytes + (2 << 20)))
+            with pytest.raises(MessageError, match="takes a Frame"):
+                await client.send_metadata(Subscribe("learner-0", "us"))
+            with pytest.raises(MessageError, match="Frame.meta"):
+                await client.upload_fragment(Frame("learner-0", 0, {"x": float("nan")}))
+            assert handler.fragments == [] and len(handler.metadata) == len(cases)
     arun(main())
 
 
@@ -128,14 +156,15 @@ def test_subscribe_delivers_newest_version_per_fragment_to_every_subscriber():
             for learner in ("learner-0", "learner-1"):
                 hub.mailbox(learner)
             payload = bytes(200_000)
-            hub.publish(GlobalUpdate("syncer", 0, 1, 10, {"syncer": 10}, payload))
-            hub.publish(GlobalUpdate("syncer", 1, 1, 11, {"syncer": 11}, payload))
-            hub.publish(GlobalUpdate("syncer", 0, 2, 12, {"syncer": 12}, payload))  # replaces v1 of fragment 0
+            hub.publish(update(0, 1, payload))
+            hub.publish(update(1, 1, payload))
+            hub.publish(update(0, 2, payload))  # replaces v1 of fragment 0
             for learner in ("learner-0", "learner-1"):
                 got = []
                 async with contextlib.aclosing(client.subscribe(learner, "us")) as updates:
                     async for u in updates:
-                        got.append((u.fragment, u.version, bytes(u.payload) == payload))
+                        assert isinstance(u, Frame) and u.sender == "syncer"
+                        got.append((u.fragment, u.meta["to_version"], bytes(u.payload) == payload))
                         if len(got) == 2:
                             break
                 assert got == [(1, 1, True), (0, 2, True)]
@@ -153,7 +182,7 @@ def test_new_subscription_ends_the_old_stream():
                 second_next = asyncio.ensure_future(second.__anext__())
                 with pytest.raises(StopAsyncIteration):
                     await asyncio.wait_for(first_next, 5)
-                handler.hub.publish(GlobalUpdate("syncer", 3, 1, 1, {}, b"abc"))
+                handler.hub.publish(update(3, 1, b"abc"))
                 assert (await asyncio.wait_for(second_next, 5)).fragment == 3
     arun(main())
 
@@ -216,11 +245,11 @@ def test_client_reconnects_after_the_server_restarts():
                 await second.start()
                 assert (await asyncio.wait_for(call, 10)).global_step == 2
                 for _ in range(50):  # the subscriber comes back by itself
-                    handler.hub.publish(GlobalUpdate("syncer", 5, 9, 9, {}, b"x"))
+                    handler.hub.publish(update(5, 9, b"x"))
                     if pending.done():
                         break
                     await asyncio.sleep(0.1)
-                assert (await asyncio.wait_for(pending, 5)).version == 9
+                assert (await asyncio.wait_for(pending, 5)).meta["to_version"] == 9
                 await updates.aclose()
         finally:
             await first.stop(0)
@@ -256,8 +285,8 @@ def test_subscribe_renews_its_call_at_the_deadline_without_losing_updates():
             async with contextlib.aclosing(client.subscribe("learner-0", "us")) as updates:
                 first = asyncio.ensure_future(updates.__anext__())
                 await asyncio.sleep(1.0)  # three renewals pass
-                handler.hub.publish(GlobalUpdate("syncer", 2, 4, 4, {}, b"abc"))
+                handler.hub.publish(update(2, 4, b"abc"))
                 got = await asyncio.wait_for(first, 5)
-                assert (got.fragment, got.version) == (2, 4)
+                assert (got.fragment, got.meta["to_version"]) == (2, 4)
             assert server.metrics.messages.labels("Subscribe", "in")._value.get() >= 3
     arun(main())

@@ -6,15 +6,17 @@ import xxhash
 from hypothesis import given, settings, strategies as st
 
 from wan_diloco.transport.messages import (
-    PRELUDE, WIRE_VERSION, Ack, BulkChunk, BulkRequest, FragmentUpload, GlobalUpdate,
-    MessageError, Metadata, OversizedError, Subscribe, decode_message, encode_message,
+    MAX_HEADER_BYTES, MAX_META_DEPTH, PRELUDE, WIRE_VERSION, Ack, BulkChunk, BulkRequest, Frame,
+    MessageError, OversizedError, Subscribe, decode_message, encode_message,
 )
 
 CLOCK = {"learner-0": 12, "learner-1": 9, "syncer": 4}
+META = {"step": 12, "c_steps": [3, 0, 7], "clock": CLOCK, "step_s": 0.25, "sync_s": None, "final": False,
+        "region": "us-east", "held_s": {"1": 0.5}, "nested": [{"a": [1, -2, 3.5]}]}
 EXAMPLES = [
-    Metadata("learner-0", "us-east", 12, (3, 0, 7), (3072, 0, 7168), CLOCK),
-    FragmentUpload("learner-0", "us-east", 2, 5, 24, 24576, CLOCK, bytes(range(256)) * 3),
-    GlobalUpdate("syncer", 2, 6, 40, CLOCK, b"\x00\xff" * 500),
+    Frame("learner-0", 0, META),
+    Frame("learner-0", 2, META, bytes(range(256)) * 3),
+    Frame("syncer", 2, {}, b"\x00\xff" * 500),
     Subscribe("learner-1", "eu-west"),
     BulkRequest("learner-1", "global", CLOCK),
     BulkChunk("syncer", "global", 3, 3 << 20, 10 << 20, b"x" * 1000),
@@ -58,7 +60,8 @@ def _with_header(msg, header: dict, payload: bytes = b"") -> bytes:
 @pytest.mark.parametrize("mutate, match", [
     (lambda d: d[:10], "truncated"),
     (lambda d: b"XXXX" + d[4:], "bad magic"),
-    (lambda d: _rebuild(d, version=WIRE_VERSION + 1), "unsupported wire version 2"),
+    (lambda d: _rebuild(d, version=WIRE_VERSION + 1), f"unsupported wire version {WIRE_VERSION + 1}"),
+    (lambda d: _rebuild(d, version=1), "unsupported wire version 1; this build speaks version 2"),
     (lambda d: _rebuild(d, kind=99), "unknown message kind 99"),
     (lambda d: _rebuild(d, flags=1), "unknown flags"),
     (lambda d: d + b"\x00", "length mismatch"),
@@ -79,22 +82,19 @@ def test_refuses_oversized_before_parsing():
         decode_message(data, max_bytes=100)
 
 
+def frame_header(**changes):
+    return {"sender": "a", "fragment": 1, "meta": {"x": 1}, **changes}
+
+
 @pytest.mark.parametrize("header, match", [
-    ({"sender": "a", "region": "r", "step": 1, "fragment_steps": [1], "fragment_tokens": [1]}, r"missing \['clock'\]"),
-    ({"sender": "a", "region": "r", "step": 1, "fragment_steps": [1], "fragment_tokens": [1], "clock": {}, "x": 1},
-     r"unknown \['x'\]"),
-    ({"sender": "a", "region": "r", "step": -1, "fragment_steps": [], "fragment_tokens": [], "clock": {}},
-     r"Metadata.step: must be in \[0, 2\*\*63\)"),
-    ({"sender": "a", "region": "r", "step": True, "fragment_steps": [], "fragment_tokens": [], "clock": {}},
-     "Metadata.step: must be an integer"),
-    ({"sender": "a", "region": "r", "step": 1, "fragment_steps": [1, "2"], "fragment_tokens": [], "clock": {}},
-     r"Metadata.fragment_steps\[1\]: must be an integer"),
-    ({"sender": "a", "region": "r", "step": 1, "fragment_steps": [], "fragment_tokens": [], "clock": {"w": 1.5}},
-     "Metadata.clock"),
-    ({"sender": "a", "region": "r", "step": 1, "fragment_steps": [], "fragment_tokens": [], "clock": []},
-     "Metadata.clock: must be a mapping"),
-    ({"sender": "", "region": "r", "step": 1, "fragment_steps": [], "fragment_tokens": [], "clock": {}},
-     "Metadata.sender: must not be empty"),
+    ({"sender": "a", "fragment": 1}, r"missing \['meta'\]"),
+    (frame_header(x=1), r"unknown \['x'\]"),
+    (frame_header(fragment=-1), r"Frame.fragment: must be in \[0, 2\*\*63\)"),
+    (frame_header(fragment=True), "Frame.fragment: must be an integer"),
+    (frame_header(fragment=1.0), "Frame.fragment: must be an integer"),
+    (frame_header(sender=""), "Frame.sender: must not be empty"),
+    (frame_header(sender=7), "Frame.sender: must be a string"),
+    (frame_header(sender="s" * 257), "Frame.sender: longer than 256"),
     (["not", "an", "object"], "header must be a JSON object"),
 ])
 def test_refuses_bad_header_fields(header, match):
@@ -102,21 +102,90 @@ def test_refuses_bad_header_fields(header, match):
         decode_message(_with_header(EXAMPLES[0], header))
 
 
+def nested(depth):
+    value = 0
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+@pytest.mark.parametrize("meta, match", [
+    ([1, 2], "Frame.meta: must be a JSON object, got list"),
+    ("text", "Frame.meta: must be a JSON object, got str"),
+    (None, "Frame.meta: must be a JSON object, got NoneType"),
+    ({"deep": nested(MAX_META_DEPTH)}, "nested deeper than 16"),
+    ({"big": 1 << 63}, r"Frame.meta\['big'\]: integer .* outside int64"),
+    ({"k" * 257: 1}, "key longer than 256"),
+])
+def test_refuses_bad_meta_on_decode(meta, match):
+    with pytest.raises(MessageError, match=match):
+        decode_message(_with_header(EXAMPLES[0], frame_header(meta=meta)))
+
+
+@pytest.mark.parametrize("text, match", [
+    (b'{"x":NaN}', "not valid UTF-8 JSON"),
+    (b'{"x":Infinity}', "not valid UTF-8 JSON"),
+    (b'{"x":1e999}', r"Frame.meta\['x'\]: inf is not a finite number"),
+])
+def test_refuses_non_finite_numbers_in_meta(text, match):
+    body = b'{"sender":"a","fragment":0,"meta":' + text + b"}"
+    with pytest.raises(MessageError, match=match):
+        decode_message(_rebuild(encode_message(EXAMPLES[0]), body=body, hlen=len(body), plen=0))
+
+
+def test_meta_round_trips_as_json_types():
+    meta = {"t": (1, 2), "n": None, "b": True, "f": -0.5, "s": "ünïcode", "o": {"k": [(3,)]}, "i": -(1 << 63)}
+    back = decode_message(encode_message(Frame("a", 0, meta)))
+    assert back.meta == {"t": [1, 2], "n": None, "b": True, "f": -0.5, "s": "ünïcode", "o": {"k": [[3]]},
+                         "i": -(1 << 63)}
+    assert type(back.meta["b"]) is bool and type(back.meta["f"]) is float
+
+
+def test_meta_deep_exactly_at_the_limit_is_fine():
+    meta = {"deep": nested(MAX_META_DEPTH - 1)}
+    assert decode_message(encode_message(Frame("a", 0, meta))).meta == meta
+
+
+@pytest.mark.parametrize("meta, match", [
+    ({1: "x"}, r"Frame.meta: keys must be strings, got 1"),
+    ({"x": b"bytes"}, r"Frame.meta\['x'\]: bytes is not a JSON value"),
+    ({"x": {1, 2}}, r"Frame.meta\['x'\]: set is not a JSON value"),
+    ({"x": [1, float("nan")]}, r"Frame.meta\['x'\]\[1\]: nan is not a finite number"),
+    ({"x": float("-inf")}, "not a finite number"),
+    ({"x": -(1 << 63) - 1}, "outside int64"),
+    ({"x": nested(MAX_META_DEPTH)}, "nested deeper than 16"),
+    ({"x": "\ud800"}, "not valid Unicode"),
+    ({"x": "y" * MAX_HEADER_BYTES}, f"Frame: header is {MAX_HEADER_BYTES + 43} bytes, limit {MAX_HEADER_BYTES}"),
+    (["x"], "Frame.meta: must be a JSON object"),
+])
+def test_encode_refuses_bad_meta(meta, match):
+    with pytest.raises(MessageError, match=match):
+        encode_message(Frame("a", 0, meta))
+
+
+def test_decoded_meta_is_a_fresh_copy():
+    meta = {"a": [1, 2]}
+    frame = Frame("a", 0, meta)
+    data = encode_message(frame)
+    meta["a"].append(3)  # the caller changing its dict after encoding changes nothing sent
+    assert decode_message(data).meta == {"a": [1, 2]}
+
+
 def test_refuses_non_json_header_and_stray_payload():
-    data = encode_message(EXAMPLES[0])
+    data = encode_message(EXAMPLES[3])
     body = b"\xff\xfe not json"
     with pytest.raises(MessageError, match="not valid UTF-8 JSON"):
         decode_message(_rebuild(data, body=body, hlen=len(body), plen=0))
     header = json.loads(data[PRELUDE.size : -8])
     with pytest.raises(MessageError, match="carries no payload, got 3 bytes"):
-        decode_message(_with_header(EXAMPLES[0], header, payload=b"abc"))
+        decode_message(_with_header(EXAMPLES[3], header, payload=b"abc"))
 
 
 def test_encode_refuses_invalid_fields():
-    with pytest.raises(MessageError, match="FragmentUpload.fragment: must be an integer"):
-        encode_message(FragmentUpload("a", "r", "1", 0, 0, 0, {}, b""))
-    with pytest.raises(MessageError, match="FragmentUpload.payload: must be bytes-like"):
-        encode_message(FragmentUpload("a", "r", 1, 0, 0, 0, {}, "text"))
+    with pytest.raises(MessageError, match="Frame.fragment: must be an integer"):
+        encode_message(Frame("a", "1", {}, b""))
+    with pytest.raises(MessageError, match="Frame.payload: must be bytes-like"):
+        encode_message(Frame("a", 1, {}, "text"))
     with pytest.raises(MessageError, match="Subscribe.sender: must not be empty"):
         encode_message(Subscribe("", "r"))
     with pytest.raises(MessageError, match="not a message type"):
@@ -126,10 +195,15 @@ def test_encode_refuses_invalid_fields():
 names = st.text(min_size=1, max_size=20)
 ints = st.integers(0, 2**63 - 1)
 clocks = st.dictionaries(names, ints, max_size=5)
+json_leaves = st.one_of(st.none(), st.booleans(), st.integers(-(2**63), 2**63 - 1),
+                        st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=20))
+metas = st.dictionaries(st.text(max_size=20), st.recursive(
+    json_leaves, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=10), inner, max_size=4),
+    max_leaves=20), max_size=6)
 messages = st.one_of(
-    st.builds(Metadata, names, names, ints, st.tuples(ints, ints), st.tuples(ints, ints), clocks),
-    st.builds(FragmentUpload, names, names, ints, ints, ints, ints, clocks, st.binary(max_size=300)),
-    st.builds(GlobalUpdate, names, ints, ints, ints, clocks, st.binary(max_size=300)),
+    st.builds(Frame, names, ints, metas, st.binary(max_size=300)),
+    st.builds(Subscribe, names, names),
+    st.builds(BulkRequest, names, names, clocks),
     st.builds(BulkChunk, names, names, ints, ints, ints, st.binary(max_size=300)),
     st.builds(Ack, names, ints, st.text(max_size=30)),
 )

@@ -1,7 +1,7 @@
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from wan_diloco.transport import Metadata, StatusServer, TransportMetrics
+from wan_diloco.transport import Frame, StatusServer, TransportMetrics
 
 from .conftest import arun, client_for, syncer
 
@@ -10,7 +10,7 @@ def test_status_server_serves_health_status_and_parseable_metrics():
     async def main():
         async with syncer() as (server, handler):
             async with client_for(server) as client:
-                await client.send_metadata(Metadata("learner-0", "us", 1, (1,), (5,), {"learner-0": 1}))
+                await client.send_metadata(Frame("learner-0", 0, {"step": 1, "clock": {"learner-0": 1}}))
             learners = server.metrics.gauge("learners", "Learners seen", ["region"])
             learners.labels("us").set(3)
 

@@ -5,12 +5,12 @@ import grpc
 import pytest
 
 from wan_diloco.config import ConfigError
-from wan_diloco.transport import Metadata, TlsConfig, TransportError, TransportServer
+from wan_diloco.transport import Frame, TlsConfig, TransportError, TransportServer
 from wan_diloco.transport.dev_certs import make_dev_certs
 
 from .conftest import SMALL, TOKEN, arun, client_for, syncer
 
-META = Metadata("learner-0", "us", 1, (1,), (10,), {"learner-0": 1})
+META = Frame("learner-0", 0, {"step": 1, "c_tokens": [10], "clock": {"learner-0": 1}})
 
 
 @pytest.fixture(scope="module")

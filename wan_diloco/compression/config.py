@@ -1,4 +1,4 @@
-"""Codec configuration and the fixed tables the wire format refers to.
+"""Codec configuration, the wire format it implies, and the fixed tables the header refers to.
 
 Defaults come from ``bench/codec.py`` (numbers in the README codec table):
 
@@ -40,7 +40,7 @@ NF4_LEVELS = np.array(
 # Uniform int4: k/7 for k = -7..7; code 15 is never produced and decodes to 0.
 UNIFORM4_LEVELS = np.append(np.arange(-7, 8, dtype=np.float32) / 7, np.float32(0))
 CODEBOOKS = {"nf4": NF4_LEVELS, "uniform": UNIFORM4_LEVELS}
-# Wire ids (never renumber: they are part of format version 1).
+# Header ids (never renumber: they are part of format version 1).
 CODEBOOK_IDS = {"nf4": 1, "uniform": 2}
 SCALE_DTYPE_IDS = {"bfloat16": 1, "float16": 2}
 
@@ -72,7 +72,7 @@ class CodecConfig:
       in interpret mode: correct but slow).
     """
 
-    bits: int = 8
+    bits: int = 32  # uncompressed unless a run asks for fewer
     block_size: int = 256
     scale_dtype: Literal["bfloat16", "float16"] = "bfloat16"
     int4_codebook: Literal["nf4", "uniform"] = "nf4"
@@ -98,6 +98,32 @@ class CodecConfig:
                 f"must be an integer in [-7, 22], got {self.zstd_level!r}")
         require(self.impl in ("auto", "jnp", "pallas"), "impl",
                 f"must be 'auto', 'jnp' or 'pallas', got {self.impl!r}")
+
+    @property
+    def format(self) -> "Format":
+        """The value format this config writes (fields that do not apply are dropped)."""
+        q = Format(self.bits).quantized
+        return Format(
+            bits=self.bits,
+            block_size=self.block_size if q else 0,
+            scale_dtype=self.scale_dtype if q else None,
+            codebook=self.int4_codebook if self.bits == 4 else None,
+        )
+
+
+@dataclass(frozen=True)
+class Format:
+    """How values are laid out in a payload: what the header says and the pack stage reads.
+
+    Canonical: ``block_size`` is 0 and ``scale_dtype`` None unless quantized
+    (bits 8/4); ``codebook`` is None unless bits is 4. Two configs that differ
+    only in fields that do not apply therefore write the same bytes.
+    """
+
+    bits: int
+    block_size: int = 0
+    scale_dtype: str | None = None
+    codebook: str | None = None
 
     @property
     def quantized(self) -> bool:

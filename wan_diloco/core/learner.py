@@ -1,4 +1,4 @@
-"""Sans-IO learner protocol (SPEC §4): counters, fragment sends, merges of global fragments.
+"""Sans-IO learner protocol (docs/method.md, "Learner loop"): counters, fragment sends, merges.
 
 The driver owns the model and the clock. It calls ``begin_step``/``step_done``
 around each inner step, answers ``Snapshot`` actions with the fragment's
@@ -11,13 +11,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from wan_diloco.clock import VectorClock
-from wan_diloco.compression.feedback import ErrorFeedback
 from wan_diloco.config import require
 from wan_diloco.core.protocol import (
     ApplyGlobal,
     Codec,
     Ema,
-    Float32Codec,
     FragmentUpload,
     GlobalUpdate,
     Metadata,
@@ -27,16 +25,18 @@ from wan_diloco.core.protocol import (
     SendMetadata,
     Snapshot,
     Tensors,
+    encode_or_refuse,
     learner_node,
 )
+from wan_diloco.feedback import ErrorFeedback
 from wan_diloco.fragments import Schedule
 
 
 @dataclass(frozen=True)
 class LearnerConfig:
-    sync_every: int = 16  # H
-    num_fragments: int = 4  # P
-    tau: int = 1  # overlap: steps a fragment may travel while the learner keeps training
+    sync_every: int = 8  # H
+    num_fragments: int = 4  # P: one fragment due every H/P steps
+    tau: int = 2  # overlap: steps a fragment may travel while the learner keeps training
     alpha: float = 0.0  # θ_p ← α·θ_local + (1−α)·Θ_global; 0 overwrites (Decoupled default)
     # θ_p ← Θ_global + (θ_local − θ_p at the snapshot): the steps taken while the fragment travelled
     # are kept (and counted into the next Δ) instead of being overwritten. Replaces the α rule.
@@ -72,7 +72,7 @@ class LearnerCore:
         learner: int,
         fragments: list[tuple[str, ...]],
         global_params: Tensors,
-        codec: Codec | None = None,
+        codec: Codec,
         region: str = "",
     ):
         cfg.validate()
@@ -81,7 +81,7 @@ class LearnerCore:
         self.node = learner_node(learner)
         self.fragments = fragments
         self.schedule = Schedule(cfg.sync_every, cfg.num_fragments)
-        self.codec = codec or Float32Codec()
+        self.codec = codec
         P = cfg.num_fragments
         self.base = [{n: np.array(global_params[n], dtype=np.float32) for n in f} for f in fragments]
         self.version = [0] * P
@@ -127,14 +127,20 @@ class LearnerCore:
         self.in_step = False
         return self._flush()
 
-    def snapshot(self, now_s: float, fragment: int, due_step: int, theta: Tensors) -> list:
+    def finish(self) -> list:
+        """End of the run: merge what is buffered, then snapshot every fragment for the final sync."""
+        actions = self.abort_step()
+        due = max(1, self.step)
+        return actions + [Snapshot(p, due, final=True) for p in range(self.cfg.num_fragments)]
+
+    def snapshot(self, now_s: float, fragment: int, due_step: int, theta: Tensors, final: bool = False) -> list:
         """θ_p after the due step -> the outer gradient Δ = Θ_base − θ_p, encoded for the wire."""
         base = self.base[fragment]
         if set(theta) != set(base):
             raise ProtocolError(f"snapshot of fragment {fragment}: tensor names differ from the fragment's")
         # Error feedback: what quantization dropped last time is sent with this Δ.
         delta = self.feedback.compensate(fragment, {n: base[n] - np.asarray(theta[n], dtype=np.float32) for n in base})
-        enc = self.codec.roundtrip(delta)
+        enc = encode_or_refuse(self.codec, delta, f"fragment {fragment} of learner {self.learner}")
         self.feedback.update(fragment, delta, enc.values)
         kept = {n: np.array(theta[n], dtype=np.float32) for n in base} if self.cfg.keep_local else None
         self.in_flight[fragment] = _InFlight(due_step, now_s, self.step, self.c_steps[fragment],
@@ -144,7 +150,7 @@ class LearnerCore:
         msg = FragmentUpload(
             learner=self.learner, fragment=fragment, due_step=due_step, base_version=self.version[fragment],
             c_steps=self.c_steps[fragment], c_tokens=self.c_tokens[fragment], clock=self.clock,
-            delta=enc.values, nbytes=enc.nbytes, payload=enc.payload, region=self.region,
+            delta=enc.values, nbytes=enc.nbytes, payload=enc.payload, region=self.region, final=final,
         )
         return [SendFragment(msg)]
 
@@ -157,8 +163,14 @@ class LearnerCore:
             return []
         return self._apply(now_s, update)
 
-    def resync(self, fragment: int, values: Tensors, version: int) -> list:
-        """Install the current global fragment after a version gap (or on rejoin)."""
+    def resync(self, fragment: int, values: Tensors, version: int, global_step: int = 0) -> list:
+        """Install the current global fragment after a version gap, on (re)join or after the final sync.
+
+        A (re)joining learner also takes up the global schedule at ``global_step``."""
+        missing = set(self.fragments[fragment]) - set(values)
+        if missing:
+            raise ProtocolError(f"resync of fragment {fragment}: missing tensors {sorted(missing)[:2]}")
+        self.step = max(self.step, global_step)
         self.base[fragment] = {n: np.array(values[n], dtype=np.float32) for n in self.fragments[fragment]}
         self.version[fragment] = version
         self.in_flight.pop(fragment, None)
@@ -179,7 +191,7 @@ class LearnerCore:
         )
 
     def copy_state_from(self, peer: "LearnerCore") -> None:
-        """Rejoin by copying a healthy peer's global view (the simple recovery; SPEC §6 is later)."""
+        """Rejoin by copying a healthy peer's global view (with its parameters, copied by the driver)."""
         self.base = [{n: a.copy() for n, a in b.items()} for b in peer.base]
         self.version = list(peer.version)
         self.step = max(self.step, peer.step)

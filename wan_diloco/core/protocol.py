@@ -1,7 +1,9 @@
-"""Messages, actions and the codec interface shared by the learner and syncer cores.
+"""The protocol's only schema: messages, actions and the codec interface of both cores.
 
-These are plain values: the drivers turn them into bytes on a socket (network
-driver) or into events on a virtual clock (simulated driver).
+These are plain values: the network driver turns each message into one
+transport frame (``runtime.serde``: every field here in one small header, the
+codec's bytes as the payload); the simulated driver delivers them as events
+on a virtual clock.
 """
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from typing import Any, Mapping, Protocol
 import numpy as np
 
 from wan_diloco.clock import VectorClock
+from wan_diloco.fragments import Encoded
 
 Tensors = Mapping[str, np.ndarray]
 SYNCER = "syncer"
@@ -25,31 +28,23 @@ class ProtocolError(ValueError):
     """A message that breaks the protocol (wrong fragment, shapes, NaN...): rejected, no state changed."""
 
 
-@dataclass(frozen=True)
-class Encoded:
-    """What crosses the wire for one fragment: the payload, its size, and what the receiver decodes."""
-
-    values: dict[str, np.ndarray]
-    nbytes: int
-    payload: bytes | None = None
-
-
 class Codec(Protocol):
-    def roundtrip(self, values: Tensors) -> Encoded:
-        """Encode ``values``; return the bytes and exactly what ``decode`` of them gives."""
-
-
-class Float32Codec:
-    """No compression: fp32 values as they are, counted at 4 bytes per element."""
+    """What the cores need of a codec (``compression.FragmentCodec`` is the one implementation)."""
 
     def roundtrip(self, values: Tensors) -> Encoded:
-        out = {}
-        for name, v in values.items():
-            a = np.asarray(v, dtype=np.float32)
-            if not np.all(np.isfinite(a)):
-                raise ProtocolError(f"tensor {name!r} has NaN or Inf values; refusing to send it")
-            out[name] = a.copy()
-        return Encoded(values=out, nbytes=sum(a.nbytes for a in out.values()))
+        """Encode one fragment; return the bytes and exactly what decoding them gives.
+
+        Raises ValueError (naming the tensor) for values it refuses, e.g. NaN."""
+
+
+def encode_or_refuse(codec: Codec, values: Tensors, what: str) -> Encoded:
+    """``codec.roundtrip`` with a refusal turned into a ProtocolError naming ``what``."""
+    try:
+        return codec.roundtrip(values)
+    except ProtocolError:
+        raise
+    except ValueError as e:
+        raise ProtocolError(f"{what}: {e}") from None
 
 
 # ---- messages -------------------------------------------------------------------------
@@ -57,7 +52,7 @@ class Float32Codec:
 
 @dataclass(frozen=True)
 class Metadata:
-    """Learner -> syncer after every step (SPEC §4c)."""
+    """Learner -> syncer after every step: its counters and its measured step and sync times."""
 
     learner: int
     step: int
@@ -84,6 +79,7 @@ class FragmentUpload:
     nbytes: int
     payload: bytes | None = None
     region: str = ""
+    final: bool = False  # part of the end-of-run sync: merged with every learner's, quorum and grace aside
 
 
 @dataclass(frozen=True)
@@ -101,6 +97,7 @@ class GlobalUpdate:
     contributors: tuple[int, ...] = ()
     held_s: Mapping[int, float] = field(default_factory=dict)  # per contributor: time the syncer held its Δ
     payload: bytes | None = None
+    final: bool = False  # the result of the end-of-run sync
 
 
 # ---- actions --------------------------------------------------------------------------
@@ -113,10 +110,11 @@ class SendMetadata:
 
 @dataclass(frozen=True)
 class Snapshot:
-    """Driver: copy θ_p to host and hand it to ``LearnerCore.snapshot``."""
+    """Driver: copy θ_p to host and hand it to ``LearnerCore.snapshot`` (with ``final``)."""
 
     fragment: int
     due_step: int
+    final: bool = False
 
 
 @dataclass(frozen=True)
@@ -162,6 +160,9 @@ class SetTimer:
 
     key: tuple[int, int]
     at_s: float
+
+
+FINAL_TIMER = (-1, -1)  # SetTimer key of the end-of-run sync's deadline
 
 
 class Ema:

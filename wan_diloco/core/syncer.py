@@ -1,7 +1,10 @@
-"""Sans-IO syncer protocol (SPEC §5): quorum, adaptive grace window, merge, outer step, broadcast.
+"""Sans-IO syncer protocol (docs/method.md, "Syncer loop"): quorum, grace window, merge, outer step.
 
 Holds the global parameters Θ per fragment and one outer-optimizer state per
 fragment. Events come in with their time; actions (broadcasts, timers) go out.
+The end-of-run sync is an event too: uploads flagged ``final`` are held until
+every live learner has sent all its fragments (or ``final_timeout_s`` after the
+first), then every fragment is merged from all of them at once.
 """
 from __future__ import annotations
 
@@ -14,17 +17,18 @@ import numpy as np
 from wan_diloco.clock import VectorClock
 from wan_diloco.config import require
 from wan_diloco.core.protocol import (
+    FINAL_TIMER,
     SYNCER,
     Broadcast,
     Codec,
     Ema,
-    Float32Codec,
     FragmentUpload,
     GlobalUpdate,
     Metadata,
     ProtocolError,
     SetTimer,
     Tensors,
+    encode_or_refuse,
 )
 from wan_diloco.merge import MergeMethod, merge_fragment, token_weights
 from wan_diloco.outer import OuterConfig, OuterOptimizer
@@ -37,13 +41,14 @@ class SyncerConfig:
     grace: bool = True  # adaptive grace window after the quorum is reached
     grace_safety: float = 0.8  # γ < 1: the grace never pushes a sync past τ steps
     max_grace_s: float | None = None
-    tau: int = 1  # the learners' overlap, in steps (bounds the grace window)
+    tau: int = 2  # the learners' overlap, in steps (bounds the grace window); a run derives it from [learner]
     merge: MergeMethod = "rda"
     max_staleness: int = 1  # accept a Δ whose base is this many versions behind
     # A Δ that misses its round joins the fragment's next merge instead of being dropped, so a
     # learner that is persistently a little late (phase after a rejoin, a slow region) still counts.
     carry_late: bool = True
     liveness_timeout_s: float = 30.0
+    final_timeout_s: float = 60.0  # the end-of-run sync goes ahead without learners this late
     outer: OuterConfig = OuterConfig()
 
     def validate(self) -> None:
@@ -55,6 +60,7 @@ class SyncerConfig:
         require(self.merge in ("rda", "mean"), "merge", f"must be 'rda' or 'mean', got {self.merge!r}")
         require(self.max_staleness >= 0, "max_staleness", "must be >= 0")
         require(self.liveness_timeout_s > 0, "liveness_timeout_s", "must be > 0")
+        require(self.final_timeout_s > 0, "final_timeout_s", "must be > 0")
         self.outer.validate()
 
 
@@ -100,13 +106,13 @@ class SyncerCore:
         fragments: list[tuple[str, ...]],
         params: Tensors,
         is_embedding: Callable[[str], bool],
-        codec: Codec | None = None,
+        codec: Codec,
     ):
         cfg.validate()
         self.cfg = cfg
         self.fragments = fragments
         self.is_embedding = is_embedding
-        self.codec = codec or Float32Codec()
+        self.codec = codec
         self.theta = [{n: np.array(params[n], dtype=np.float32) for n in f} for f in fragments]
         self.version = [0] * len(fragments)
         self.outer = OuterOptimizer(cfg.outer, dict(enumerate(self.theta)))
@@ -119,6 +125,9 @@ class SyncerCore:
         self.clock = VectorClock()
         self.quorum_wait_s = Ema()
         self.stats = SyncerStats(fragment_syncs=[0] * len(fragments))
+        self.finals: dict[tuple[int, int], FragmentUpload] = {}  # (learner, fragment) -> final upload
+        self.final_started = False
+        self.final_done = False
 
     # ---- events ---------------------------------------------------------------------
 
@@ -140,6 +149,8 @@ class SyncerCore:
         self._seen(now_s, msg.learner)
         self.clock = self.clock.merge(msg.clock)
         self.stats.bytes_in += msg.nbytes
+        if msg.final:
+            return self._final_upload(now_s, msg)
         p = msg.fragment
         if msg.base_version < self.version[p] - self.cfg.max_staleness:
             self.stats.stale_dropped += 1
@@ -156,6 +167,8 @@ class SyncerCore:
         return self._maybe_close(now_s, key)
 
     def on_timer(self, now_s: float, key: tuple[int, int]) -> list:
+        if key == FINAL_TIMER:
+            return self._final_sync(now_s)
         if key not in self.rounds:
             return []
         return self._maybe_close(now_s, key)
@@ -192,6 +205,18 @@ class SyncerCore:
         slack = self.cfg.tau * step_s - ((self.quorum_wait_s.value or 0.0) + sync_s)
         grace = self.cfg.grace_safety * max(0.0, slack)
         return grace if self.cfg.max_grace_s is None else min(grace, self.cfg.max_grace_s)
+
+    def quorum(self) -> int:
+        """K for the next round: a learner known to be down cannot be waited for (>= 1)."""
+        return max(1, min(self.cfg.quorum, len(self.alive())))
+
+    def final_participants(self) -> set[int]:
+        return {m for (m, _) in self.finals}
+
+    def warm_up(self) -> None:
+        """Compile the outer step of every fragment now, not on the first merge (seconds on a loaded CPU)."""
+        for p, theta in enumerate(self.theta):
+            self.outer.warm_up(p, theta)
 
     def alive(self) -> list[int]:
         """Learners not known to be down; one never heard from is still expected."""
@@ -246,11 +271,9 @@ class SyncerCore:
         info.alive = True
         return info
 
-    def _quorum(self) -> int:
-        # A learner known to be down cannot be waited for: K shrinks to the live count (>= 1).
-        return max(1, min(self.cfg.quorum, len(self.alive())))
-
     def _recheck(self, now_s: float) -> list:
+        if self.final_started:
+            return self._final_sync(now_s) if self._finals_complete() else []
         actions: list = []
         for key in sorted(self.rounds):
             if key in self.rounds:
@@ -259,7 +282,7 @@ class SyncerCore:
 
     def _maybe_close(self, now_s: float, key: tuple[int, int]) -> list:
         rnd = self.rounds[key]
-        if len(rnd.contributions) < self._quorum():
+        if len(rnd.contributions) < self.quorum():
             return []
         if rnd.quorum_s is None:
             rnd.quorum_s = now_s
@@ -274,7 +297,7 @@ class SyncerCore:
             return [SetTimer(key, rnd.deadline_s)]
         return []
 
-    def _close(self, now_s: float, key: tuple[int, int]) -> list:
+    def _close(self, now_s: float, key: tuple[int, int], final: bool = False) -> list:
         p, due = key
         rnd = self.rounds.pop(key)
         # Older open rounds of this fragment are now late: their Θ has moved on.
@@ -297,7 +320,7 @@ class SyncerCore:
         theta = self.theta[p]
         new = self.outer.step(p, theta, delta)
         # Everyone, the syncer included, applies the same decoded update: all copies stay bit-identical.
-        enc = self.codec.roundtrip({n: new[n] - theta[n] for n in theta})
+        enc = encode_or_refuse(self.codec, {n: new[n] - theta[n] for n in theta}, f"update of fragment {p}")
         self.theta[p] = {n: theta[n] + enc.values[n] for n in theta}
         from_version = self.version[p]
         self.version[p] += 1
@@ -312,25 +335,46 @@ class SyncerCore:
             fragment=p, from_version=from_version, to_version=self.version[p], due_step=due,
             global_step=self.global_step, clock=self.clock, update=enc.values, nbytes=enc.nbytes,
             contributors=tuple(learners), held_s={m: now_s - t for m, t in rnd.received_s.items()},
-            payload=enc.payload,
+            payload=enc.payload, final=final,
         )
         return [Broadcast(msg)]
 
-    def final_sync(self, now_s: float, uploads: list[FragmentUpload]) -> list:
-        """End of run: merge every fragment from all given uploads at once, ignoring quorum and grace."""
-        for msg in uploads:
-            self._validate_upload(msg)
+    # ---- end of run ---------------------------------------------------------------
+
+    def _final_upload(self, now_s: float, msg: FragmentUpload) -> list:
+        if self.final_done:
+            return []  # too late: the learner takes the final fragments like everyone else
+        self.finals[(msg.learner, msg.fragment)] = msg  # a retry overwrites
         actions: list = []
-        for p in sorted({u.fragment for u in uploads}):
-            ups = [u for u in uploads if u.fragment == p]
+        if not self.final_started:
+            self.final_started = True
+            actions.append(SetTimer(FINAL_TIMER, now_s + self.cfg.final_timeout_s))
+        if self._finals_complete():
+            actions += self._final_sync(now_s)
+        return actions
+
+    def _finals_complete(self) -> bool:
+        P = len(self.fragments)
+        return all(all((m, p) in self.finals for p in range(P)) for m in self.alive())
+
+    def _final_sync(self, now_s: float) -> list:
+        """Merge every fragment from all final uploads at once, quorum and grace aside."""
+        if self.final_done:
+            return []
+        self.final_done = True
+        for key in list(self.rounds):  # open rounds end unmerged: their learners sent finals instead
+            self.rounds.pop(key)
+        actions: list = []
+        for p in range(len(self.fragments)):
+            ups = [u for (m, q), u in sorted(self.finals.items()) if q == p]
+            if not ups:
+                continue
             key = (p, max(u.due_step for u in ups))
-            self.rounds.pop(key, None)
             rnd = self.rounds[key] = _Round(opened_s=now_s)
             for u in ups:
                 rnd.contributions[u.learner] = u
                 rnd.received_s[u.learner] = now_s
-                self.stats.bytes_in += u.nbytes
-            actions += self._close(now_s, key)
+            actions += self._close(now_s, key, final=True)
         return actions
 
     def global_params(self) -> dict[str, np.ndarray]:

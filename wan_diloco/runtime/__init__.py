@@ -1,8 +1,6 @@
-"""The network driver around the sans-IO cores: syncer and learner processes, the launcher.
+"""The network driver around the sans-IO cores: real processes, wall clock, gRPC over HTTP/2.
 
-``config`` (one TOML for every process), ``wire`` (core <-> transport messages,
-the pluggable fragment codec), ``syncer`` (SyncerCore behind the transport
-Handler), ``learner`` + ``netthread`` (training thread + asyncio network
-thread), ``launch`` (local processes), and the CLIs ``syncer``, ``learner``,
-``launch`` and ``train``.
+``syncer`` (SyncerCore behind the transport Handler), ``learner`` + ``netthread``
+(training thread + asyncio network thread), ``serde`` (core messages <->
+transport frames), ``launch`` (a run's local processes), ``events`` (JSON lines).
 """

@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from wan_diloco.runtime.config import TOKEN_ENV, RuntimeConfig
+from wan_diloco.spec import TOKEN_ENV, RunSpec
 
 THREAD_ENV = {
     # 1 + M JAX processes share the machine: one compute thread each instead of one per core each.
@@ -57,7 +57,7 @@ class Child:
 class Cluster:
     """Children of one run; ``events`` yields (child name, event dict) from all of them."""
 
-    def __init__(self, cfg: RuntimeConfig, config_path: Path, run_dir: Path, token: str | None = None,
+    def __init__(self, cfg: RunSpec, config_path: Path, run_dir: Path, token: str | None = None,
                  env: dict | None = None):
         self.cfg, self.config_path, self.run_dir = cfg, Path(config_path), Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)

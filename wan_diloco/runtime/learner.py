@@ -18,40 +18,30 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from wan_diloco import data as data_lib
 from wan_diloco import train as train_lib
 from wan_diloco import tree
-from wan_diloco.core import (
-    ApplyGlobal, LearnerCore, Resync, SendFragment, SendMetadata, Snapshot, learner_node,
-)
-from wan_diloco.runtime import wire
-from wan_diloco.runtime.config import RuntimeConfig
+from wan_diloco.assemble import Assembly, fragment_digest
+from wan_diloco.core import ApplyGlobal, ProtocolError, Resync, SendFragment, SendMetadata, Snapshot, learner_node
 from wan_diloco.runtime.events import emit
 from wan_diloco.runtime.netthread import NetThread
-from wan_diloco.runtime.setup import fragment_digest, host_flat, layout_of
+from wan_diloco.spec import RunSpec
 from wan_diloco.transport import MessageError, TransportError
 
 
 class Learner:
-    def __init__(self, cfg: RuntimeConfig, learner: int, target: str, token: str, codec: wire.WireCodec | None = None):
+    def __init__(self, cfg: RunSpec, learner: int, target: str, token: str, parts: Assembly | None = None):
         self.cfg, self.m = cfg, learner
         self.region = cfg.run.region(learner)
-        mesh = train_lib.local_mesh()
-        self.state = train_lib.init_state(cfg.model, cfg.train, jax.random.PRNGKey(cfg.run.seed))
-        flat0 = host_flat(self.state.params)
-        self.layout = layout_of(cfg, flat0)
-        self.codec = codec or wire.make_codec(self.layout, cfg.codec)
-        self.core = LearnerCore(cfg.learner, learner, self.layout.fragments, flat0, self.codec, self.region)
-        self.step_fn = train_lib.make_train_step(cfg.model, cfg.train, mesh)
-        corpus = data_lib.load_corpus(data_lib.DataConfig(corpus=cfg.run.corpus, vocab_size=cfg.model.vocab_size,
-                                                          max_bytes=cfg.run.corpus_max_bytes))
-        shard = data_lib.shard(corpus.train, learner, cfg.run.learners).tokens
-        seq = cfg.model.seq_len
-        self.batches = data_lib.batches(shard, cfg.run.batch_size, seq, seed=cfg.run.seed * 1009 + learner)
-        ev = data_lib.eval_batches(corpus.eval, cfg.run.batch_size, seq, cfg.run.eval_batches)
-        evaluate = train_lib.make_eval_fn(cfg.model, mesh)
-        self.evaluate = lambda: evaluate(self.state.params, ev)
-        self.net = NetThread(target, token, cfg.transport, learner_node(learner), self.region, self.codec, self.layout)
+        parts = parts or Assembly(cfg)
+        self.state = parts.state0
+        self.layout = parts.layout
+        self.codec = parts.codec
+        self.core = parts.learner_core(learner)
+        self.step_fn = parts.step_fn
+        self.batches = parts.batches(learner)
+        self.evaluate = lambda: parts.evaluate(self.state.params)
+        self.net = NetThread(target, token, cfg.transport, learner_node(learner), self.region, self.codec,
+                             parts.bulk_codec)
         self.stop = threading.Event()
         self.pending_resync: dict[int, concurrent.futures.Future] = {}
         self.tokens = 0
@@ -62,7 +52,7 @@ class Learner:
 
     # ---- actions --------------------------------------------------------------------
 
-    def _handle(self, actions: list, final: bool = False) -> None:
+    def _handle(self, actions: list) -> None:
         for a in actions:
             if isinstance(a, ApplyGlobal):
                 flat = tree.flatten(self.state.params)
@@ -71,14 +61,13 @@ class Learner:
             elif isinstance(a, Snapshot):
                 flat = tree.flatten(self.state.params)
                 theta = {n: np.asarray(flat[n]) for n in self.layout.fragments[a.fragment]}
-                self._handle(self.core.snapshot(time.monotonic(), a.fragment, a.due_step, theta), final)
+                self._handle(self.core.snapshot(time.monotonic(), a.fragment, a.due_step, theta, a.final))
             elif isinstance(a, SendFragment):
-                step_s, sync_s = self.core.step_s.value, self.core.sync_s.value
                 self.raw_bytes += self.layout.nbytes[a.msg.fragment]
                 self.payload_bytes += a.msg.nbytes
-                self.net.upload(wire.upload_to_wire(a.msg, final, {"step_s": step_s, "sync_s": sync_s}))
+                self.net.upload(a.msg)
             elif isinstance(a, SendMetadata):
-                self.net.send_metadata(wire.metadata_to_wire(a.msg))
+                self.net.send_metadata(a.msg)
             elif isinstance(a, Resync):
                 if a.fragment not in self.pending_resync:
                     self.pending_resync[a.fragment] = self.net.fetch_fragment(f"fragment/{a.fragment}")
@@ -86,10 +75,9 @@ class Learner:
     def _install(self, p: int, version: int, global_step: int, values: dict) -> None:
         if version > self.core.version[p] or version == 0 == self.core.version[p]:
             self.resyncs += 1
-            self._handle(self.core.resync(p, values, version))
-        if global_step > self.core.step:
-            self.core.step = global_step  # a (re)joining learner takes up the global schedule
-            self.state = self.state.replace(step=jnp.asarray(global_step, jnp.int32))
+            self._handle(self.core.resync(p, values, version, global_step))
+        if self.core.step > int(self.state.step):  # a (re)joining learner took up the global schedule
+            self.state = self.state.replace(step=jnp.asarray(self.core.step, jnp.int32))
 
     def _drain(self, block_s: float = 0.0) -> None:
         """Merge what arrived; with ``block_s`` wait that long for the first item."""
@@ -110,7 +98,7 @@ class Learner:
             del self.pending_resync[p]
             try:
                 got = fut.result()
-            except (TransportError, MessageError) as e:
+            except (TransportError, MessageError, ProtocolError) as e:
                 # Not fatal: the version gap persists, so the next update asks again, and the
                 # final sync fetches every fragment anyway.
                 emit({"event": "warning", "role": "learner", "learner": self.m,
@@ -128,11 +116,11 @@ class Learner:
 
     def run(self) -> dict:
         # Compile before joining: the first step on a shared CPU can take longer than the liveness timeout.
-        jax.block_until_ready(self.step_fn(self.state, next(self.batches).tokens))
+        jax.block_until_ready(self.step_fn(self.state, self.batches.next().tokens))
         self.net.start()
         try:
             self.join(self.cfg.transport.call_timeout_s + self.cfg.transport.retry_budget_s)
-            self.net.send_metadata(wire.metadata_to_wire(self.core.metadata()))
+            self.net.send_metadata(self.core.metadata())
             initial_loss = self.evaluate()
             emit({"event": "start", "role": "learner", "learner": self.m, "region": self.region,
                   "step": self.core.step, "eval_loss": initial_loss})
@@ -142,7 +130,7 @@ class Learner:
                 while self.core.blocked and not self.stop.is_set():
                     self._drain(block_s=0.05)
                 t0 = time.monotonic()
-                batch = next(self.batches)
+                batch = self.batches.next()
                 self.core.begin_step(t0)
                 self.state, metrics = self.step_fn(self.state, batch.tokens)
                 loss = float(metrics["loss"])  # also waits for the step to finish
@@ -172,12 +160,8 @@ class Learner:
     def final_sync(self) -> dict:
         """Upload every fragment (flagged final); take the syncer's final fragments, by broadcast or bulk."""
         self._drain()
-        now = time.monotonic()
-        flat = tree.flatten(self.state.params)
-        for p, names in enumerate(self.layout.fragments):
-            theta = {n: np.asarray(flat[n]) for n in names}
-            self._handle(self.core.snapshot(now, p, max(1, self.core.step), theta), final=True)
-        budget_s = self.cfg.run.final_timeout_s + self.cfg.transport.retry_budget_s
+        self._handle(self.core.finish())
+        budget_s = self.cfg.syncer.final_timeout_s + self.cfg.transport.retry_budget_s
         self.net.wait_uploads(budget_s)
         futs = [self.net.fetch_fragment(f"final/{p}") for p in range(len(self.layout.fragments))]
         finals = [self._final_fragment(p, fut, budget_s) for p, fut in enumerate(futs)]
@@ -203,7 +187,7 @@ class Learner:
         for attempt in range(1, tries + 1):
             try:
                 return fut.result(timeout=budget_s)
-            except (TransportError, MessageError) as e:
+            except (TransportError, MessageError, ProtocolError) as e:
                 if attempt == tries:
                     raise
                 emit({"event": "warning", "role": "learner", "learner": self.m,
@@ -211,7 +195,7 @@ class Learner:
                 fut = self.net.fetch_fragment(f"final/{p}")
 
 
-def run_learner(cfg: RuntimeConfig, learner: int, target: str, token: str) -> int:
+def run_learner(cfg: RunSpec, learner: int, target: str, token: str) -> int:
     """Process entry point: 0 after a completed final sync, 143 when stopped by a signal."""
     lrn = Learner(cfg, learner, target, token)
     for sig in (signal.SIGINT, signal.SIGTERM):

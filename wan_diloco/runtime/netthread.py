@@ -1,10 +1,12 @@
 """A learner's network side: an asyncio loop (uvloop when installed) on its own thread.
 
-The training thread hands work over with thread-safe calls and reads results
-from ``inbox`` (a ``queue.Queue``) between steps, so it never waits on the
-network unless it chooses to. Memory stays bounded: only the newest metadata
-is kept, and at most one upload per fragment is pending (a newer snapshot of a
-fragment supersedes an older one still waiting to be sent).
+The training thread hands core messages over with thread-safe calls and reads
+results from ``inbox`` (a ``queue.Queue``) between steps, so it never waits on
+the network unless it chooses to. Messages become transport frames here
+(``serde``), and arriving frames become core messages here, so the training
+thread only ever sees the core's types. Memory stays bounded: only the newest
+metadata is kept, and at most one upload per fragment is pending (a newer
+snapshot of a fragment supersedes an older one still waiting to be sent).
 """
 from __future__ import annotations
 
@@ -14,28 +16,37 @@ import logging
 import queue
 import threading
 import time
-from typing import Any
 
-from wan_diloco.core import ProtocolError
-from wan_diloco.runtime import wire
+from wan_diloco.compression import FragmentCodec
+from wan_diloco.core import FragmentUpload, Metadata, ProtocolError
+from wan_diloco.runtime import serde
 from wan_diloco.transport import (
-    BulkRequest, MessageError, SyncerClient, TransportConfig, TransportError, TransportMetrics, new_event_loop,
+    BulkRequest, Frame, MessageError, SyncerClient, TransportConfig, TransportError, TransportMetrics,
+    new_event_loop,
 )
 
 log = logging.getLogger(__name__)
 
 
 class NetThread:
-    def __init__(self, target: str, token: str, config: TransportConfig, node: str, region: str,
-                 codec: wire.WireCodec, layout: wire.Layout):
-        self.node, self.region, self.codec, self.layout = node, region, codec, layout
-        self.inbox: queue.Queue = queue.Queue()  # ("update", (arrived_s, GlobalUpdate)) | ("error", text)
+    """The network thread of learner ``node``: uploads, metadata, the update stream, bulk fetches.
+
+    ``codec`` decodes the syncer's updates (the run's codec); ``bulk_codec`` the
+    whole fragments of rejoin, resync and the final fetch (lossless fp32,
+    ``Assembly.bulk_codec``).
+    """
+
+    def __init__(self, target: str, token: str, transport_cfg: TransportConfig, node: str, region: str,
+                 codec: FragmentCodec, bulk_codec: FragmentCodec):
+        self.node, self.region, self.codec, self.bulk_codec = node, region, codec, bulk_codec
+        # ("update", (arrived_s, core GlobalUpdate)) | ("error", text)
+        self.inbox: queue.Queue = queue.Queue()
         self.metrics = TransportMetrics()
         self.loop = new_event_loop()
-        self.client = SyncerClient(target, token, config, self.metrics)
+        self.client = SyncerClient(target, token, transport_cfg, self.metrics)
         self._thread = threading.Thread(target=self._main, name=f"{node}-net", daemon=True)
         self._ready = threading.Event()
-        self._md: Any = None
+        self._md: Frame | None = None
         self._md_task: asyncio.Task | None = None
         self._sub_task: asyncio.Task | None = None
         self._uploads: dict[int, concurrent.futures.Future] = {}
@@ -45,6 +56,7 @@ class NetThread:
     # ---- lifecycle ------------------------------------------------------------------
 
     def start(self) -> "NetThread":
+        """Start the thread, open the channels and the update stream; returns self."""
         self._thread.start()
         self._ready.wait()
         return self
@@ -59,6 +71,7 @@ class NetThread:
         self.loop.close()
 
     def stop(self) -> None:
+        """Cancel everything in flight, close the channels and join the thread."""
         async def shutdown():
             tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
             for t in tasks:
@@ -74,64 +87,81 @@ class NetThread:
 
     async def _subscribe(self) -> None:
         try:
-            async for msg in self.client.subscribe(self.node, self.region):
+            async for frame in self.client.subscribe(self.node, self.region):
+                # Stamped on arrival: the learner merges between steps, but sync time is measured to here.
+                arrived_s = time.monotonic()
                 try:
-                    # Stamped on arrival: the learner merges between steps, but sync time is measured to here.
-                    self.inbox.put(("update", (time.monotonic(), wire.update_from_wire(msg, self.codec))))
+                    # Off the loop: decoding a large fragment must not stall uploads in flight.
+                    update = await asyncio.to_thread(serde.update_from_frame, frame, self.codec)
                 except ProtocolError as e:
                     self.bad_updates += 1
                     log.error("%s: refused a global update: %s", self.node, e)
+                    continue
+                self.inbox.put(("update", (arrived_s, update)))
             self.inbox.put(("error", "the syncer ended the update stream"))
         except (TransportError, MessageError) as e:
             self.inbox.put(("error", f"update stream failed: {e}"))
 
     # ---- upstream (called from the training thread) ---------------------------------
 
-    def send_metadata(self, msg) -> None:
-        """Queue metadata; only the newest unsent one is kept."""
-        self.loop.call_soon_threadsafe(self._kick_metadata, msg)
+    def send_metadata(self, msg: Metadata) -> None:
+        """Queue a core Metadata; only the newest unsent one is kept.
 
-    def _kick_metadata(self, msg) -> None:
-        self._md = msg
+        ProtocolError (raised here, nothing queued) if a field is out of range."""
+        frame = serde.to_frame(msg)
+        self.loop.call_soon_threadsafe(self._kick_metadata, frame)
+
+    def _kick_metadata(self, frame: Frame) -> None:
+        self._md = frame
         if self._md_task is None or self._md_task.done():
             self._md_task = self.loop.create_task(self._send_metadata())
 
     async def _send_metadata(self) -> None:
         while self._md is not None:
-            msg, self._md = self._md, None
+            frame, self._md = self._md, None
             try:
-                await self.client.send_metadata(msg)
+                await self.client.send_metadata(frame)
             except (TransportError, MessageError) as e:
                 log.warning("%s: metadata not delivered: %s", self.node, e)
 
-    def upload(self, msg) -> concurrent.futures.Future:
-        """Send a fragment; a pending older upload of the same fragment is cancelled."""
-        old = self._uploads.get(msg.fragment)
+    def upload(self, msg: FragmentUpload) -> concurrent.futures.Future:
+        """Send a core FragmentUpload; a pending older upload of the same fragment is cancelled.
+
+        Returns a future of the syncer's Ack (it raises TransportError or
+        MessageError if the upload failed). ProtocolError (raised here, nothing
+        sent) if the message cannot be framed, e.g. it has no payload."""
+        frame = serde.to_frame(msg)
+        old = self._uploads.get(frame.fragment)
         if old is not None and not old.done():
             old.cancel()
-        fut = asyncio.run_coroutine_threadsafe(self._upload(msg), self.loop)
-        self._uploads[msg.fragment] = fut
+        fut = asyncio.run_coroutine_threadsafe(self._upload(frame), self.loop)
+        self._uploads[frame.fragment] = fut
         return fut
 
-    async def _upload(self, msg):
+    async def _upload(self, frame: Frame):
         try:
-            return await self.client.upload_fragment(msg)
+            return await self.client.upload_fragment(frame)
         except (TransportError, MessageError) as e:
             self.upload_errors += 1
-            log.warning("%s: upload of fragment %d failed: %s", self.node, msg.fragment, e)
+            log.warning("%s: upload of fragment %d failed: %s", self.node, frame.fragment, e)
             raise
 
     def fetch_fragment(self, name: str) -> concurrent.futures.Future:
-        """Bulk-fetch ``fragment/P`` or ``final/P`` -> (fragment, version, global_step, values)."""
+        """Bulk-fetch ``fragment/P`` or ``final/P``.
+
+        The future resolves to (fragment, version, global_step, values) with
+        owned fp32 values, or raises TransportError / MessageError (the fetch
+        failed) or ProtocolError (the object it got is malformed)."""
 
         async def fetch():
             data = await self.client.fetch_bulk_bytes(BulkRequest(self.node, name, {}))
-            return wire.fragment_from_bulk(data, self.layout)
+            return await asyncio.to_thread(serde.fragment_from_bulk, data, self.bulk_codec)
 
         return asyncio.run_coroutine_threadsafe(fetch(), self.loop)
 
-    def wait_uploads(self, timeout_s: float) -> None:
-        concurrent.futures.wait([f for f in self._uploads.values()], timeout=timeout_s)
+    def wait_uploads(self, budget_s: float) -> None:
+        """Wait up to ``budget_s`` for the uploads handed over so far to finish (or fail)."""
+        concurrent.futures.wait(list(self._uploads.values()), timeout=budget_s)
 
     @property
     def bytes_sent(self) -> int:

@@ -1,4 +1,4 @@
-"""gRPC (HTTP/2) client of the syncer: metadata, fragment uploads, updates, bulk.
+"""gRPC (HTTP/2) client of the syncer: metadata and fragment Frames up, Frames down, bulk.
 
 Several channels (TCP connections) per peer; uploads go round-robin over them.
 Every call has a deadline and the bearer token; calls that fail with UNAVAILABLE
@@ -18,8 +18,8 @@ import grpc
 from .config import TransportConfig
 from .framing import BufferPool, MessageReader, iter_chunks
 from .messages import (
-    Ack, BulkChunk, BulkRequest, FragmentUpload, GlobalUpdate, MessageError, Metadata, Subscribe,
-    TRAILER_BYTES, decode_message, encode_message, encode_parts,
+    Ack, BulkChunk, BulkRequest, Frame, MessageError, Subscribe, TRAILER_BYTES, decode_message,
+    encode_message, encode_parts,
 )
 from .metrics import TransportMetrics
 from .security import bearer_metadata, channel_credentials, check_token, require_secure_or_loopback
@@ -127,9 +127,16 @@ class SyncerClient:
             raise MessageError(f"expected Ack, got {type(msg).__name__}")
         return msg
 
-    async def send_metadata(self, msg: Metadata) -> Ack:
-        """Send one Metadata message; returns the syncer's Ack."""
-        data = encode_message(msg)
+    async def send_metadata(self, frame: Frame) -> Ack:
+        """Send one small Frame as a unary call (the Metadata RPC); returns the syncer's Ack.
+
+        MessageError if it cannot be encoded; it must fit one gRPC message."""
+        if not isinstance(frame, Frame):
+            raise MessageError(f"send_metadata takes a Frame, got {type(frame).__name__}")
+        data = encode_message(frame)
+        if len(data) > self.config.grpc_message_bytes:
+            raise MessageError(f"metadata frame of {len(data)} bytes exceeds one gRPC message "
+                               f"({self.config.grpc_message_bytes}); send large payloads with upload_fragment")
 
         async def attempt():
             call = self._channel(0).unary_unary(f"/{SERVICE}/Metadata")
@@ -140,15 +147,15 @@ class SyncerClient:
 
         return self._decode_ack(await self._retry("Metadata", attempt))
 
-    async def upload_fragment(self, msg: FragmentUpload) -> Ack:
-        """Stream one fragment in chunks of ``chunk_bytes`` over the next channel.
+    async def upload_fragment(self, frame: Frame) -> Ack:
+        """Stream one Frame in chunks of ``chunk_bytes`` over the next channel (the Upload RPC).
 
         At most ``max_inflight_uploads`` run at once; more callers wait here, so a
         learner never queues more than that many fragments in memory.
         """
-        if not isinstance(msg, FragmentUpload):
-            raise MessageError(f"upload_fragment takes FragmentUpload, got {type(msg).__name__}")
-        head, payload = encode_parts(msg)  # chunks are sliced and checksummed lazily, per try
+        if not isinstance(frame, Frame):
+            raise MessageError(f"upload_fragment takes a Frame, got {type(frame).__name__}")
+        head, payload = encode_parts(frame)  # chunks are sliced and checksummed lazily, per try
         size = len(head) + len(payload) + TRAILER_BYTES
         if size > self.config.max_message_bytes:
             raise MessageError(f"fragment of {size} bytes exceeds max_message_bytes {self.config.max_message_bytes}")
@@ -164,11 +171,11 @@ class SyncerClient:
         async with self._upload_slots:
             return self._decode_ack(await self._retry("Upload", attempt))
 
-    async def subscribe(self, sender: str, region: str) -> AsyncIterator[GlobalUpdate]:
-        """GlobalUpdates for ``sender`` for as long as the caller iterates.
+    async def subscribe(self, sender: str, region: str) -> AsyncIterator[Frame]:
+        """Frames published for ``sender`` for as long as the caller iterates.
 
         Each call lives ``subscribe_renew_s`` and is then renewed; a call waits for
-        the syncer while it is down (updates queue there, newest per fragment). A
+        the syncer while it is down (frames queue there, newest per fragment). A
         dropped connection is retried with backoff; TransportError is raised for
         other errors (e.g. UNAUTHENTICATED) or after ``retry_budget_s`` of failed
         retries. The iteration ends when the server ends the stream (e.g. a newer
@@ -185,8 +192,8 @@ class SyncerClient:
                 async for chunk in call:
                     self.metrics.received("Subscribe", len(chunk), 0)
                     for msg in reader.feed(chunk):
-                        if not isinstance(msg, GlobalUpdate):
-                            raise MessageError(f"subscribe expected GlobalUpdate, got {type(msg).__name__}")
+                        if not isinstance(msg, Frame):
+                            raise MessageError(f"subscribe expected Frame, got {type(msg).__name__}")
                         self.metrics.messages.labels("Subscribe", "in").inc()
                         backoff.reset()
                         yield msg

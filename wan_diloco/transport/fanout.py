@@ -1,25 +1,30 @@
 """Downstream fan-out with bounded memory: the newest version per fragment per subscriber.
 
-Backpressure policy (chosen): drop-to-latest per fragment. A GlobalUpdate carries
-the whole new global fragment, so only the newest version of each fragment
-matters to a learner; a slow subscriber therefore never blocks the syncer or the
-other subscribers, and its backlog is at most one pending update per fragment
-(P encoded updates, shared between subscribers because each update is encoded
-once). Updates overwritten before delivery are counted in ``dropped``.
-This is only valid while updates are self-contained; a delta-coded downstream
-would need a blocking queue instead.
+Backpressure policy (chosen): drop-to-latest per routing key. Every published
+Frame is keyed by its ``fragment`` field, and a newer frame with the same key
+replaces one not yet delivered. The application relies on this only for
+self-contained updates (each carries a whole new global fragment, so only the
+newest matters to a learner); a slow subscriber then never blocks the publisher
+or the other subscribers, and its backlog is at most one pending frame per key
+(P encoded frames, shared between subscribers because each is encoded once).
+Frames overwritten before delivery are counted in ``dropped``. A delta-coded
+downstream would need a blocking queue instead.
+
+"Newer" means published later: the hub numbers publications (``Prepared.seq``),
+because the transport does not look inside ``meta`` for a version.
 """
 from __future__ import annotations
 
 import asyncio
+import itertools
 from typing import AsyncIterator
 
 from .framing import Prepared
-from .messages import GlobalUpdate
+from .messages import Frame
 
 
 class LatestMailbox:
-    """Pending updates of one subscriber, at most one per fragment (the newest)."""
+    """Pending frames of one subscriber, at most one per fragment (the newest published)."""
 
     def __init__(self) -> None:
         self._pending: dict[int, Prepared] = {}
@@ -32,18 +37,18 @@ class LatestMailbox:
         return len(self._pending)
 
     def put(self, item: Prepared) -> None:
-        msg = item.message
-        old = self._pending.get(msg.fragment)
+        key = item.message.fragment
+        old = self._pending.get(key)
         if old is not None:
-            if old.message.version >= msg.version:
-                return  # an older version arriving late never replaces a newer one
+            if old.seq >= item.seq:
+                return  # an older frame coming back (interrupted delivery) never replaces a newer one
             self.dropped += 1
-            del self._pending[msg.fragment]  # re-queue at the back: oldest fragment goes first
-        self._pending[msg.fragment] = item
+            del self._pending[key]  # re-queue at the back: oldest fragment goes first
+        self._pending[key] = item
         self._wakeup.set()
 
     async def get(self, generation: int) -> Prepared | None:
-        """The oldest pending update; None once a newer stream took over (``interrupt``)."""
+        """The oldest pending frame; None once a newer stream took over (``interrupt``)."""
         while self.generation == generation:
             if self._pending:
                 self.delivered += 1
@@ -60,9 +65,9 @@ class LatestMailbox:
 
 
 class UpdateHub:
-    """Encodes each GlobalUpdate once and queues it for every known subscriber.
+    """Encodes each Frame once and queues it for every known subscriber.
 
-    A learner's mailbox outlives its stream: updates published while it is
+    A subscriber's mailbox outlives its stream: frames published while it is
     reconnecting wait for it (newest per fragment). A second subscription with
     the same id ends the first stream.
     """
@@ -70,6 +75,7 @@ class UpdateHub:
     def __init__(self, chunk_bytes: int) -> None:
         self.chunk_bytes = chunk_bytes
         self._boxes: dict[str, LatestMailbox] = {}
+        self._seq = itertools.count(1)
 
     @property
     def subscribers(self) -> list[str]:
@@ -78,9 +84,13 @@ class UpdateHub:
     def mailbox(self, learner_id: str) -> LatestMailbox:
         return self._boxes.setdefault(learner_id, LatestMailbox())
 
-    def publish(self, update: GlobalUpdate, to: list[str] | None = None) -> Prepared:
-        """Queue ``update`` for ``to`` (default: every known subscriber)."""
-        item = Prepared.of(update, self.chunk_bytes)
+    def publish(self, frame: Frame, to: list[str] | None = None) -> Prepared:
+        """Encode ``frame`` once and queue it for ``to`` (default: every known subscriber).
+
+        Raises MessageError (nothing queued) if the frame cannot be encoded."""
+        if not isinstance(frame, Frame):
+            raise TypeError(f"publish takes a Frame, got {type(frame).__name__}")
+        item = Prepared.of(frame, self.chunk_bytes, next(self._seq))
         for learner_id in self._boxes if to is None else to:
             self.mailbox(learner_id).put(item)
         return item
@@ -92,13 +102,13 @@ class UpdateHub:
             box.interrupt()
 
     def stream(self, learner_id: str) -> AsyncIterator[Prepared]:
-        """Updates for ``learner_id`` until another stream takes over its mailbox.
+        """Frames for ``learner_id`` until another stream takes over its mailbox.
 
         The mailbox is registered (and any previous stream ended) right away, not
-        at the first iteration, so nothing published in between is missed. An
-        update whose delivery is interrupted goes back into the mailbox (unless a
-        newer version is already there), so a learner may see one version twice:
-        learners ignore updates that are not newer than what they applied.
+        at the first iteration, so nothing published in between is missed. A
+        frame whose delivery is interrupted goes back into the mailbox (unless a
+        newer one for its fragment is already there), so a subscriber may see one
+        frame twice: the application must ignore what it already applied.
         """
         box = self.mailbox(learner_id)
         return self._drain(box, box.interrupt())

@@ -55,14 +55,19 @@ def iter_chunks(head: bytes, payload: memoryview, chunk_bytes: int) -> Iterator[
 
 @dataclasses.dataclass(frozen=True)
 class Prepared:
-    """A message encoded once into chunks, to be sent to many streams (fan-out)."""
+    """A message encoded once into chunks, to be sent to many streams (fan-out).
+
+    ``seq`` orders publications (``UpdateHub`` numbers them): the fan-out keeps
+    the newest per fragment by it, since frames carry no version of their own.
+    """
 
     message: Message
     chunks: tuple[bytes, ...]
+    seq: int = 0
 
     @classmethod
-    def of(cls, msg: Message, chunk_bytes: int) -> "Prepared":
-        return cls(msg, tuple(encode_chunks(msg, chunk_bytes)))
+    def of(cls, msg: Message, chunk_bytes: int, seq: int = 0) -> "Prepared":
+        return cls(msg, tuple(encode_chunks(msg, chunk_bytes)), seq)
 
     @property
     def nbytes(self) -> int:

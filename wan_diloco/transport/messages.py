@@ -1,15 +1,22 @@
-"""Versioned binary message schema for learner <-> syncer traffic.
+"""Versioned binary message schema of the transport: generic frames plus stream control.
+
+The transport knows nothing of the training protocol. An application message
+travels as a :class:`Frame`: a sender, a routing key (``fragment``, which the
+fan-out uses for drop-to-latest), an opaque JSON object ``meta`` owned by the
+caller, and opaque payload bytes. The other kinds (Subscribe, BulkRequest,
+BulkChunk, Ack) are the transport's own stream control.
 
 Wire layout of one message (little endian)::
 
-    magic   4s   b"WDLC"
+    magic   4s   b"WDLC" (MESSAGE_MAGIC)
     version u8   WIRE_VERSION
     kind    u8   Kind
     flags   u16  reserved, must be 0
     hlen    u32  length of the JSON header
     plen    u64  length of the raw payload
-    header  hlen bytes of compact UTF-8 JSON (small fields)
-    payload plen bytes, opaque (produced by the codec)
+    header  hlen bytes of compact UTF-8 JSON: the kind's fields, e.g. for a Frame
+            {"sender": str, "fragment": int, "meta": {...}}
+    payload plen bytes, opaque
     digest  u64  XXH3-64 of everything before it
 
 The checksum is a trailer, not part of the prelude, so that a sender can hash
@@ -30,21 +37,24 @@ from __future__ import annotations
 import dataclasses
 import enum
 import json
+import math
 import struct
 from typing import Any, ClassVar, Mapping, Union
 
 import xxhash
 
-WIRE_VERSION = 1
-MAGIC = b"WDLC"
+WIRE_VERSION = 2  # 2: one generic Frame replaced the protocol-specific kinds of version 1
+MESSAGE_MAGIC = b"WDLC"
 PRELUDE = struct.Struct("<4sBBHIQ")
 PRELUDE_BYTES = PRELUDE.size  # 20
 TRAILER = struct.Struct("<Q")
 TRAILER_BYTES = TRAILER.size
-MAX_HEADER_BYTES = 1 << 20
+MAX_HEADER_BYTES = 1 << 20  # bounds every header, hence every Frame's meta too
+MAX_META_DEPTH = 16  # JSON nesting inside meta; deeper is refused, not recursed into
 MAX_NAME_CHARS = 256
 MAX_INT = (1 << 63) - 1
-DEFAULT_MAX_BYTES = 1 << 30
+MIN_META_INT = -(1 << 63)  # meta integers stay in int64 so any JSON reader can hold them
+MAX_MESSAGE_BYTES = 1 << 30  # default cap of decode_message
 
 Payload = Union[bytes, bytearray, memoryview]
 
@@ -58,62 +68,38 @@ class OversizedError(MessageError):
 
 
 class Kind(enum.IntEnum):
-    METADATA = 1
-    FRAGMENT = 2
-    GLOBAL_UPDATE = 3
-    SUBSCRIBE = 4
-    BULK_REQUEST = 5
-    BULK_CHUNK = 6
-    ACK = 7
+    FRAME = 1
+    SUBSCRIBE = 2
+    BULK_REQUEST = 3
+    BULK_CHUNK = 4
+    ACK = 5
 
 
 Clock = Mapping[str, int]
+Meta = Mapping[str, Any]
 
 
 @dataclasses.dataclass(frozen=True)
-class Metadata:
-    """Learner -> syncer after every step: counters per fragment since its last sync."""
+class Frame:
+    """One application message: routing fields, caller-owned JSON ``meta``, opaque ``payload``.
 
-    KIND: ClassVar[Kind] = Kind.METADATA
-    sender: str
-    region: str
-    step: int
-    fragment_steps: tuple[int, ...]
-    fragment_tokens: tuple[int, ...]
-    clock: Clock
+    ``fragment`` is the fan-out's drop-to-latest key (0 where it does not
+    apply). ``meta`` must be a JSON object (string keys; values None, bool,
+    int64, finite float, str, list/tuple or object, at most ``MAX_META_DEPTH``
+    deep) and fits in the one header with the other fields. Decoding gives
+    JSON's types back: lists, never tuples.
+    """
 
-
-@dataclasses.dataclass(frozen=True)
-class FragmentUpload:
-    """Learner -> syncer: one fragment's encoded outer gradient and its weights."""
-
-    KIND: ClassVar[Kind] = Kind.FRAGMENT
-    sender: str
-    region: str
-    fragment: int
-    base_version: int
-    steps: int
-    tokens: int
-    clock: Clock
-    payload: Payload = b""
-
-
-@dataclasses.dataclass(frozen=True)
-class GlobalUpdate:
-    """Syncer -> learner: a new global version of one fragment (self-contained values)."""
-
-    KIND: ClassVar[Kind] = Kind.GLOBAL_UPDATE
+    KIND: ClassVar[Kind] = Kind.FRAME
     sender: str
     fragment: int
-    version: int
-    global_step: int
-    clock: Clock
+    meta: Meta
     payload: Payload = b""
 
 
 @dataclasses.dataclass(frozen=True)
 class Subscribe:
-    """Learner -> syncer: open the downstream stream of GlobalUpdates for ``sender``."""
+    """Open the downstream stream of Frames for ``sender``."""
 
     KIND: ClassVar[Kind] = Kind.SUBSCRIBE
     sender: str
@@ -153,14 +139,40 @@ class Ack:
     detail: str = ""
 
 
-Message = Union[Metadata, FragmentUpload, GlobalUpdate, Subscribe, BulkRequest, BulkChunk, Ack]
-MESSAGE_TYPES: dict[Kind, type] = {
-    cls.KIND: cls for cls in (Metadata, FragmentUpload, GlobalUpdate, Subscribe, BulkRequest, BulkChunk, Ack)
-}
+Message = Union[Frame, Subscribe, BulkRequest, BulkChunk, Ack]
+MESSAGE_TYPES: dict[Kind, type] = {cls.KIND: cls for cls in (Frame, Subscribe, BulkRequest, BulkChunk, Ack)}
 
 
 def _fields(cls: type) -> list[dataclasses.Field]:
     return [f for f in dataclasses.fields(cls) if f.name != "payload"]
+
+
+def _check_meta(where: str, value: Any, depth: int = 0) -> Any:
+    """Validate one JSON value of a Frame's meta; return it with tuples as lists."""
+    if value is None or isinstance(value, (bool, str)):
+        return value
+    if isinstance(value, int):
+        if not MIN_META_INT <= value <= MAX_INT:
+            raise MessageError(f"{where}: integer {value} outside int64")
+        return value
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise MessageError(f"{where}: {value} is not a finite number")
+        return value
+    if depth >= MAX_META_DEPTH:
+        raise MessageError(f"{where}: nested deeper than {MAX_META_DEPTH} levels")
+    if isinstance(value, (list, tuple)):
+        return [_check_meta(f"{where}[{i}]", v, depth + 1) for i, v in enumerate(value)]
+    if isinstance(value, Mapping):
+        out = {}
+        for k, v in value.items():
+            if not isinstance(k, str):
+                raise MessageError(f"{where}: keys must be strings, got {k!r}")
+            if len(k) > MAX_NAME_CHARS:
+                raise MessageError(f"{where}: key longer than {MAX_NAME_CHARS} characters")
+            out[k] = _check_meta(f"{where}[{k[:40]!r}]", v, depth + 1)
+        return out
+    raise MessageError(f"{where}: {type(value).__name__} is not a JSON value")
 
 
 def _check_value(kind_name: str, name: str, typ: Any, value: Any) -> Any:
@@ -178,10 +190,6 @@ def _check_value(kind_name: str, name: str, typ: Any, value: Any) -> Any:
         if len(value) > MAX_NAME_CHARS:
             raise MessageError(f"{where}: longer than {MAX_NAME_CHARS} characters")
         return value
-    if typ == "tuple[int, ...]":
-        if not isinstance(value, (list, tuple)):
-            raise MessageError(f"{where}: must be a list of integers, got {type(value).__name__}")
-        return tuple(_check_value(kind_name, f"{name}[{i}]", "int", v) for i, v in enumerate(value))
     if typ == "Clock":
         if not isinstance(value, Mapping):
             raise MessageError(f"{where}: must be a mapping worker -> int, got {type(value).__name__}")
@@ -191,15 +199,16 @@ def _check_value(kind_name: str, name: str, typ: Any, value: Any) -> Any:
                 raise MessageError(f"{where}: worker names must be non-empty strings, got {k!r}")
             out[_check_value(kind_name, name, "str", k)] = _check_value(kind_name, f"{name}[{k[:40]!r}]", "int", v)
         return out
+    if typ == "Meta":
+        if not isinstance(value, Mapping):
+            raise MessageError(f"{where}: must be a JSON object, got {type(value).__name__}")
+        return _check_meta(where, value)
     raise AssertionError(f"unsupported field type {typ!r}")  # schema bug, not input
 
 
 def _header_of(msg: Message) -> dict[str, Any]:
     name = type(msg).__name__
-    header = {}
-    for f in _fields(type(msg)):
-        value = _check_value(name, f.name, f.type, getattr(msg, f.name))
-        header[f.name] = list(value) if isinstance(value, tuple) else value
+    header = {f.name: _check_value(name, f.name, f.type, getattr(msg, f.name)) for f in _fields(type(msg))}
     if not header["sender"]:
         raise MessageError(f"{name}.sender: must not be empty")
     return header
@@ -221,11 +230,14 @@ def encode_parts(msg: Message) -> tuple[bytes, memoryview]:
     """
     if type(msg) not in MESSAGE_TYPES.values():
         raise MessageError(f"cannot encode {type(msg).__name__}: not a message type")
-    header = json.dumps(_header_of(msg), separators=(",", ":"), ensure_ascii=False).encode()
+    try:
+        header = json.dumps(_header_of(msg), separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
+    except UnicodeEncodeError as e:  # a lone surrogate in some string
+        raise MessageError(f"{type(msg).__name__}: header text is not valid Unicode: {e}") from None
     if len(header) > MAX_HEADER_BYTES:
         raise MessageError(f"{type(msg).__name__}: header is {len(header)} bytes, limit {MAX_HEADER_BYTES}")
     payload = _payload_of(msg)
-    return PRELUDE.pack(MAGIC, WIRE_VERSION, msg.KIND, 0, len(header), len(payload)) + header, payload
+    return PRELUDE.pack(MESSAGE_MAGIC, WIRE_VERSION, msg.KIND, 0, len(header), len(payload)) + header, payload
 
 
 def encode_message(msg: Message) -> bytes:
@@ -246,7 +258,7 @@ def parse_prelude(prelude: Payload) -> tuple[Kind, int, int]:
     if len(view) < PRELUDE_BYTES:
         raise MessageError(f"truncated message: need {PRELUDE_BYTES} bytes of prelude, got {len(view)}")
     magic, version, kind, flags, hlen, plen = PRELUDE.unpack_from(view)
-    if magic != MAGIC:
+    if magic != MESSAGE_MAGIC:
         raise MessageError(f"bad magic {bytes(magic)!r}: not a wan-diloco message")
     if version != WIRE_VERSION:
         raise MessageError(f"unsupported wire version {version}; this build speaks version {WIRE_VERSION}")
@@ -265,7 +277,7 @@ def message_length(prelude: Payload) -> int:
     return PRELUDE_BYTES + hlen + plen + TRAILER_BYTES
 
 
-def decode_message(data: Payload, max_bytes: int = DEFAULT_MAX_BYTES) -> Message:
+def decode_message(data: Payload, max_bytes: int = MAX_MESSAGE_BYTES) -> Message:
     """Decode one message; every problem raises MessageError naming it.
 
     The returned payload is a read-only memoryview of ``data`` (no copy); keep
@@ -286,6 +298,10 @@ def decode_message(data: Payload, max_bytes: int = DEFAULT_MAX_BYTES) -> Message
                         xxhash.xxh3_64_intdigest(view[:body_end]), view[body_end:])
 
 
+def _refuse_constant(name: str) -> None:
+    raise ValueError(f"{name} is not JSON")
+
+
 def decode_parts(head: Payload, payload: memoryview, digest: int, trailer: Payload) -> Message:
     """Build a message from its prelude + header, payload and trailer, given the
     XXH3-64 of head + payload (computed by the caller, possibly chunk by chunk).
@@ -295,7 +311,8 @@ def decode_parts(head: Payload, payload: memoryview, digest: int, trailer: Paylo
     kind, hlen, plen = parse_prelude(head)
     cls = MESSAGE_TYPES[kind]
     try:
-        fields = json.loads(bytes(head[PRELUDE_BYTES:]).decode("utf-8"))
+        # NaN / Infinity are Python extensions to JSON: refused like any other non-JSON.
+        fields = json.loads(bytes(head[PRELUDE_BYTES:]).decode("utf-8"), parse_constant=_refuse_constant)
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise MessageError(f"{cls.__name__}: header is not valid UTF-8 JSON: {e}") from None
     if not isinstance(fields, dict):

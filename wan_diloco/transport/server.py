@@ -1,7 +1,8 @@
 """gRPC (HTTP/2) server: raw-bytes generic handlers in front of an application ``Handler``.
 
 No protobuf: every RPC carries our own messages (``messages.py``), chunked where
-large (``framing.py``). The server checks the bearer token on every call before
+large (``framing.py``). Application messages are generic ``Frame``s: what they
+mean is the handler's business. The server checks the bearer token on every call before
 reading anything, validates every message, maps problems to clear status codes
 (UNAUTHENTICATED, INVALID_ARGUMENT, RESOURCE_EXHAUSTED, FAILED_PRECONDITION)
 and keeps serving other calls.
@@ -18,8 +19,8 @@ import grpc
 from .config import TransportConfig
 from .framing import BufferPool, MessageReader, Prepared, encode_chunks
 from .messages import (
-    Ack, BulkChunk, BulkRequest, FragmentUpload, GlobalUpdate, Message, MessageError,
-    Metadata, OversizedError, Payload, Subscribe, decode_message, encode_message,
+    Ack, BulkChunk, BulkRequest, Frame, Message, MessageError, OversizedError, Payload, Subscribe,
+    decode_message, encode_message,
 )
 from .metrics import TransportMetrics
 from .security import check_token, require_secure_or_loopback, server_credentials, token_matches
@@ -47,19 +48,26 @@ class BulkSource:
 
 
 class Handler(Protocol):
-    """What the application (the syncer) plugs in behind the server."""
+    """What the application (the syncer) plugs in behind the server.
 
-    async def on_metadata(self, msg: Metadata) -> Ack | None: ...
+    Frames arrive with their payload as a read-only view of a transport buffer:
+    copy what must outlive the call. Raise ``Rejected`` to refuse a well-formed
+    request, ``MessageError`` for a malformed one (INVALID_ARGUMENT).
+    """
 
-    async def on_fragment(self, msg: FragmentUpload) -> Ack | None:
-        """Called once a whole fragment arrived and decoded. May see a retry of an
-        upload whose reply was lost, so it should be idempotent per
-        (sender, fragment, base_version)."""
+    async def on_metadata(self, frame: Frame) -> Ack | None:
+        """A Frame from the unary Metadata RPC (small: one gRPC message)."""
 
-    def subscribe(self, msg: Subscribe) -> AsyncIterator[GlobalUpdate | Prepared]:
-        """Updates to stream to ``msg.sender`` until it ends (see ``UpdateHub.stream``)."""
+    async def on_fragment(self, frame: Frame) -> Ack | None:
+        """A Frame from the Upload RPC, called once all its chunks arrived and
+        decoded. May see a retry of an upload whose reply was lost, so it should
+        be idempotent."""
 
-    async def bulk(self, request: BulkRequest) -> BulkSource: ...
+    def subscribe(self, msg: Subscribe) -> AsyncIterator[Frame | Prepared]:
+        """Frames to stream to ``msg.sender`` until it ends (see ``UpdateHub.stream``)."""
+
+    async def bulk(self, request: BulkRequest) -> BulkSource:
+        """The named object to stream back in chunks."""
 
 
 class TransportServer:
@@ -166,7 +174,7 @@ class TransportServer:
     async def _metadata(self, request: bytes, context) -> bytes:
         await self._auth(context, "Metadata")
         try:
-            msg = self._decode(request, Metadata, self.config.grpc_message_bytes)
+            msg = self._decode(request, Frame, self.config.grpc_message_bytes)
             self.metrics.received("Metadata", len(request))
             return self._ack("Metadata", await self.handler.on_metadata(msg))
         except BaseException as e:
@@ -187,8 +195,8 @@ class TransportServer:
                 if not done or not reader.idle:
                     raise MessageError(f"upload ended mid-message after {nbytes} bytes")
                 msg = done[0]
-                if not isinstance(msg, FragmentUpload):
-                    raise MessageError(f"expected FragmentUpload, got {type(msg).__name__}")
+                if not isinstance(msg, Frame):
+                    raise MessageError(f"expected Frame, got {type(msg).__name__}")
                 self.metrics.received("Upload", nbytes, 1)
                 return self._ack("Upload", await self.handler.on_fragment(msg))
             except BaseException as e:
@@ -206,8 +214,8 @@ class TransportServer:
         try:
             async for item in updates:
                 if not isinstance(item, Prepared):
-                    if not isinstance(item, GlobalUpdate):
-                        raise TypeError(f"subscribe() yielded {type(item).__name__}, not GlobalUpdate")
+                    if not isinstance(item, Frame):
+                        raise TypeError(f"subscribe() yielded {type(item).__name__}, not Frame or Prepared")
                     item = Prepared(item, tuple(encode_chunks(item, self.config.chunk_bytes)))
                 for chunk in item.chunks:
                     yield chunk

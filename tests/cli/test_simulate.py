@@ -1,0 +1,48 @@
+import json
+
+import pytest
+
+from wan_diloco import cli, model
+
+
+@pytest.fixture(autouse=True)
+def micro_preset(monkeypatch):
+    monkeypatch.setitem(model.PRESETS, "micro", model.ModelConfig(d_model=32, n_layers=2, n_heads=2, d_ff=64, seq_len=32))
+
+
+def test_cli_simulate_writes_json(tmp_path, capsys):
+    out = tmp_path / "r.json"
+    tape = tmp_path / "tape.json"
+    tape.write_text(json.dumps([{"learner": 0, "down_at": 1.0, "up_at": 3.0}]))
+    rc = cli.main(["simulate", "--preset", "micro", "--learners", "2", "--steps", "8", "--sync-every", "4",
+                   "--fragments", "2", "--batch-size", "4", "--speeds", "1,1.2", "--failures", str(tape),
+                   "--no-data-failover", "--keep-local", "--json", str(out)])
+    assert rc == 0
+    data = json.loads(out.read_text())
+    for key in ("initial_eval_loss", "final_eval_loss", "tokens", "goodput", "uptime", "fragment_syncs", "bytes_sent"):
+        assert key in data
+    assert len(data["fragment_syncs"]) == 2 and data["bytes_sent"] > 0
+    assert data["config"]["simulate"]["data_failover"] is False and data["config"]["learner"]["keep_local"] is True
+    assert data["config"]["simulate"]["speeds"] == [1.0, 1.2]
+    assert "goodput" in capsys.readouterr().out
+
+
+def test_tokens_flag_takes_scientific_notation(tmp_path):
+    from wan_diloco.cli.simulate import add_arguments, spec_from_args
+    import argparse
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    spec = spec_from_args(p.parse_args(["--tokens", "2e6", "--learners", "2"]))
+    assert spec.simulate.tokens == 2_000_000 and spec.run.learners == 2
+    with pytest.raises(SystemExit):
+        p.parse_args(["--tokens", "2.5"])
+
+
+@pytest.mark.parametrize("argv, msg", [(["--learners", "0"], "learners"), (["--speeds", "1,x"], "speeds"),
+                                       (["--merge", "median"], "merge"), (["--bits", "7"], "codec.bits")])
+def test_cli_bad_flags(argv, msg, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["simulate", "--quiet", *argv])
+    assert e.value.code == 2
+    assert msg in capsys.readouterr().err

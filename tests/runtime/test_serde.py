@@ -1,0 +1,351 @@
+"""Core messages <-> transport frames <-> bytes, and bulk fragments (no sockets)."""
+import dataclasses
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from wan_diloco import transport
+from wan_diloco.clock import VectorClock
+from wan_diloco.compression import CodecConfig, FragmentCodec
+from wan_diloco.core import FragmentUpload, GlobalUpdate, Metadata, ProtocolError
+from wan_diloco.fragments import Layout
+from wan_diloco.runtime import serde
+
+LAYOUT = Layout([("a", "b"), ("c",)], {"a": (2, 3), "b": (4,), "c": (5,)})
+FP32 = FragmentCodec(CodecConfig(bits=32), LAYOUT)
+INT8 = FragmentCodec(CodecConfig(bits=8, block_size=16), LAYOUT)
+BULK = FragmentCodec(CodecConfig(bits=32, zstd=False), LAYOUT)
+
+
+def values(seed=0):
+    rng = np.random.default_rng(seed)
+    return {"a": rng.normal(size=(2, 3)).astype(np.float32), "b": rng.normal(size=4).astype(np.float32)}
+
+
+def wire(msg):
+    """``msg`` through its frame and the transport's bytes, as a receiver gets it."""
+    return transport.decode_message(bytearray(transport.encode_message(serde.to_frame(msg))))
+
+
+def metadata(**kw):
+    base = dict(learner=2, step=12, c_steps=(3, 0), c_tokens=(3072, 0), clock=VectorClock({"learner-2": 12}),
+                step_s=0.125, sync_s=None, region="eu")
+    return Metadata(**{**base, **kw})
+
+
+def upload(codec=FP32, **kw):
+    enc = codec.roundtrip(values(1))
+    base = dict(learner=2, fragment=0, due_step=24, base_version=3, c_steps=8, c_tokens=1024,
+                clock=VectorClock({"learner-2": 5, "syncer": 4}), delta=enc.values, nbytes=enc.nbytes,
+                payload=enc.payload, region="eu", final=True)
+    return FragmentUpload(**{**base, **kw})
+
+
+def update(codec=FP32, **kw):
+    enc = codec.roundtrip(values(2))
+    base = dict(fragment=0, from_version=4, to_version=5, due_step=24, global_step=30,
+                clock=VectorClock({"syncer": 9}), update=enc.values, nbytes=enc.nbytes, contributors=(1, 2),
+                held_s={1: 0.25, 12: 1.5}, payload=enc.payload, final=False)
+    return GlobalUpdate(**{**base, **kw})
+
+
+def assert_same(got, want, tensors):
+    """Equal field by field; the tensors bit for bit; the decoded message keeps no payload."""
+    assert type(got) is type(want)
+    for f in dataclasses.fields(want):
+        a, b = getattr(got, f.name), getattr(want, f.name)
+        if f.name == tensors:
+            assert list(a) == list(b)
+            assert all(a[n].dtype == b[n].dtype and a[n].tobytes() == b[n].tobytes() for n in b), f.name
+        elif f.name == "payload":
+            assert a is None
+        else:
+            assert a == b and type(a) is type(b), (f.name, a, b)
+
+
+# ---- round trips ------------------------------------------------------------------------
+
+
+def test_metadata_round_trip():
+    m = metadata()
+    frame = wire(m)
+    assert (frame.sender, frame.fragment, len(frame.payload)) == ("learner-2", 0, 0)
+    assert serde.metadata_from_frame(frame, 4) == m
+    m2 = metadata(step_s=None, c_steps=(), c_tokens=(), region="", clock=VectorClock())
+    assert serde.metadata_from_frame(wire(m2), 3) == m2
+
+
+@pytest.mark.parametrize("codec", [FP32, INT8], ids=["fp32", "int8"])
+def test_upload_round_trip(codec):
+    up = upload(codec)
+    frame = wire(up)
+    assert (frame.sender, frame.fragment, bytes(frame.payload)) == ("learner-2", 0, up.payload)
+    assert "delta" not in frame.meta and "nbytes" not in frame.meta and "learner" not in frame.meta
+    assert_same(serde.upload_from_frame(frame, codec, 4), up, "delta")
+
+
+@pytest.mark.parametrize("codec", [FP32, INT8], ids=["fp32", "int8"])
+def test_update_round_trip(codec):
+    g = update(codec, final=True)
+    frame = wire(g)
+    assert frame.sender == "syncer" and frame.meta["held_s"] == {"1": 0.25, "12": 1.5}
+    got = serde.update_from_frame(frame, codec)
+    assert_same(got, g, "update")
+    assert got.held_s == {1: 0.25, 12: 1.5} and got.contributors == (1, 2)
+
+
+def test_frames_need_a_payload_and_valid_numbers_to_be_sent():
+    with pytest.raises(ProtocolError, match="FragmentUpload.payload: none to send"):
+        serde.to_frame(upload(payload=None))
+    with pytest.raises(ProtocolError, match="FragmentUpload.learner: expected a non-negative integer"):
+        serde.to_frame(upload(learner=-1))
+    with pytest.raises(ProtocolError, match="GlobalUpdate.due_step: expected a non-negative integer"):
+        serde.to_frame(update(due_step=True))
+    with pytest.raises(ProtocolError, match="Metadata.step_s: expected a finite number"):
+        serde.to_frame(metadata(step_s=float("nan")))
+    with pytest.raises(TypeError, match="to_frame takes"):
+        serde.to_frame(transport.Ack("syncer"))
+    # numpy scalars (counters summed in numpy) go out as plain JSON numbers
+    frame = serde.to_frame(metadata(step=np.int64(5), c_tokens=(np.int64(1), 2), step_s=np.float32(0.5)))
+    assert frame.meta["step"] == 5 and type(frame.meta["step"]) is int and frame.meta["step_s"] == 0.5
+
+
+# ---- malformed meta ---------------------------------------------------------------------
+
+
+def with_meta(frame, **changes):
+    meta = {k: v for k, v in frame.meta.items() if k not in changes or changes[k] is not DROP}
+    meta.update({k: v for k, v in changes.items() if v is not DROP})
+    return dataclasses.replace(frame, meta=meta)
+
+
+DROP = object()
+BAD_UPLOAD_META = [
+    ({"due_step": DROP}, r"FragmentUpload.due_step: missing"),
+    ({"learner": 2}, r"FragmentUpload.learner: unknown field"),
+    ({"delta": []}, r"FragmentUpload.delta: unknown field"),
+    ({"base_version": "3"}, r"FragmentUpload.base_version: expected a non-negative integer, got '3'"),
+    ({"base_version": True}, r"FragmentUpload.base_version: expected a non-negative integer, got True"),
+    ({"c_steps": -1}, r"FragmentUpload.c_steps: expected a non-negative integer, got -1"),
+    ({"c_tokens": 1.0}, r"FragmentUpload.c_tokens: expected a non-negative integer"),
+    ({"final": 1}, r"FragmentUpload.final: expected true or false, got 1"),
+    ({"region": None}, r"FragmentUpload.region: expected a string"),
+    ({"region": "r" * 257}, r"FragmentUpload.region: expected a string of at most 256"),
+    ({"clock": [1]}, r"FragmentUpload.clock: vector clock: expected a mapping"),
+    ({"clock": {"learner-2": -1}}, r"FragmentUpload.clock: vector clock: entry 'learner-2'"),
+    ({"clock": {"": 1}}, r"FragmentUpload.clock: vector clock: node name"),
+]
+
+
+@pytest.mark.parametrize("changes, match", BAD_UPLOAD_META)
+def test_malformed_upload_meta_names_the_field(changes, match):
+    frame = with_meta(wire(upload()), **changes)
+    with pytest.raises(ProtocolError, match=match):
+        serde.upload_from_frame(frame, FP32, 4)
+
+
+@pytest.mark.parametrize("changes, match", [
+    ({"step_s": "fast"}, r"Metadata.step_s: expected a finite number"),
+    ({"sync_s": False}, r"Metadata.sync_s: expected a finite number, got False"),
+    ({"step_s": DROP}, r"Metadata.step_s: missing"),
+    ({"c_steps": [1, -2]}, r"Metadata.c_steps: expected a list of non-negative integers"),
+    ({"c_tokens": [True]}, r"Metadata.c_tokens: expected a list of non-negative integers"),
+    ({"c_tokens": {"0": 1}}, r"Metadata.c_tokens: expected a list"),
+    ({"step": 1 << 63}, r"Metadata.step: expected a non-negative integer"),
+    ({"extra": 1}, r"Metadata.extra: unknown field"),
+])
+def test_malformed_metadata_meta_names_the_field(changes, match):
+    with pytest.raises(ProtocolError, match=match):
+        serde.metadata_from_frame(with_meta(wire(metadata()), **changes), 4)
+
+
+@pytest.mark.parametrize("changes, match", [
+    ({"held_s": {"x": 1.0}}, r"GlobalUpdate.held_s: key 'x' is not a learner id"),
+    ({"held_s": {"01": 1.0}}, r"GlobalUpdate.held_s: key '01' is not a learner id"),
+    ({"held_s": {"-1": 1.0}}, r"GlobalUpdate.held_s: key '-1' is not a learner id"),
+    ({"held_s": {"1": "slow"}}, r"GlobalUpdate.held_s: expected a finite number"),
+    ({"held_s": [1]}, r"GlobalUpdate.held_s: expected an object"),
+    ({"contributors": [1, "2"]}, r"GlobalUpdate.contributors: expected a list of non-negative integers"),
+    ({"to_version": None}, r"GlobalUpdate.to_version: expected a non-negative integer, got None"),
+    ({"final": "yes"}, r"GlobalUpdate.final: expected true or false"),
+    ({"clock": DROP}, r"GlobalUpdate.clock: missing"),
+])
+def test_malformed_update_meta_names_the_field(changes, match):
+    with pytest.raises(ProtocolError, match=match):
+        serde.update_from_frame(with_meta(wire(update()), **changes), FP32)
+
+
+@pytest.mark.parametrize("sender, n, match", [
+    ("syncer", 4, "FragmentUpload.sender: sender 'syncer' is not a learner"),
+    ("learner-4", 4, r"FragmentUpload.sender: .*learner-0..learner-3"),
+    ("learner-01", 4, "is not a learner"),
+    ("learner-1x", 4, "is not a learner"),
+    ("learner-\u00b9", 4, "is not a learner"),  # a unicode digit: isdigit() says yes, int() says no
+    ("learner--1", 4, "is not a learner"),
+])
+def test_sender_must_be_a_learner_of_this_run(sender, n, match):
+    frame = dataclasses.replace(wire(upload()), sender=sender)
+    with pytest.raises(ProtocolError, match=match):
+        serde.upload_from_frame(frame, FP32, n)
+    with pytest.raises(ProtocolError, match=match.replace("FragmentUpload", "Metadata")):
+        serde.metadata_from_frame(dataclasses.replace(wire(metadata()), sender=sender), n)
+
+
+def test_learner_id():
+    assert serde.learner_id("learner-0", 1) == 0 and serde.learner_id("learner-12", 13) == 12
+    for bad in ("learner-1", "", "learner-", "Learner-0", "learner-0 "):
+        with pytest.raises(ProtocolError):
+            serde.learner_id(bad, 1)
+
+
+def test_update_must_come_from_the_syncer_and_metadata_carries_no_fragment():
+    with pytest.raises(ProtocolError, match="GlobalUpdate.sender: expected 'syncer', got 'learner-0'"):
+        serde.update_from_frame(dataclasses.replace(wire(update()), sender="learner-0"), FP32)
+    with pytest.raises(ProtocolError, match="Metadata.fragment: must be 0"):
+        serde.metadata_from_frame(dataclasses.replace(wire(metadata()), fragment=1), 4)
+    with pytest.raises(ProtocolError, match="Metadata.payload: must be empty, got 3 bytes"):
+        serde.metadata_from_frame(dataclasses.replace(wire(metadata()), payload=b"abc"), 4)
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(fragment=1), "^fragment 1: "),  # the payload encodes fragment 0
+    (dict(fragment=7), "^fragment 7: "),
+    (dict(payload=b"junk"), "^fragment 0: "),
+    (dict(payload=b""), "^fragment 0: "),
+])
+def test_codec_refusal_becomes_a_protocol_error_naming_the_fragment(change, match):
+    with pytest.raises(ProtocolError, match=match):
+        serde.upload_from_frame(dataclasses.replace(wire(upload()), **change), FP32, 4)
+    with pytest.raises(ProtocolError, match=match):
+        serde.update_from_frame(dataclasses.replace(wire(update()), **change), FP32)
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**64), 2**64) | st.floats(allow_nan=False) | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3),
+    max_leaves=8)
+FRAMES = [(lambda f: serde.metadata_from_frame(f, 4), wire(metadata())),
+          (lambda f: serde.upload_from_frame(f, FP32, 4), wire(upload())),
+          (lambda f: serde.update_from_frame(f, FP32), wire(update()))]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.sampled_from(FRAMES), st.data())
+def test_fuzz_any_meta_value_gives_a_message_or_a_protocol_error(case, data):
+    decode, frame = case
+    field = data.draw(st.sampled_from(sorted(frame.meta) + ["new"]))
+    try:
+        decode(with_meta(frame, **{field: data.draw(json_values)}))
+    except ProtocolError:
+        pass  # the only allowed failure
+
+
+# ---- bulk -------------------------------------------------------------------------------
+
+
+def test_bulk_fragment_round_trip_gives_owned_writable_copies():
+    v = values(3)
+    data = bytearray(serde.fragment_to_bulk(0, 7, 99, v, BULK))
+    msg = transport.decode_message(data)  # one transport message: one header, one checksum
+    assert isinstance(msg, transport.Frame) and msg.meta == {"version": 7, "global_step": 99}
+    p, version, step, out = serde.fragment_from_bulk(data, BULK)
+    assert (p, version, step) == (0, 7, 99)
+    assert all(out[n].tobytes() == v[n].tobytes() and out[n].shape == v[n].shape for n in v)
+    data[:] = bytes(len(data))  # the transport buffer is reused: the values must not change
+    assert all(out[n].tobytes() == v[n].tobytes() for n in v)
+    out["a"][0, 0] = 1.0  # and the learner may install them in place
+
+
+def test_bulk_refuses_bad_objects():
+    data = serde.fragment_to_bulk(1, 2, 3, {"c": np.arange(5, dtype=np.float32)}, BULK)
+    with pytest.raises(ProtocolError, match="bulk object: checksum mismatch"):
+        serde.fragment_from_bulk(data[:-1] + bytes([data[-1] ^ 1]), BULK)
+    with pytest.raises(ProtocolError, match="bulk object: truncated"):
+        serde.fragment_from_bulk(data[:10], BULK)
+    with pytest.raises(ProtocolError, match="bulk object: expected a Frame, got Ack"):
+        serde.fragment_from_bulk(transport.encode_message(transport.Ack("syncer")), BULK)
+    forged = transport.Frame("syncer", 1, {"version": 2}, b"")
+    with pytest.raises(ProtocolError, match="Bulk.global_step: missing"):
+        serde.fragment_from_bulk(transport.encode_message(forged), BULK)
+    forged = transport.Frame("syncer", 0, {"version": 2, "global_step": 3}, transport.decode_message(data).payload)
+    with pytest.raises(ProtocolError, match="^fragment 0: "):
+        serde.fragment_from_bulk(transport.encode_message(forged), BULK)
+    with pytest.raises(ProtocolError, match="bulk fragment 0: "):
+        serde.fragment_to_bulk(0, 1, 1, {"a": values()["a"]}, BULK)  # not the whole fragment
+    with pytest.raises(ProtocolError, match="bulk fragment 1: "):
+        serde.fragment_to_bulk(1, 1, 1, {"c": np.full(5, np.nan, np.float32)}, BULK)
+
+
+# ---- the network thread: core messages in, core messages out, over loopback ----------
+
+TOKEN = "serde-test-token-0123456"
+
+
+class CoreHandler:
+    """A syncer stand-in: frames -> core messages with serde, bulk objects from serde."""
+
+    def __init__(self):
+        self.metadata, self.uploads, self.hub = [], [], transport.UpdateHub(64 * 1024)
+
+    async def on_metadata(self, frame):
+        self.metadata.append(serde.metadata_from_frame(frame, 4))
+
+    async def on_fragment(self, frame):
+        self.uploads.append(serde.upload_from_frame(frame, FP32, 4))
+        return transport.Ack("syncer", global_step=len(self.uploads))
+
+    def subscribe(self, msg):
+        return self.hub.stream(msg.sender)
+
+    async def bulk(self, request):
+        data = serde.fragment_to_bulk(0, 5, 40, values(4), BULK)
+        return transport.BulkSource(len(data), [data])
+
+
+def test_netthread_speaks_core_messages_over_loopback():
+    import asyncio
+    import threading
+    import time
+
+    from wan_diloco.runtime.netthread import NetThread
+
+    cfg = transport.TransportConfig(chunk_bytes=64 * 1024, max_message_bytes=4 << 20, call_timeout_s=10.0,
+                                    retry_budget_s=5.0, backoff_initial_s=0.05, backoff_max_s=0.2)
+    loop = transport.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    on_loop = lambda coro: asyncio.run_coroutine_threadsafe(coro, loop).result(10)  # noqa: E731
+    handler = CoreHandler()
+    server = transport.TransportServer(handler, TOKEN, cfg, "127.0.0.1:0")
+    on_loop(server.start())
+    net = NetThread(server.target, TOKEN, cfg, "learner-1", "eu", FP32, BULK).start()
+    try:
+        m = metadata(learner=1)
+        net.send_metadata(m)
+        up = upload(learner=1)
+        assert net.upload(up).result(10).global_step == 1
+        assert_same(handler.uploads[0], up, "delta")
+        deadline = time.monotonic() + 10
+        while not (handler.metadata and "learner-1" in handler.hub.subscribers) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert handler.metadata == [m]
+
+        g = update()
+        bad = transport.Frame("syncer", 1, {"to_version": 1}, b"")  # refused, counted, not in the inbox
+        loop.call_soon_threadsafe(handler.hub.publish, bad)
+        loop.call_soon_threadsafe(handler.hub.publish, serde.to_frame(g))
+        kind, (arrived_s, got) = net.inbox.get(timeout=10)
+        assert kind == "update" and arrived_s <= time.monotonic()
+        assert_same(got, g, "update")
+        assert net.bad_updates == 1 and net.inbox.empty()
+
+        p, version, step, out = net.fetch_fragment("fragment/0").result(10)
+        assert (p, version, step) == (0, 5, 40) and all(out[n].tobytes() == values(4)[n].tobytes() for n in out)
+        with pytest.raises(ProtocolError, match="FragmentUpload.payload"):
+            net.upload(upload(learner=1, payload=None))  # refused on the caller's thread, nothing sent
+        net.wait_uploads(5)
+        assert net.bytes_sent > up.nbytes and net.bytes_received > 0 and len(handler.uploads) == 1
+    finally:
+        net.stop()
+        on_loop(server.stop(0))
+        loop.call_soon_threadsafe(loop.stop)

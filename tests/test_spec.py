@@ -1,0 +1,73 @@
+from pathlib import Path
+
+import pytest
+
+from wan_diloco import spec as rt
+from wan_diloco.config import ConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_default_is_examples_local_and_consistent():
+    assert (ROOT / "examples" / "local.toml").read_text() == rt.DEFAULT_TOML
+    cfg = rt.load(None)
+    assert cfg.run.learners == cfg.syncer.num_learners == 4
+    assert cfg.syncer.tau == cfg.learner.tau and cfg.train.total_steps == cfg.run.steps
+    assert [cfg.run.region(m) for m in range(4)] == ["us-east", "eu-west", "us-east", "eu-west"]
+    assert cfg.model.d_model == 128 and cfg.model.seq_len == 64  # tiny preset, shorter context
+
+
+def test_two_region_example_parses():
+    cfg = rt.load(ROOT / "examples" / "two_regions_tls.toml")
+    assert cfg.transport.tls is not None and cfg.transport.tls.mutual
+
+
+@pytest.mark.parametrize("doc, text", [
+    ({"runn": {}}, "unknown table"),
+    ({"run": {"learners": 3}, "syncer": {"num_learners": 4}}, "syncer.num_learners"),
+    ({"learner": {"tau": 2}, "syncer": {"tau": 1}}, "syncer.tau"),
+    ({"model": {"vocab_size": 512}, "data": {"vocab_size": 256}}, "data.vocab_size"),
+    ({"train": {"total_steps": 7}}, "train.total_steps"),
+    ({"simulate": {"baseline": "sync"}}, "simulate.baseline"),
+    ({"run": {"learners": 2}, "simulate": {"speeds": [1.0]}}, "simulate.speeds"),
+    ({"data": {"corpus": ""}}, "data.corpus"),
+    ({"run": {"corpus": "stdlib"}}, "run.corpus: unknown field"),
+    ({"model": {"preset": "huge"}}, "unknown preset"),
+    ({"model": {"d_model": 30, "n_heads": 4}}, "model.n_heads"),
+    ({"run": {"regions": []}}, "regions"),
+    ({"transport": {"chunk_bytes": 10}}, "transport.chunk_bytes"),
+])
+def test_bad_configs_name_the_field(doc, text):
+    with pytest.raises(ConfigError, match=text):
+        rt.from_document(doc)
+
+
+def test_token_from_config_or_environment(monkeypatch):
+    monkeypatch.delenv(rt.TOKEN_ENV, raising=False)
+    with pytest.raises(ConfigError, match="WAN_DILOCO_TOKEN"):
+        rt.load(None).token()
+    monkeypatch.setenv(rt.TOKEN_ENV, "from-env-123456")
+    assert rt.load(None).token() == "from-env-123456"
+
+
+def test_one_default_per_setting():
+    s = rt.from_document({})
+    assert s.syncer.num_learners == s.run.learners and s.syncer.tau == s.learner.tau
+    assert s.data.vocab_size == s.model.vocab_size and s.train.total_steps == s.run.steps
+    assert s.train.warmup_steps <= s.train.total_steps // 10  # a short run is not all warmup
+    assert s.codec.bits == 32 and s.syncer.outer.lr == 0.4
+
+
+def test_document_round_trip():
+    s = rt.load(ROOT / "examples" / "two_regions_tls.toml")
+    assert rt.from_document(rt.to_document(s)) == s
+    t = s.with_changes(run={"learners": 2}, learner={"tau": 3})
+    assert t.syncer.num_learners == 2 and t.syncer.tau == 3 and t.run.regions == s.run.regions
+    with pytest.raises(ConfigError, match="unknown table"):
+        s.with_changes(runn={})
+
+
+def test_token_budget_sets_the_schedule():
+    s = rt.from_document({"run": {"batch_size": 2, "learners": 4}, "model": {"seq_len": 64},
+                          "simulate": {"tokens": 2 * 64 * 4 * 100}})
+    assert s.train.total_steps == 100 and s.train.warmup_steps == 10

@@ -1,0 +1,123 @@
+"""Everything both drivers build from a run spec, built once: params, layout, codec, step/eval, batches.
+
+The simulated and the network driver take their learners and syncer from
+here, so a simulated run trains the same model on the same data with the same
+fragments and codec as a real one.
+"""
+from __future__ import annotations
+
+import hashlib
+from functools import cached_property
+from typing import Mapping
+
+import jax
+import numpy as np
+
+from wan_diloco import data as data_lib
+from wan_diloco import model as model_lib
+from wan_diloco import train as train_lib
+from wan_diloco import tree
+from wan_diloco.compression import CodecConfig, FragmentCodec
+from wan_diloco.core import LearnerCore, SyncerCore
+from wan_diloco.fragments import Layout, make_fragments
+from wan_diloco.spec import RunSpec
+
+
+def host_flat(params) -> dict[str, np.ndarray]:
+    """Flat name -> float32 numpy copy of a parameter tree."""
+    return {n: np.asarray(a, dtype=np.float32) for n, a in tree.flatten(params).items()}
+
+
+def fragment_digest(values: Mapping[str, np.ndarray], names: tuple[str, ...]) -> str:
+    """SHA-256 of a fragment's float32 bytes in name order: equal digests mean bit-identical tensors."""
+    h = hashlib.sha256()
+    for n in names:
+        h.update(n.encode())
+        h.update(np.ascontiguousarray(values[n], dtype="<f4").tobytes())
+    return h.hexdigest()
+
+
+class Assembly:
+    """The parts of one run. Cheap to make: each part is built on first use and kept."""
+
+    def __init__(self, spec: RunSpec):
+        self.spec = spec
+
+    # ---- model and fragments ----------------------------------------------------------
+
+    @cached_property
+    def state0(self) -> train_lib.TrainState:
+        """The shared starting point Θ(0): same seed, same parameters and optimizer in every process."""
+        s = self.spec
+        return train_lib.init_state(s.model, s.train, jax.random.PRNGKey(s.run.seed))
+
+    @cached_property
+    def flat0(self) -> dict[str, np.ndarray]:
+        return host_flat(self.state0.params)
+
+    @cached_property
+    def layout(self) -> Layout:
+        sizes = {n: int(a.size) for n, a in self.flat0.items()}
+        frags = make_fragments(self.spec.run.fragmenter, sizes, self.spec.learner.num_fragments,
+                               model_lib.layer_index)
+        empty = [p for p, f in enumerate(frags) if not f]
+        if empty:
+            raise ValueError(
+                f"learner.num_fragments = {self.spec.learner.num_fragments} leaves fragments {empty} empty with "
+                f"the {self.spec.run.fragmenter!r} fragmenter on this model ({len(sizes)} tensors); use fewer")
+        return Layout(frags, {n: a.shape for n, a in self.flat0.items()})
+
+    @cached_property
+    def codec(self) -> FragmentCodec:
+        """Outer gradients and updates on the wire, as ``[codec]`` says."""
+        return FragmentCodec(self.spec.codec, self.layout)
+
+    @cached_property
+    def bulk_codec(self) -> FragmentCodec:
+        """Whole global fragments (rejoin, resync, final fetch): lossless fp32 whatever ``[codec]`` says."""
+        return FragmentCodec(CodecConfig(bits=32, zstd=False), self.layout)
+
+    def learner_core(self, m: int) -> LearnerCore:
+        return LearnerCore(self.spec.learner, m, self.layout.fragments, self.flat0, self.codec,
+                           region=self.spec.run.region(m))
+
+    def syncer_core(self) -> SyncerCore:
+        return SyncerCore(self.spec.syncer, self.layout.fragments, self.flat0, model_lib.is_embedding, self.codec)
+
+    # ---- training -----------------------------------------------------------------------
+
+    @cached_property
+    def mesh(self):
+        return train_lib.local_mesh()
+
+    @cached_property
+    def step_fn(self):
+        return train_lib.make_train_step(self.spec.model, self.spec.train, self.mesh)
+
+    @cached_property
+    def corpus(self) -> data_lib.Corpus:
+        return data_lib.load_corpus(self.spec.data)
+
+    @cached_property
+    def shards(self) -> list[np.ndarray]:
+        M, block = self.spec.run.learners, self.spec.data.shard_block_tokens
+        return [data_lib.shard(self.corpus.train, m, M, block).tokens for m in range(M)]
+
+    def batches(self, m: int) -> data_lib.FailoverBatches:
+        """Learner m's batches: its own shard, and down learners' shards when told who is down."""
+        r = self.spec.run
+        return data_lib.FailoverBatches(self.shards, m, r.batch_size, self.spec.model.seq_len, seed=r.seed * 1009 + m)
+
+    @cached_property
+    def tokens_per_step(self) -> int:
+        """Tokens of one step of every learner together."""
+        r = self.spec.run
+        return r.batch_size * self.spec.model.seq_len * r.learners
+
+    @cached_property
+    def evaluate(self):
+        """params -> mean loss on the held-out eval set (the same windows in every process)."""
+        r = self.spec.run
+        ev = data_lib.eval_batches(self.corpus.eval, r.eval_batch_size, self.spec.model.seq_len, r.eval_batches)
+        fn = train_lib.make_eval_fn(self.spec.model, self.mesh)
+        return lambda params: fn(params, ev)

@@ -1,0 +1,52 @@
+"""`wan-diloco` command line: parses arguments and calls into the library.
+
+Each subcommand lives in its own module exposing ``add_arguments(parser)`` and
+``run(args) -> int``; this file only lists them.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from wan_diloco.config import ConfigError
+
+# name -> (module, one-line help)
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "simulate": ("wan_diloco.cli.simulate", "simulated multi-region training run on a virtual clock"),
+    "bandwidth": ("wan_diloco.cli.bandwidth", "Gbit/s between datacenters needed for a compute-utilization target"),
+    "goodput": ("wan_diloco.cli.goodput", "chaos simulation of goodput and uptime under chip failures"),
+    "syncer": ("wan_diloco.cli.syncer", "serve the syncer of a networked run (gRPC over HTTP/2)"),
+    "learner": ("wan_diloco.cli.learner", "one learner process of a networked run"),
+    "launch": ("wan_diloco.cli.launch", "start a syncer and M learners as local processes, with live progress"),
+    "train": ("wan_diloco.cli.train", "the default local run: syncer + 4 learners in 2 regions on loopback"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="wan-diloco",
+        description="Decoupled DiLoCo across regions joined by WAN links: simulate, plan and train.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, (module, help_text) in SUBCOMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        mod = importlib.import_module(module)
+        mod.add_arguments(p)
+        p.set_defaults(_module=mod)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args._module.run(args) or 0)
+    except ConfigError as e:
+        parser.exit(2, f"wan-diloco {args.command}: error: {e}\n")
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,170 @@
+"""`wan-diloco bandwidth`: Gbit/s between datacenters needed per compute-utilization target."""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from wan_diloco.config import ConfigError, require
+from wan_diloco.planning.bandwidth import (
+    DEFAULT_CU_TARGETS,
+    PRESETS,
+    BandwidthConfig,
+    cu_at_rate,
+    parse_methods,
+    required_rates,
+    schedule_for,
+    step_time_from_flops,
+)
+from wan_diloco.planning.recommend import STREAMING_METHODS, recommend
+from wan_diloco.planning.timeline import compute_utilization
+
+SHOWN_RECOMMENDATIONS = 8
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    m = p.add_argument_group("model")
+    m.add_argument("--preset", choices=sorted(PRESETS), help="params, layers and step time of a paper model")
+    m.add_argument("--params", type=float, help="parameter count, e.g. 1e9")
+    m.add_argument("--layers", type=int, help="transformer layers")
+    m.add_argument("--step-time", type=float, metavar="S", help="seconds per training step")
+    m.add_argument("--tokens-per-step", type=float, help="tokens per step per datacenter (step time from FLOPs)")
+    m.add_argument("--mfu", type=float, default=0.4, help="model FLOP utilization (default 0.4)")
+    m.add_argument("--peak-tflops", type=float, help="peak TFLOP/s of one datacenter's chips together")
+    s = p.add_argument_group("sync")
+    s.add_argument("--datacenters", type=int, default=2, help="sites joined by identical links (default 2)")
+    s.add_argument("--method", default="all", help="'all' (the paper's five columns) or a comma list of: "
+                   "data_parallel, diloco, streaming, streaming_overlap, streaming_overlap_4bit, decoupled")
+    s.add_argument("--sync-every", type=int, default=100, metavar="H", help="inner steps per outer sync (default 100)")
+    s.add_argument("--fragments", type=int, metavar="P", help="fragments (default: one per 3 layers)")
+    s.add_argument("--tau", type=int, default=1, help="overlap steps for overlapped methods (default 1)")
+    s.add_argument("--bits", type=int, default=16, choices=(16, 8, 4), help="outer-gradient bits (default 16)")
+    s.add_argument("--rtt-ms", type=float, default=0.0, help="round-trip time between datacenters (default 0)")
+    o = p.add_argument_group("question and output")
+    o.add_argument("--target-cu", default=",".join(map(str, DEFAULT_CU_TARGETS)), help="comma list of CU targets")
+    o.add_argument("--bandwidth-gbit", type=float, help="also report the CU each method reaches at this rate")
+    o.add_argument("--link-gbit", type=float, help="recommend H, P, tau and bits reaching --target-cu on this link")
+    o.add_argument("--json", type=Path, metavar="PATH", help="write the results as JSON")
+    o.add_argument("--plot", type=Path, metavar="PNG", help="plot CU against bandwidth per method")
+
+
+def config_from_args(args: argparse.Namespace) -> BandwidthConfig:
+    """The model and sync settings named on the command line."""
+    params, layers, step_time = PRESETS[args.preset] if args.preset else (None, None, None)
+    params = args.params if args.params is not None else params
+    layers = args.layers if args.layers is not None else layers
+    require(params is not None, "params", "give --params or --preset")
+    require(layers is not None, "layers", "give --layers or --preset")
+    if args.step_time is not None:
+        step_time = args.step_time
+    elif args.tokens_per_step is not None or args.peak_tflops is not None:
+        require(args.tokens_per_step is not None and args.peak_tflops is not None, "step_time",
+                "computing it from FLOPs needs both --tokens-per-step and --peak-tflops")
+        step_time = step_time_from_flops(params, args.tokens_per_step, args.mfu, args.peak_tflops)
+    require(step_time is not None, "step_time", "give --step-time, --preset, or --tokens-per-step with --peak-tflops")
+    cfg = BandwidthConfig(params=params, layers=layers, step_time_s=step_time, datacenters=args.datacenters,
+                          sync_every=args.sync_every, fragments=args.fragments, tau=args.tau, bits=args.bits,
+                          rtt_s=args.rtt_ms / 1e3)
+    cfg.validate()
+    return cfg
+
+
+def parse_targets(spec: str) -> tuple[float, ...]:
+    try:
+        targets = tuple(float(x) for x in spec.split(",") if x.strip())
+    except ValueError:
+        raise ConfigError(f"target_cu: expected a comma list of numbers, got {spec!r}") from None
+    require(bool(targets), "target_cu", "no target given")
+    for cu in targets:
+        require(0 < cu < 1, "target_cu", f"each target must be in (0, 1), got {cu}")
+    return targets
+
+
+def _gbit(x: float) -> str:
+    return "unreachable" if math.isinf(x) else f"{x:.3g}"
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = config_from_args(args)
+    targets = parse_targets(args.target_cu)
+    methods = parse_methods(args.method)
+    console = Console()
+    console.print(f"[bold]{cfg.params:.3g} params, {cfg.layers} layers, step {cfg.step_time_s:.3g} s[/], "
+                  f"{cfg.datacenters} datacenters, H={cfg.sync_every}, P={cfg.n_fragments}, tau={cfg.tau}, "
+                  f"{cfg.bits}-bit outer gradients, RTT {cfg.rtt_s * 1e3:.0f} ms")
+    if args.link_gbit is not None:
+        return _run_recommend(args, cfg, targets, methods, console)
+    rates = required_rates(cfg, methods, targets)
+    table = Table(title="Gbit/s between datacenters needed to reach each compute utilization")
+    table.add_column("method", no_wrap=True)
+    for cu in targets:
+        table.add_column(f"CU {cu:g}", justify="right")
+    at_rate = cu_at_rate(cfg, methods, args.bandwidth_gbit) if args.bandwidth_gbit is not None else None
+    if at_rate is not None:
+        table.add_column(f"CU at {args.bandwidth_gbit:g} Gbit/s", justify="right")
+    for m in methods:
+        extra = [f"{at_rate[m]:.3f}"] if at_rate is not None else []
+        table.add_row(m, *[_gbit(r) for r in rates[m]], *extra)
+    console.print(table)
+    if args.json:
+        out = {"cu_targets": list(targets),
+               "methods": {m: [None if math.isinf(r) else float(f"{r:.4g}") for r in rates[m]] for m in methods}}
+        if at_rate is not None:
+            out["cu_at_bandwidth"] = {"bandwidth_gbit": args.bandwidth_gbit, "cu": at_rate}
+        _write_json(args.json, out)
+    if args.plot:
+        plot_cu_curves(cfg, methods, rates, args.plot)
+    return 0
+
+
+def _run_recommend(args, cfg, targets, methods, console) -> int:
+    require(len(targets) == 1, "target_cu", "recommendations need exactly one --target-cu")
+    require(args.bandwidth_gbit is None, "bandwidth_gbit", "use --link-gbit alone in recommendation mode")
+    method = methods[0] if args.method != "all" else "decoupled"
+    require(len(methods) == 1 or args.method == "all", "method", "recommendations take one method")
+    require(method in STREAMING_METHODS, "method", f"recommendations cover {', '.join(STREAMING_METHODS)}")
+    found, reached = recommend(cfg, args.link_gbit, targets[0], method)
+    verdict = "reach" if reached else "[red]do not reach[/] (best CU shown)"
+    table = Table(title=f"{method} on {args.link_gbit:g} Gbit/s: settings that {verdict} CU {targets[0]:g}")
+    for col in ("H", "P", "tau", "bits", "CU"):
+        table.add_column(col, justify="right")
+    for r in found[:SHOWN_RECOMMENDATIONS]:
+        table.add_row(str(r.sync_every), str(r.fragments), str(r.tau), str(r.bits), f"{r.cu:.3f}")
+    console.print(table)
+    if args.json:
+        _write_json(args.json, {"method": method, "link_gbit": args.link_gbit, "target_cu": targets[0],
+                                "reached": reached,
+                                "recommendations": [r.__dict__ for r in found[:SHOWN_RECOMMENDATIONS]]})
+    return 0 if reached else 1
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(obj, indent=2) + "\n")
+
+
+def plot_cu_curves(cfg: BandwidthConfig, methods, rates: dict[str, list[float]], path: Path, points: int = 60) -> None:
+    """PNG of CU against link rate (log scale), one line per method."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    finite = [r for rs in rates.values() for r in rs if math.isfinite(r)] or [1.0]
+    grid = np.geomspace(min(finite) / 4, max(finite) * 4, points)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for m in methods:
+        sched = schedule_for(cfg, m)
+        ax.plot(grid, [compute_utilization(sched, g) for g in grid], label=m)
+    ax.set_xscale("log")
+    ax.set_xlabel("bandwidth between datacenters (Gbit/s)")
+    ax.set_ylabel("compute utilization")
+    ax.set_title(f"{cfg.params:.3g} params, {cfg.layers} layers, step {cfg.step_time_s:.3g} s")
+    from wan_diloco.cli.report import save_figure
+
+    save_figure(fig, ax, path)

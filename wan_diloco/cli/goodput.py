@@ -1,0 +1,125 @@
+"""`wan-diloco goodput`: chaos simulation of goodput and uptime under chip failures."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import typing
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from wan_diloco.config import ConfigError, require
+from wan_diloco.planning.goodput import SYSTEMS, GoodputConfig, simulate
+from wan_diloco.planning.tape import save_tape, scale_tape
+
+PLOT_LEARNERS = (1, 2, 4, 8, 16)
+_HELP = {
+    "chips": "chips allocated to the run",
+    "mtbf_chip_years": "mean time between failures of one chip, years",
+    "learners": "learners M for --system decoupled",
+    "quorum": "K: uptime counts time with at least K learners training",
+    "slice_chips": "chips a failure takes down (its slice)",
+    "repair_scale_h": "repair time: exponentiated Weibull scale, hours",
+    "repair_shape": "repair time: Weibull shape k",
+    "repair_exponent": "repair time: exponentiation alpha",
+    "downscale_s": "elastic pause to drop a failed slice, s",
+    "upscale_s": "elastic pause to re-add a repaired slice, s",
+    "restart_s": "dp: restart from checkpoint on spare capacity, s",
+    "checkpoint_interval_s": "dp: seconds of training between checkpoints",
+    "speed_cv": "coefficient of variation of slice step times",
+    "days": "simulated days",
+    "seed": "random seed",
+}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    hints = typing.get_type_hints(GoodputConfig)
+    for f in dataclasses.fields(GoodputConfig):
+        flag = "--" + f.name.replace("_", "-")
+        if f.name == "system":
+            p.add_argument(flag, choices=SYSTEMS, default=f.default, help=f"default {f.default}")
+        else:
+            p.add_argument(flag, type=hints[f.name], default=f.default, help=f"{_HELP[f.name]} (default {f.default:g})")
+    p.add_argument("--json", type=Path, metavar="PATH", help="write goodput, uptime and the settings as JSON")
+    p.add_argument("--tape", type=Path, metavar="PATH", help="write each learner's outages as a failure tape")
+    p.add_argument("--time-scale", type=float, default=1.0,
+                   help="multiply tape times by this, e.g. 1/336 maps two weeks onto one hour (default 1)")
+    p.add_argument("--plot", type=Path, metavar="PNG", help="plot goodput against chips for M = 1, 2, 4, 8, 16")
+
+
+def config_from_args(args: argparse.Namespace) -> GoodputConfig:
+    cfg = GoodputConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(GoodputConfig)})
+    cfg.validate()
+    return cfg
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = config_from_args(args)
+    require(args.time_scale > 0, "time_scale", f"must be > 0, got {args.time_scale}")
+    require(args.tape is not None or args.time_scale == 1, "time_scale", "only applies with --tape")
+    if args.plot:
+        plot_chip_range(cfg)  # refuse before writing anything
+    result = simulate(cfg)
+    who = f"decoupled, M={cfg.learners}, K={cfg.quorum}" if cfg.system == "decoupled" else cfg.system
+    table = Table(title=f"{cfg.chips:.3g} chips ({cfg.n_slices} slices of {cfg.slice_chips}), "
+                        f"MTBF {cfg.mtbf_chip_years:g} chip-years, {cfg.days:g} days: {who}")
+    table.add_column("measure")
+    table.add_column("value", justify="right")
+    table.add_row("goodput", f"{result.goodput:.3f}")
+    table.add_row("uptime", f"{result.uptime:.3f}")
+    table.add_row("failures (hitting a healthy slice)", f"{result.failures} ({result.effective_failures})")
+    table.add_row("chips under repair", f"{result.down_chip_fraction:.3f}")
+    table.add_row("time paused or restarting (per learner)", f"{result.paused_fraction:.3f}")
+    if cfg.system == "dp":
+        table.add_row("work redone after restarts", f"{result.lost_work_fraction:.4f}")
+    Console().print(table)
+    if args.json:
+        _write(args.json, json.dumps({**result.summary(), "config": dataclasses.asdict(cfg)}, indent=2) + "\n")
+    if args.tape:
+        save_tape(args.tape, scale_tape(result.outages, args.time_scale))
+        Console().print(f"tape: {len(result.outages)} outages -> {args.tape}"
+                        + (f" (times x {args.time_scale:g})" if args.time_scale != 1 else ""))
+    if args.plot:
+        plot_goodput_vs_chips(cfg, args.plot)
+    return 0
+
+
+def _write(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+def plot_chip_range(cfg: GoodputConfig) -> tuple[float, float]:
+    """Chips on the plot's axis: from enough for 16 learners of 4 slices up to ``cfg.chips``."""
+    low = max(1e4, 4 * max(PLOT_LEARNERS) * cfg.slice_chips)
+    if cfg.chips <= low:
+        raise ConfigError(f"plot: needs --chips above {low:g} to span a range, got {cfg.chips:g}")
+    return low, cfg.chips
+
+
+def plot_goodput_vs_chips(cfg: GoodputConfig, path: Path, points: int = 7) -> None:
+    """PNG of goodput against chips: decoupled with M = 1, 2, 4, 8, 16 (M = 1 is elastic-dp), and dp."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    chips = np.geomspace(*plot_chip_range(cfg), points)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    base = dataclasses.replace(cfg, quorum=1)
+    for m in PLOT_LEARNERS:
+        g = [simulate(dataclasses.replace(base, system="decoupled", learners=m, chips=float(c))).goodput for c in chips]
+        ax.plot(chips, g, marker="o", label=f"decoupled M={m}" + (" (= elastic-dp)" if m == 1 else ""))
+    g = [simulate(dataclasses.replace(base, system="dp", learners=1, chips=float(c))).goodput for c in chips]
+    ax.plot(chips, g, marker="x", linestyle="--", color="gray", label="dp (no elasticity)")
+    ax.set_xscale("log")
+    ax.set_ylim(0, 1)
+    ax.set_xlabel("chips")
+    ax.set_ylabel("goodput")
+    ax.set_title(f"MTBF {cfg.mtbf_chip_years:g} chip-years, slices of {cfg.slice_chips}, {cfg.days:g} days")
+    from wan_diloco.cli.report import save_figure
+
+    save_figure(fig, ax, path)

@@ -1,0 +1,24 @@
+"""`wan-diloco learner --config F --id N --syncer HOST:PORT`: one learner process of a run."""
+from __future__ import annotations
+
+import argparse
+import logging
+
+from wan_diloco.config import require
+from wan_diloco import spec as spec_lib
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", metavar="TOML", help="run config (default: the embedded local default)")
+    p.add_argument("--id", type=int, required=True, help="learner index, 0..run.learners-1")
+    p.add_argument("--syncer", required=True, metavar="HOST:PORT", help="the syncer's gRPC address")
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.WARNING, format=f"learner-{args.id} %(levelname)s %(name)s: %(message)s")
+    cfg = spec_lib.load(args.config)
+    require(0 <= args.id < cfg.run.learners, "id", f"must be in 0..{cfg.run.learners - 1}, got {args.id}")
+    target = args.syncer.removeprefix("http://").removeprefix("https://")
+    from wan_diloco.runtime.learner import run_learner
+
+    return run_learner(cfg, args.id, target, cfg.token())

@@ -1,0 +1,101 @@
+"""`wan-diloco simulate`: the run file on a virtual clock (see wan_diloco.sim); flags override its keys."""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from wan_diloco.config import ConfigError
+
+# flag -> (spec.SHORT_NAMES name, type, help)
+_FLAGS: dict[str, tuple[str, type, str]] = {
+    "--preset": ("preset", str, "model size: tiny | small | base"),
+    "--baseline": ("baseline", str, "dp | diloco | streaming | decoupled"),
+    "--learners": ("learners", int, "number of learners M"),
+    "--quorum": ("quorum", int, "minimum quorum K (decoupled)"),
+    "--fragments": ("fragments", int, "number of fragments P"),
+    "--sync-every": ("sync_every", int, "H: steps between syncs of one fragment"),
+    "--tau": ("tau", int, "overlap: steps a fragment travels while training goes on"),
+    "--alpha": ("alpha", float, "mixing: 0 overwrites with the global fragment, 0.5 averages"),
+    "--merge": ("merge", str, "rda | mean"),
+    "--fragmenter": ("fragmenter", str, "layer | tensor | balanced"),
+    "--steps": ("steps", int, "global step budget"),
+    "--tokens": ("tokens", int, "token budget over all learners, e.g. 2e6 (replaces --steps)"),
+    "--batch-size": ("batch_size", int, "sequences per learner step"),
+    "--inner-lr": ("inner_lr", float, "AdamW peak learning rate"),
+    "--outer-lr": ("outer_lr", float, "outer Nesterov learning rate"),
+    "--outer-momentum": ("outer_momentum", float, "outer Nesterov momentum"),
+    "--step-noise": ("step_noise", float, "sigma of lognormal step-time noise"),
+    "--step-time": ("step_time_s", float, "base virtual seconds per step"),
+    "--bandwidth-gbit": ("bandwidth_gbit_s", float, "per-learner WAN link, Gbit/s each way"),
+    "--seed": ("seed", int, "random seed (runs are deterministic for a seed)"),
+    "--eval-every": ("eval_every", int, "global steps between eval points"),
+    "--corpus": ("corpus", str, "'stdlib', a text file or directory, or a .bin token file"),
+    "--bits": ("bits", int, "wire precision of outer gradients and updates: 32 | 16 | 8 | 4"),
+}
+
+
+def _count(text: str) -> int:
+    """An integer that may be written like 2e6 or 2_000_000."""
+    try:
+        value = float(text.replace("_", ""))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if value != int(value):
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}")
+    return int(value)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", metavar="TOML", help="the run file (the same one `launch` reads); flags override it")
+    for flag, (_, typ, help_text) in _FLAGS.items():
+        p.add_argument(flag, type=_count if typ is int else typ, default=None, help=help_text)
+    p.add_argument("--grace", dest="grace", action="store_true", default=None, help="adaptive grace window (default)")
+    p.add_argument("--no-grace", dest="grace", action="store_false", help="merge as soon as the quorum is reached")
+    p.add_argument("--error-feedback", dest="error_feedback", action="store_true", default=None,
+                   help="carry quantization residuals into the next send of each fragment")
+    p.add_argument("--keep-local", dest="keep_local", action="store_true", default=None,
+                   help="keep the steps taken while a fragment travelled instead of overwriting them")
+    p.add_argument("--no-data-failover", dest="data_failover", action="store_false", default=None,
+                   help="a down learner's shard waits for it (default: live learners also read it)")
+    p.add_argument("--speeds", default=None, help="comma-separated step-time factors per learner, e.g. 1,1,1,1.2")
+    p.add_argument("--rtt-ms", type=float, default=None, help="round-trip time of each link, ms")
+    p.add_argument("--failures", metavar="TAPE", help="failure tape: JSON list of {learner, down_at, up_at} (virtual s)")
+    p.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    p.add_argument("--quiet", action="store_true", help="no progress bar or table")
+
+
+def spec_from_args(args: argparse.Namespace):
+    from wan_diloco import spec as spec_lib
+    from wan_diloco.config import load_toml
+
+    doc = load_toml(args.config) if args.config else {}
+    values = {name: getattr(args, flag[2:].replace("-", "_")) for flag, (name, _, _) in _FLAGS.items()}
+    values.update(grace=args.grace, error_feedback=args.error_feedback, keep_local=args.keep_local,
+                  data_failover=args.data_failover, rtt_s=None if args.rtt_ms is None else args.rtt_ms / 1000)
+    if args.speeds is not None:
+        try:
+            values["speeds"] = [float(x) for x in args.speeds.split(",") if x.strip()]
+        except ValueError:
+            raise ConfigError(f"simulate.speeds: expected comma-separated numbers, got {args.speeds!r}") from None
+    spec_lib.set_short(doc, **{k: v for k, v in values.items() if v is not None})
+    return spec_lib.from_document(doc)
+
+
+def run(args: argparse.Namespace) -> int:
+    from wan_diloco import sim
+    from wan_diloco.cli.report import progress_bar, summary_table
+    from wan_diloco.planning.tape import load_tape
+
+    spec = spec_from_args(args)
+    outages = load_tape(args.failures) if args.failures else []
+    if args.quiet:
+        result = sim.run(spec, outages)
+    else:
+        with progress_bar(f"simulate {spec.simulate.baseline} M={spec.run.learners}") as update:
+            result = sim.run(spec, outages, progress=update)
+        summary_table(result)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result.to_json(), indent=1))
+    return 0

@@ -1,0 +1,65 @@
+"""`wan-diloco syncer --config F`: serve one run's syncer until its final sync is done (or SIGTERM)."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import time
+
+from wan_diloco import spec as spec_lib
+from wan_diloco.runtime.events import emit
+from wan_diloco.transport import StatusServer, TransportMetrics, TransportServer, run as run_loop
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", metavar="TOML", help="run config (default: the embedded local default)")
+    p.add_argument("--port", type=int, default=None, help="override run.port (0: any free port)")
+
+
+async def serve(cfg: spec_lib.RunSpec, token: str, port: int | None = None) -> int:
+    """Run the syncer; returns 0 after a completed final sync, 143 when stopped by a signal."""
+    from wan_diloco.runtime.syncer import SyncerService
+
+    metrics = TransportMetrics()
+    service = SyncerService(cfg, metrics)
+    host = cfg.run.host
+    server = TransportServer(service, token, cfg.transport, f"{host}:{cfg.run.port if port is None else port}",
+                             metrics, name="syncer")
+    status = StatusServer(service.status, metrics, host, cfg.run.status_port) if cfg.run.status_port >= 0 else None
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await server.start()
+    try:
+        status_port = await status.start() if status is not None else None
+        service.refresh_gauges()
+        emit({"event": "listening", "role": "syncer", "port": server.port, "status_port": status_port,
+              "fragments": len(service.layout.fragments), "params": sum(service.layout.nbytes) // 4})
+        last_report = 0.0
+        while not service.finished.is_set() and not stop.is_set():
+            try:
+                await asyncio.wait_for(asyncio.shield(service.finished.wait()), cfg.run.tick_s)
+            except asyncio.TimeoutError:
+                pass
+            service.tick()
+            service.refresh_gauges()
+            if time.monotonic() - last_report >= cfg.run.report_every_s:
+                last_report = time.monotonic()
+                emit({"event": "progress", "role": "syncer", "versions": list(service.core.version),
+                      "alive": service.core.alive(), **service.summary()})
+        if service.final_report is not None:
+            emit({**service.final_report, **service.summary()})
+        return 0 if service.final_done.is_set() else 143
+    finally:
+        service.stopping = True
+        if status is not None:
+            await status.stop()
+        await server.stop(0.5)
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.WARNING, format="syncer %(levelname)s %(name)s: %(message)s")
+    cfg = spec_lib.load(args.config)
+    return run_loop(serve(cfg, cfg.token(), args.port))

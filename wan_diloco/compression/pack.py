@@ -1,0 +1,178 @@
+"""Pack stage: one fragment's values <-> the raw (pre-zstd) bytes of its payload.
+
+Tensors go in layout order, back to back, without names or shapes:
+
+* bits 32: little-endian fp32 values.
+* bits 16: bf16 bit patterns (round to nearest even), little-endian u16.
+* bits 8/4: every block's scale as two byte planes (high bytes of all scales,
+  then low bytes: the exponent plane compresses well), then every tensor's
+  codes, each tensor padded to whole blocks (``quantize.py`` has the block
+  and nibble layout).
+
+One packer per bit width; ``packer(fmt)`` is the only place that picks one.
+Unpacking checks what a forged payload could smuggle in (NaN/Inf values,
+impossible scales) and raises CodecError.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from wan_diloco.compression import blocks
+from wan_diloco.compression.config import INT4_QMAX, INT8_QMAX, MIN_SCALE, Format
+from wan_diloco.compression.errors import CodecError, EncodeError, NonFiniteError
+from wan_diloco.compression.quantize import code_bytes_per_block, n_blocks
+
+_BF16_EXP = 0x7F80
+
+
+def _non_finite(name: str, x, why: str) -> NonFiniteError:
+    v = np.asarray(x, np.float32)
+    n_bad = int(v.size - np.count_nonzero(np.isfinite(v)))
+    if n_bad:
+        return NonFiniteError(f"tensor {name!r}: {n_bad} NaN/Inf values; refusing to encode")
+    return NonFiniteError(f"tensor {name!r}: magnitude {float(np.max(np.abs(v))):.3g} {why}")
+
+
+def _check_finite(flat: np.ndarray, i: int) -> None:
+    if not np.isfinite(flat).all():
+        raise CodecError(f"tensor {i} of the fragment holds NaN/Inf values")
+
+
+class _Float32:
+    """Raw fp32: encode is a join of the values' bytes, decode is ``np.frombuffer`` views."""
+
+    def raw_nbytes(self, fmt: Format, sizes: Sequence[int]) -> int:
+        return 4 * sum(sizes)
+
+    def pack(self, fmt, names, arrays, impl, key) -> list[np.ndarray]:
+        parts = []
+        for name, x in zip(names, arrays):
+            v = np.ascontiguousarray(np.asarray(x), "<f4").reshape(-1)
+            if not np.isfinite(v).all():
+                raise _non_finite(name, v, "")
+            parts.append(v)
+        return parts
+
+    def unpack(self, fmt, raw, sizes) -> list[np.ndarray]:
+        out, pos = [], 0
+        for i, n in enumerate(sizes):
+            flat = np.frombuffer(raw, "<f4", n, pos)
+            _check_finite(flat, i)
+            out.append(flat)
+            pos += 4 * n
+        return out
+
+
+@jax.jit
+def _bf16_bits(x):
+    return jax.lax.bitcast_convert_type(jnp.asarray(x, jnp.float32).astype(jnp.bfloat16), jnp.uint16)
+
+
+class _BFloat16:
+    """bf16 values: fp32's exponent range, 8 mantissa bits."""
+
+    def raw_nbytes(self, fmt: Format, sizes: Sequence[int]) -> int:
+        return 2 * sum(sizes)
+
+    def pack(self, fmt, names, arrays, impl, key) -> list[np.ndarray]:
+        parts = []
+        for name, x in zip(names, arrays):
+            v = np.asarray(_bf16_bits(x)).astype("<u2", copy=False).reshape(-1)
+            if ((v & _BF16_EXP) == _BF16_EXP).any():
+                raise _non_finite(name, x, "overflows bfloat16")
+            parts.append(v)
+        return parts
+
+    def unpack(self, fmt, raw, sizes) -> list[np.ndarray]:
+        flat = (np.frombuffer(raw, "<u2").astype(np.uint32) << 16).view(np.float32)
+        out, pos = [], 0
+        for i, n in enumerate(sizes):
+            out.append(flat[pos:pos + n])
+            _check_finite(out[-1], i)
+            pos += n
+        return out
+
+
+class _Blockwise:
+    """int8 / 4-bit codes with one scale per block."""
+
+    def raw_nbytes(self, fmt: Format, sizes: Sequence[int]) -> int:
+        nb = sum(n_blocks(n, fmt.block_size) for n in sizes)
+        return nb * (2 + code_bytes_per_block(fmt.bits, fmt.block_size))
+
+    def pack(self, fmt, names, arrays, impl, key) -> list[np.ndarray]:
+        sizes = [int(np.size(x)) for x in arrays]
+        per_tensor = blocks.quantize_fragment(arrays, sizes, fmt, impl, key)
+        scale_bits, code_parts = [], []
+        for name, x, (codes, scales) in zip(names, arrays, per_tensor):
+            if not np.isfinite(scales).all():
+                raise _non_finite(name, x, "overflows a float16 scale; use scale_dtype='bfloat16'")
+            if fmt.scale_dtype == "bfloat16":  # scales are bf16 values already: keep the top half
+                scale_bits.append((scales.view(np.uint32) >> 16).astype(np.uint16))
+            else:
+                scale_bits.append(scales.astype(np.float16).view(np.uint16))
+            code_parts.append(codes.reshape(-1).view(np.uint8))
+        sb = np.concatenate(scale_bits) if scale_bits else np.zeros(0, np.uint16)
+        return [(sb >> 8).astype(np.uint8), (sb & 0xFF).astype(np.uint8), *code_parts]
+
+    def unpack(self, fmt, raw, sizes) -> list[np.ndarray]:
+        raw = np.frombuffer(raw, np.uint8)
+        nb = sum(n_blocks(n, fmt.block_size) for n in sizes)
+        bits16 = (raw[:nb].astype(np.uint16) << 8) | raw[nb:2 * nb]
+        scales = _scales(bits16, fmt)
+        codes = raw[2 * nb:].reshape(nb, code_bytes_per_block(fmt.bits, fmt.block_size))
+        flat = blocks.dequantize_host(codes, scales, fmt).reshape(-1)
+        out, pos = [], 0
+        for n in sizes:
+            out.append(flat[pos:pos + n])
+            pos += n_blocks(n, fmt.block_size) * fmt.block_size
+        return out
+
+
+def _scales(bits16: np.ndarray, fmt: Format) -> np.ndarray:
+    """Stored scale bits -> float32 scales, refusing any an encoder cannot write."""
+    if fmt.scale_dtype == "bfloat16":
+        scales = (bits16.astype(np.uint32) << 16).view(np.float32)
+    else:
+        scales = bits16.view(np.float16).astype(np.float32)
+    qmax = INT8_QMAX if fmt.bits == 8 else INT4_QMAX
+    biggest = np.float32(np.finfo(np.float32).max / qmax)
+    bad = ~((scales == 0) | ((scales >= MIN_SCALE) & (scales <= biggest)))
+    bad |= (bits16 & 0x8000) != 0
+    if bad.any():
+        i = int(np.argmax(bad))
+        raise CodecError(f"scale of block {i} is {scales[i]!r}: not 0 or a positive value in "
+                         f"[{MIN_SCALE:.3g}, float32 max / {qmax}]")
+    return scales
+
+
+_PACKERS = {32: _Float32(), 16: _BFloat16(), 8: _Blockwise(), 4: _Blockwise()}
+
+
+def packer(fmt: Format):
+    """The packer for ``fmt.bits``: ``raw_nbytes(fmt, sizes)``, ``pack(fmt, names,
+    arrays, impl, key) -> [byte-like arrays]``, ``unpack(fmt, raw, sizes) -> [flat float32]``."""
+    try:
+        return _PACKERS[fmt.bits]
+    except KeyError:
+        raise EncodeError(f"bits: {fmt.bits} is not one of 32, 16, 8, 4") from None
+
+
+def raw_nbytes(fmt: Format, sizes: Sequence[int]) -> int:
+    """Raw (pre-zstd) payload bytes of tensors of ``sizes`` values in ``fmt``."""
+    return packer(fmt).raw_nbytes(fmt, sizes)
+
+
+def pack(fmt: Format, names: Sequence[str], arrays: Sequence[Any], *, impl: str = "jnp",
+         key=None) -> list[np.ndarray]:
+    """Raw payload parts of ``arrays`` (layout order); NonFiniteError names a refused tensor."""
+    return packer(fmt).pack(fmt, names, arrays, impl, key)
+
+
+def unpack(fmt: Format, raw, sizes: Sequence[int]) -> list[np.ndarray]:
+    """Flat float32 arrays from raw payload bytes of exactly ``raw_nbytes(fmt, sizes)``."""
+    return packer(fmt).unpack(fmt, raw, sizes)

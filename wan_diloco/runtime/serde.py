@@ -1,0 +1,315 @@
+"""Core protocol messages <-> transport frames, by one generic rule; nothing else.
+
+The core's dataclasses (``core.protocol``) are the only schema. A message
+becomes one ``transport.Frame``:
+
+- ``sender``: ``learner_node(m.learner)`` for a learner's message, ``SYNCER``
+  for a GlobalUpdate; ``learner`` is recovered from it on decode.
+- ``fragment``: the message's fragment (the fan-out's drop-to-latest key), 0 for
+  Metadata.
+- ``payload``: the codec's bytes, ``msg.payload``.
+- ``meta``: every other field, in JSON form (VectorClock as its dict, tuples as
+  lists, ``held_s`` keys as strings). The tensors (``delta`` / ``update``) come
+  from decoding the payload, ``nbytes`` is its length.
+
+Decoding checks every meta field against the dataclass's annotation (see
+``_Field``), refuses missing and unknown fields, and raises ``ProtocolError``
+naming the message kind and the field; it builds nothing until all is valid,
+so malformed input changes no state. Decoded messages carry ``payload=None``:
+the bytes were consumed by the codec and are not kept alive with the message.
+
+Tensor names and shapes never travel: both ends derive the fragment layout from
+the same model config, and the codec checks a payload against it.
+"""
+from __future__ import annotations
+
+import collections.abc
+import dataclasses
+import math
+import re
+import types
+import typing
+from typing import Any, Mapping, Union
+
+import numpy as np
+
+from wan_diloco import transport
+from wan_diloco.clock import VectorClock
+from wan_diloco.core.protocol import SYNCER, FragmentUpload, GlobalUpdate, Metadata, ProtocolError, learner_node
+
+Message = Union[Metadata, FragmentUpload, GlobalUpdate]
+
+MAX_STR_CHARS = 256
+MAX_INT = (1 << 63) - 1
+_ID = re.compile(r"0|[1-9][0-9]{0,17}")  # ASCII digits, no leading zeros: one spelling per id
+_LEARNER = re.compile(rf"learner-({_ID.pattern})")
+_TENSORS = {FragmentUpload: "delta", GlobalUpdate: "update"}
+# Fields with a slot of their own in the frame, or derived on decode: never in meta.
+_NOT_META = frozenset({"learner", "fragment", "delta", "update", "payload", "nbytes"})
+
+
+# ---- one field: JSON form and validation, chosen by its annotation --------------------
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_INT
+
+
+def _check_int(v: Any) -> int:
+    if not _is_int(v):
+        raise ValueError(f"expected a non-negative integer, got {v!r}")
+    return v
+
+
+def _check_float(v: Any) -> float:
+    # JSON writes 1.0 as 1.0, but accept an integer too: it is a number all the same.
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise ValueError(f"expected a finite number, got {v!r}")
+    return float(v)
+
+
+def _check_bool(v: Any) -> bool:
+    if not isinstance(v, bool):
+        raise ValueError(f"expected true or false, got {v!r}")
+    return v
+
+
+def _check_str(v: Any) -> str:
+    if not isinstance(v, str) or len(v) > MAX_STR_CHARS:
+        raise ValueError(f"expected a string of at most {MAX_STR_CHARS} characters, got {str(v)[:40]!r}")
+    return v
+
+
+def _check_ints(v: Any) -> tuple[int, ...]:
+    if not isinstance(v, (list, tuple)) or not all(_is_int(x) for x in v):
+        raise ValueError(f"expected a list of non-negative integers, got {str(v)[:60]}")
+    return tuple(v)
+
+
+def _check_clock(v: Any) -> VectorClock:
+    return VectorClock.from_dict(v)  # its ValueError names the bad entry
+
+
+def _check_seconds_by_id(v: Any) -> dict[int, float]:
+    if not isinstance(v, Mapping):
+        raise ValueError(f"expected an object learner id -> seconds, got {type(v).__name__}")
+    out = {}
+    for k, s in v.items():
+        # JSON keys are strings: "3" -> 3, one spelling per id (no sign, no leading zero).
+        if not (isinstance(k, str) and _ID.fullmatch(k)):
+            raise ValueError(f"key {str(k)[:20]!r} is not a learner id")
+        out[int(k)] = _check_float(s)
+    return out
+
+
+def _plain(v: Any) -> Any:
+    """numpy scalars (counters summed in numpy, say) as the Python numbers JSON takes."""
+    return v.item() if isinstance(v, np.generic) else v
+
+
+def _optional(check):
+    return lambda v: None if v is None else check(v)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Field:
+    name: str
+    to_json: typing.Callable[[Any], Any]
+    from_json: typing.Callable[[Any], Any]
+
+
+def _seconds_to_json(m: Mapping) -> dict[str, Any]:
+    return {str(_plain(k)): _plain(v) for k, v in m.items()}
+
+
+# (annotation's origin, its arguments) -> (to JSON, from JSON with validation); keyed
+# so that typing.Mapping and collections.abc.Mapping agree. A new field type in the
+# core fails at import (below), not at the first message.
+_CODECS: dict[tuple, tuple] = {
+    (int, ()): (_plain, _check_int),
+    (float, ()): (_plain, _check_float),
+    (bool, ()): (_plain, _check_bool),
+    (str, ()): (_plain, _check_str),
+    (tuple, (int, ...)): (lambda t: [_plain(x) for x in t], _check_ints),
+    (VectorClock, ()): (VectorClock.to_dict, _check_clock),
+    (collections.abc.Mapping, (int, float)): (_seconds_to_json, _check_seconds_by_id),
+    (dict, (int, float)): (_seconds_to_json, _check_seconds_by_id),
+}
+
+
+def _field(name: str, hint: Any) -> _Field:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (Union, types.UnionType) and len(args) == 2 and type(None) in args:
+        inner = _field(name, next(a for a in args if a is not type(None)))
+        return _Field(name, _optional(inner.to_json), _optional(inner.from_json))
+    key = (origin or hint, args)
+    if key not in _CODECS:
+        raise TypeError(f"runtime.serde: no JSON form for field {name!r} of type {hint!r}")
+    return _Field(name, *_CODECS[key])
+
+
+def _schema(cls: type) -> tuple[_Field, ...]:
+    hints = typing.get_type_hints(cls)
+    return tuple(_field(f.name, hints[f.name]) for f in dataclasses.fields(cls) if f.name not in _NOT_META)
+
+
+_SCHEMAS = {cls: _schema(cls) for cls in (Metadata, FragmentUpload, GlobalUpdate)}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Bulk:
+    """Meta of a bulk fragment object (its fragment is the frame's)."""
+
+    version: int
+    global_step: int
+
+
+_SCHEMAS[_Bulk] = _schema(_Bulk)
+
+
+def _meta_of(msg: Any) -> dict[str, Any]:
+    cls = type(msg)
+    meta = {f.name: f.to_json(getattr(msg, f.name)) for f in _SCHEMAS[cls]}
+    # Validate on the way out too: never send what a receiver would refuse.
+    _fields_of(cls, meta)
+    return meta
+
+
+def _fields_of(cls: type, meta: Any) -> dict[str, Any]:
+    """The dataclass's meta fields from ``meta``, validated; ProtocolError names the first problem."""
+    kind = cls.__name__.lstrip("_")
+    if not isinstance(meta, Mapping):
+        raise ProtocolError(f"{kind}: meta must be an object, got {type(meta).__name__}")
+    schema = _SCHEMAS[cls]
+    names = {f.name for f in schema}
+    unknown, missing = sorted(str(k) for k in set(meta) - names), [f.name for f in schema if f.name not in meta]
+    if unknown:
+        raise ProtocolError(f"{kind}.{unknown[0][:40]}: unknown field")
+    if missing:
+        raise ProtocolError(f"{kind}.{missing[0]}: missing")
+    out = {}
+    for f in schema:
+        try:
+            out[f.name] = f.from_json(meta[f.name])
+        except ValueError as e:
+            raise ProtocolError(f"{kind}.{f.name}: {e}") from None
+    return out
+
+
+# ---- public ---------------------------------------------------------------------------
+
+
+def learner_id(sender: str, num_learners: int) -> int:
+    """``learner-N`` -> N, checked against the run's learner count; ProtocolError otherwise."""
+    match = _LEARNER.fullmatch(sender) if isinstance(sender, str) else None
+    if match is None or not int(match.group(1)) < num_learners:
+        raise ProtocolError(f"sender {str(sender)[:40]!r} is not a learner of this run "
+                            f"(learner-0..learner-{num_learners - 1})")
+    return int(match.group(1))
+
+
+def to_frame(msg: Message) -> transport.Frame:
+    """The frame carrying ``msg`` (see the module docstring). ProtocolError if a field
+    is out of range, or if there is no payload to send."""
+    cls = type(msg)
+    if cls not in (Metadata, FragmentUpload, GlobalUpdate):
+        raise TypeError(f"to_frame takes Metadata, FragmentUpload or GlobalUpdate, got {cls.__name__}")
+    kind = cls.__name__
+    sender = SYNCER if cls is GlobalUpdate else learner_node(_check_int_field(kind, "learner", msg.learner))
+    fragment, payload = 0, b""
+    if cls is not Metadata:
+        fragment = _check_int_field(kind, "fragment", msg.fragment)
+        if msg.payload is None:
+            raise ProtocolError(f"{kind}.payload: none to send (fragment {fragment})")
+        payload = msg.payload
+    return transport.Frame(sender, fragment, _meta_of(msg), payload)
+
+
+def metadata_from_frame(frame: transport.Frame, num_learners: int) -> Metadata:
+    """A learner's Metadata from its frame (the Metadata RPC)."""
+    learner = _learner_of("Metadata", frame.sender, num_learners)
+    if frame.fragment != 0:
+        raise ProtocolError(f"Metadata.fragment: must be 0 (metadata is not about one fragment), got {frame.fragment}")
+    if len(frame.payload):
+        raise ProtocolError(f"Metadata.payload: must be empty, got {len(frame.payload)} bytes")
+    return Metadata(learner=learner, **_fields_of(Metadata, frame.meta))
+
+
+def upload_from_frame(frame: transport.Frame, codec, num_learners: int) -> FragmentUpload:
+    """A learner's FragmentUpload from its frame; ``codec.decode`` gives the delta."""
+    learner = _learner_of("FragmentUpload", frame.sender, num_learners)
+    fields = _fields_of(FragmentUpload, frame.meta)
+    delta = _decode(codec, frame.fragment, frame.payload)
+    return FragmentUpload(learner=learner, fragment=frame.fragment, delta=delta, nbytes=len(frame.payload),
+                          payload=None, **fields)
+
+
+def update_from_frame(frame: transport.Frame, codec) -> GlobalUpdate:
+    """The syncer's GlobalUpdate from its frame; ``codec.decode`` gives the update."""
+    if frame.sender != SYNCER:
+        raise ProtocolError(f"GlobalUpdate.sender: expected {SYNCER!r}, got {frame.sender[:40]!r}")
+    fields = _fields_of(GlobalUpdate, frame.meta)
+    update = _decode(codec, frame.fragment, frame.payload)
+    return GlobalUpdate(fragment=frame.fragment, update=update, nbytes=len(frame.payload), payload=None, **fields)
+
+
+def fragment_to_bulk(fragment: int, version: int, global_step: int, values: Mapping[str, np.ndarray],
+                     codec) -> bytes:
+    """One self-contained bulk object for a global fragment (rejoin, resync, final fetch).
+
+    Pass a lossless codec (``CodecConfig(bits=32, zstd=False)``): the object is a
+    transport message (one header with fragment, version and global step, one
+    checksum) whose payload is ``codec.encode(values)``.
+    """
+    meta = _meta_of(_Bulk(version, global_step))
+    try:
+        payload = codec.encode(values)
+    except ValueError as e:
+        raise ProtocolError(f"bulk fragment {fragment}: {e}") from None
+    try:
+        return transport.encode_message(transport.Frame(SYNCER, fragment, meta, payload))
+    except transport.MessageError as e:
+        raise ProtocolError(f"bulk fragment {fragment}: {e}") from None
+
+
+def fragment_from_bulk(data: Any, codec) -> tuple[int, int, int, dict[str, np.ndarray]]:
+    """(fragment, version, global_step, values) of a bulk object; ``values`` are
+    owned, writable copies (nothing refers to ``data`` afterwards)."""
+    try:
+        # The caller already holds all of ``data`` (the fetch bounded it): no further cap here.
+        frame = transport.decode_message(data, max_bytes=len(memoryview(data).cast("B")))
+    except (transport.MessageError, TypeError) as e:
+        raise ProtocolError(f"bulk object: {e}") from None
+    if not isinstance(frame, transport.Frame):
+        raise ProtocolError(f"bulk object: expected a Frame, got {type(frame).__name__}")
+    fields = _fields_of(_Bulk, frame.meta)
+    values = _decode(codec, frame.fragment, frame.payload)
+    return frame.fragment, fields["version"], fields["global_step"], {n: np.array(a) for n, a in values.items()}
+
+
+# ---- helpers --------------------------------------------------------------------------
+
+
+def _check_int_field(kind: str, name: str, value: Any) -> int:
+    value = _plain(value)
+    if not _is_int(value):
+        raise ProtocolError(f"{kind}.{name}: expected a non-negative integer, got {value!r}")
+    return value
+
+
+def _learner_of(kind: str, sender: str, num_learners: int) -> int:
+    try:
+        return learner_id(sender, num_learners)
+    except ProtocolError as e:
+        raise ProtocolError(f"{kind}.sender: {e}") from None
+
+
+def _decode(codec, fragment: int, payload: Any) -> dict[str, np.ndarray]:
+    """``codec.decode`` with a refusal (any ValueError, e.g. CodecError) as a ProtocolError."""
+    try:
+        return codec.decode(fragment, payload)
+    except ProtocolError:
+        raise
+    except ValueError as e:
+        text = str(e)
+        raise ProtocolError(text if text.startswith(f"fragment {fragment}:") else f"fragment {fragment}: {text}") from None

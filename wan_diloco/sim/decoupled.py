@@ -1,0 +1,301 @@
+"""The decoupled (and streaming / DiLoCo) simulation: events on a virtual clock around the sans-IO cores.
+
+Per-learner step time = base × speed factor × lognormal noise; per-link
+transfer time = bytes / bandwidth + RTT/2, with each link a FIFO, so τ and the
+grace window matter. Learners go down and come back by a failure tape.
+"""
+from __future__ import annotations
+
+import heapq
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import jax.numpy as jnp
+import numpy as np
+
+from wan_diloco import data as data_lib
+from wan_diloco import model as model_lib
+from wan_diloco import train as train_lib
+from wan_diloco import tree
+from wan_diloco.assemble import Assembly
+from wan_diloco.core import (
+    FINAL_TIMER, ApplyGlobal, Broadcast, LearnerCore, Resync, SendFragment, SendMetadata, SetTimer, Snapshot,
+)
+from wan_diloco.planning.tape import Outage
+from wan_diloco.sim.common import Progress, SimResult, step_time, uptime
+from wan_diloco.spec import RunSpec, to_document
+
+
+class _Link:
+    """One direction of a learner <-> syncer link: FIFO, bandwidth then half the RTT."""
+
+    def __init__(self, gbit_s: float, rtt_s: float):
+        self.bytes_per_s = gbit_s * 1e9 / 8
+        self.half_rtt_s = rtt_s / 2
+        self.free_at_s = 0.0
+
+    def send(self, now_s: float, nbytes: int) -> float:
+        start = max(now_s, self.free_at_s)
+        self.free_at_s = start + nbytes / self.bytes_per_s
+        return self.free_at_s + self.half_rtt_s
+
+
+@dataclass
+class _Learner:
+    core: LearnerCore
+    state: Any
+    batches: data_lib.FailoverBatches
+    rng: np.random.Generator
+    speed: float
+    up_link: _Link
+    down_link: _Link
+    up: bool = True
+    listening: bool = True  # receives global updates: up, or recovering (docs/method.md, "Recovery": they are replayed)
+    stepping: bool = False
+    waiting: bool = False
+    epoch: int = 0  # bumped on failure: events of a dead incarnation are ignored
+    useful_s: float = 0.0
+    intervals: list[tuple[float, float]] = field(default_factory=list)
+
+
+
+class Simulation:
+    """One simulated run of ``spec`` (already set for its baseline: ``sim.protocol_for``)."""
+
+    def __init__(self, spec: RunSpec, parts: Assembly, outages: list[Outage], progress: Progress | None = None,
+                 on_upload: Callable | None = None):
+        self.spec, self.parts, self.progress, self.on_upload = spec, parts, progress, on_upload
+        self.cfg = spec.simulate
+        self.M = spec.run.learners
+        self.frags = parts.layout.fragments
+        self.syncer = parts.syncer_core()
+        rtt, bw = self.cfg.rtt_s, self.cfg.bandwidth_gbit_s
+        self.learners = [
+            _Learner(
+                core=parts.learner_core(m), state=parts.state0, batches=parts.batches(m),
+                rng=np.random.default_rng([spec.run.seed, m]),
+                speed=self.cfg.speeds[m] if self.cfg.speeds else 1.0, up_link=_Link(bw, rtt), down_link=_Link(bw, rtt),
+            )
+            for m in range(self.M)
+        ]
+        self.state_bytes = sum(a.nbytes for a in parts.flat0.values()) * 3  # params + two Adam moments
+        self.heap: list = []
+        self.seq = 0
+        self.now = 0.0
+        self.tokens = 0
+        self.bytes_sent = 0
+        self.done = False
+        self.curve: list[dict] = []
+        self.next_eval = self.cfg.eval_every
+        for o in outages:
+            self._at(o.down_at, self._go_down, o.learner)
+            self._at(o.up_at, self._come_up, o.learner)
+
+    # ---- event plumbing -------------------------------------------------------------
+
+    def _at(self, t: float, fn: Callable, *args: Any) -> None:
+        heapq.heappush(self.heap, (t, self.seq, fn, args))
+        self.seq += 1
+
+    def run(self) -> SimResult:
+        t0 = time.perf_counter()
+        self._eval_point(force=True)
+        for m in range(self.M):
+            self._start_step(m)
+        while self.heap and not self.done:
+            self.now, _, fn, args = heapq.heappop(self.heap)
+            fn(*args)
+        if not self.done:
+            raise RuntimeError("simulation stalled: every learner is down or blocked and nothing is in flight")
+        self._final_sync()
+        self._eval_point(force=True)
+        end = self.now
+        busy = [iv for l in self.learners for iv in l.intervals]
+        st = self.syncer.stats
+        return SimResult(
+            config=to_document(self.spec), initial_eval_loss=self.curve[0]["eval_loss"],
+            final_eval_loss=self.curve[-1]["eval_loss"], tokens=self.tokens,
+            goodput=sum(l.useful_s for l in self.learners) / (self.M * end),
+            uptime=uptime(busy, end), fragment_syncs=list(st.fragment_syncs), bytes_sent=self.bytes_sent,
+            global_steps=self._global_step(), virtual_time_s=end, wall_s=time.perf_counter() - t0,
+            curve=self.curve, late_dropped=st.late_dropped, late_carried=st.late_carried,
+            mean_quorum=float(np.mean(st.quorum_sizes)) if st.quorum_sizes else 0.0,
+            mean_grace_s=float(np.mean(st.grace_s)) if st.grace_s else 0.0,
+            params_count=model_lib.param_count(self.parts.state0.params),
+        )
+
+    def _global_step(self) -> int:
+        return max(l.core.step for l in self.learners)
+
+    def _finished(self) -> bool:
+        if self.cfg.tokens:
+            return self.tokens >= self.cfg.tokens
+        return self._global_step() >= self.spec.run.steps
+
+    def _eval_point(self, force: bool = False) -> None:
+        step = self._global_step()
+        if not force and step < self.next_eval:
+            return
+        while self.next_eval <= step:
+            self.next_eval += self.cfg.eval_every
+        params = tree.unflatten(self.syncer.global_params(), self.parts.state0.params)
+        point = {"step": step, "tokens": self.tokens, "time_s": self.now, "eval_loss": self.parts.evaluate(params)}
+        if not self.curve or point != self.curve[-1]:
+            self.curve.append(point)
+        if self.progress:
+            budget = self.cfg.tokens or self.spec.run.steps
+            self.progress(min(1.0, (self.tokens if self.cfg.tokens else step) / budget), point)
+
+    # ---- learners -------------------------------------------------------------------
+
+    def _start_step(self, m: int) -> None:
+        l = self.learners[m]
+        if self.done or not l.up or l.stepping:
+            return
+        if l.core.blocked:
+            l.waiting = True
+            return
+        down = frozenset(i for i, p in enumerate(self.learners) if not p.up) if self.cfg.data_failover else frozenset()
+        batch = l.batches.next(down)
+        if self.cfg.tokens:
+            # A token budget: the schedule follows the run's tokens, as data parallel's would, so
+            # live learners do not run off the end of it while others are down.
+            l.state = train_lib.set_schedule_step(l.state, self.tokens // self.parts.tokens_per_step)
+        l.state, _ = self.parts.step_fn(l.state, batch.tokens)
+        dt = step_time(self.cfg, l.speed, l.rng)
+        l.core.begin_step(self.now)
+        l.stepping = True
+        self._at(self.now + dt, self._end_step, m, l.epoch, batch.n_tokens, dt)
+
+    def _end_step(self, m: int, epoch: int, n_tokens: int, dt: float) -> None:
+        l = self.learners[m]
+        if epoch != l.epoch:
+            return  # the learner failed during this step: its work is lost
+        l.stepping = False
+        l.useful_s += dt
+        l.intervals.append((self.now - dt, self.now))
+        self.tokens += n_tokens
+        self._learner_actions(m, l.core.step_done(self.now, n_tokens))
+        self._eval_point()
+        if self._finished():
+            self.done = True
+            return
+        self._start_step(m)
+
+    def _learner_actions(self, m: int, actions: list) -> None:
+        l = self.learners[m]
+        for a in actions:
+            if isinstance(a, SendMetadata):
+                self._at(self.now + self.cfg.rtt_s / 2, self._from_learner, m, l.epoch, self.syncer.on_metadata, a.msg)
+            elif isinstance(a, Snapshot):
+                flat = tree.flatten(l.state.params)
+                theta = {n: np.asarray(flat[n]) for n in self.frags[a.fragment]}
+                self._learner_actions(m, l.core.snapshot(self.now, a.fragment, a.due_step, theta, a.final))
+            elif isinstance(a, SendFragment):
+                self.bytes_sent += a.msg.nbytes
+                if a.msg.final:  # the end-of-run sync happens after the clock stops
+                    self._syncer_event(self._upload, a.msg)
+                else:
+                    self._at(l.up_link.send(self.now, a.msg.nbytes), self._from_learner, m, l.epoch,
+                             self._upload, a.msg)
+            elif isinstance(a, ApplyGlobal):
+                flat = tree.flatten(l.state.params)
+                flat.update({n: jnp.asarray(v) for n, v in a.mixed(flat).items()})
+                l.state = train_lib.set_params(l.state, tree.unflatten(flat, l.state.params))
+            elif isinstance(a, Resync):
+                p = a.fragment
+                self.bytes_sent += sum(x.nbytes for x in self.syncer.theta[p].values())
+                self._learner_actions(m, l.core.resync(p, self.syncer.theta[p], self.syncer.version[p]))
+
+    def _deliver(self, m: int, epoch: int, msg) -> None:
+        l = self.learners[m]
+        if not l.listening or epoch != l.epoch:
+            return
+        self._learner_actions(m, l.core.on_update(self.now, msg))
+        self._resume_if_unblocked(m)
+
+    def _go_down(self, m: int) -> None:
+        l = self.learners[m]
+        if not (l.up or l.listening):
+            return
+        l.up, l.listening, l.stepping, l.waiting = False, False, False, False
+        l.epoch += 1
+        self._syncer_actions(self.syncer.on_peer_lost(self.now, m))
+
+    def _come_up(self, m: int) -> None:
+        l = self.learners[m]
+        if l.up:
+            return
+        peers = [p for p in self.learners if p.up and p is not l]
+        l.epoch += 1
+        if peers:
+            # Copy the most advanced healthy peer; its state takes state_bytes over the link.
+            peer = max(peers, key=lambda p: p.core.step)
+            l.state = peer.state
+            l.core.copy_state_from(peer.core)
+            ready = self.now + self.state_bytes * 8 / (self.cfg.bandwidth_gbit_s * 1e9) + self.cfg.rtt_s
+        else:
+            for p in range(len(self.frags)):
+                self._learner_actions(m, l.core.resync(p, self.syncer.theta[p], self.syncer.version[p]))
+            ready = self.now + self.cfg.rtt_s
+        # Global updates sent while the state travels are applied in order on top of it (docs/method.md, "Recovery",
+        # step 4), so the learner starts current instead of resyncing fragment by fragment.
+        l.listening = True
+        self._at(ready, self._rejoin, m, l.epoch)
+
+    def _rejoin(self, m: int, epoch: int) -> None:
+        l = self.learners[m]
+        if epoch != l.epoch:
+            return
+        l.up = True
+        self._start_step(m)
+
+    def _resume_if_unblocked(self, m: int) -> None:
+        l = self.learners[m]
+        if l.up and l.waiting and not l.core.blocked:
+            l.waiting = False
+            self._start_step(m)
+
+    # ---- syncer ---------------------------------------------------------------------
+
+    def _from_learner(self, m: int, epoch: int, handler: Callable, msg) -> None:
+        # A learner's failure resets its connection: what it had in flight is lost with it. Delivered
+        # after the syncer was told it is down, a message would make it look alive again, and every
+        # round would wait out the grace window for it until it came back.
+        if epoch == self.learners[m].epoch:
+            self._syncer_event(handler, msg)
+
+    def _syncer_event(self, handler: Callable, msg) -> None:
+        self._syncer_actions(handler(self.now, msg))
+
+    def _upload(self, now_s: float, msg) -> list:
+        if self.on_upload is not None:
+            self.on_upload(msg)
+        return self.syncer.on_fragment(now_s, msg)
+
+    def _syncer_actions(self, actions: list) -> None:
+        for a in actions:
+            if isinstance(a, Broadcast) and a.msg.final:
+                for m, l in enumerate(self.learners):
+                    if l.up:
+                        self.bytes_sent += a.msg.nbytes
+                        self._learner_actions(m, l.core.on_update(self.now, a.msg))
+            elif isinstance(a, Broadcast):
+                for m, l in enumerate(self.learners):
+                    if l.listening:
+                        self.bytes_sent += a.msg.nbytes
+                        self._at(l.down_link.send(self.now, a.msg.nbytes), self._deliver, m, l.epoch, a.msg)
+            elif isinstance(a, SetTimer) and a.key != FINAL_TIMER:
+                self._at(a.at_s, self._syncer_event, self.syncer.on_timer, a.key)
+
+    def _final_sync(self) -> None:
+        """Every live learner sends every fragment at once; the syncer merges them all (a real run's last step)."""
+        up = [m for m, l in enumerate(self.learners) if l.up]
+        for m in up:  # as in a real run, the syncer has heard from every learner that is up
+            self._syncer_event(self.syncer.on_metadata, self.learners[m].core.metadata())
+        for m in up:
+            self.learners[m].stepping = False  # a step cut short by the end of the run: its buffered updates still merge
+            self._learner_actions(m, self.learners[m].core.finish())
+        if not self.syncer.final_done:  # someone the syncer still counts as alive is recovering: do not wait
+            self._syncer_event(self.syncer.on_timer, FINAL_TIMER)

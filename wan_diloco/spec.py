@@ -1,0 +1,312 @@
+"""One run, one TOML file: read by ``simulate``, ``launch``, ``syncer``, ``learner`` and the benchmarks.
+
+Tables (every key optional; each default is stated once, in the dataclass named):
+
+- ``[run]`` :class:`RunConfig`: M, regions, step budget, batch, seed, eval set, addresses
+- ``[model]`` ``model.ModelConfig``: a ``preset`` plus optional explicit dimensions
+- ``[data]`` ``data.DataConfig``: corpus, bytes read, eval split, shard blocks
+- ``[learner]`` ``core.LearnerConfig``: H, P, τ, α, error feedback
+- ``[syncer]`` ``core.SyncerConfig`` (and ``[syncer.outer]``): K, grace, merge, outer optimizer
+- ``[train]`` ``train.TrainConfig``: inner AdamW and its schedule
+- ``[transport]`` ``transport.TransportConfig`` (and ``[transport.tls]``)
+- ``[codec]`` ``compression.CodecConfig``: bits of outer gradients and updates on the wire
+- ``[simulate]`` :class:`SimulateConfig`: only the simulator's time and link model and baseline;
+  real runs ignore it, so one file goes from ``simulate`` to ``launch`` and back.
+
+Values that must agree between tables are derived, and refused when set
+otherwise: ``syncer.num_learners`` is ``run.learners``, ``syncer.tau`` is
+``learner.tau``, ``data.vocab_size`` is ``model.vocab_size``,
+``train.total_steps`` is the step budget. The bearer token comes from
+``run.token`` or the ``WAN_DILOCO_TOKEN`` environment variable.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+from pathlib import Path
+from typing import Any, Literal, Mapping
+
+from wan_diloco import model as model_lib
+from wan_diloco.compression.config import CodecConfig
+from wan_diloco.config import ConfigError, from_mapping, load_toml, require
+from wan_diloco.core import LearnerConfig, SyncerConfig
+from wan_diloco.data import DataConfig
+from wan_diloco.fragments import STRATEGIES
+from wan_diloco.model import ModelConfig
+from wan_diloco.train import TrainConfig
+from wan_diloco.transport.config import TransportConfig
+
+TOKEN_ENV = "WAN_DILOCO_TOKEN"
+BASELINES = ("dp", "diloco", "streaming", "decoupled")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """What the processes of one run share besides the protocol settings."""
+
+    learners: int = 4  # M
+    regions: tuple[str, ...] = ("region-a", "region-b")  # learner m lives in regions[m % len(regions)]
+    steps: int = 300  # global step budget
+    batch_size: int = 16  # sequences per learner step
+    seed: int = 0
+    eval_batches: int = 8
+    # The eval set (eval_batches x eval_batch_size windows of held-out text) does not shrink with the batch.
+    eval_batch_size: int = 16
+    fragmenter: Literal["layer", "tensor", "balanced"] = "balanced"
+    host: str = "127.0.0.1"  # syncer bind address
+    port: int = 0  # syncer gRPC port; 0 picks a free one (the launcher tells the learners)
+    status_port: int = 0  # syncer /status and /metrics; 0 picks a free one, -1 disables
+    token: str = ""  # bearer token; empty: taken from $WAN_DILOCO_TOKEN
+    tick_s: float = 1.0  # liveness check period of the syncer
+    report_every_s: float = 0.5  # progress lines on stdout at most this often
+    min_step_s: float = 0.0  # learners pace their steps to at least this long (emulates slower chips)
+    run_dir: str = "runs"  # launcher: where metrics.jsonl and logs go
+
+    def validate(self) -> None:
+        require(self.learners >= 1, "learners", f"must be >= 1, got {self.learners}")
+        require(len(self.regions) >= 1 and all(self.regions), "regions", "need at least one non-empty region name")
+        require(self.steps >= 1, "steps", f"must be >= 1, got {self.steps}")
+        require(self.batch_size >= 1, "batch_size", f"must be >= 1, got {self.batch_size}")
+        require(self.eval_batches >= 1, "eval_batches", f"must be >= 1, got {self.eval_batches}")
+        require(self.eval_batch_size >= 1, "eval_batch_size", f"must be >= 1, got {self.eval_batch_size}")
+        require(self.fragmenter in STRATEGIES, "fragmenter", f"must be one of {', '.join(STRATEGIES)}")
+        require(0 <= self.port < 65536, "port", f"must be in [0, 65535], got {self.port}")
+        require(-1 <= self.status_port < 65536, "status_port", "must be -1 (off) or a port, 0 for any")
+        require(self.min_step_s >= 0, "min_step_s", f"must be >= 0, got {self.min_step_s}")
+        require(self.tick_s > 0, "tick_s", f"must be > 0, got {self.tick_s}")
+        require(self.report_every_s > 0, "report_every_s", f"must be > 0, got {self.report_every_s}")
+
+    def region(self, learner: int) -> str:
+        return self.regions[learner % len(self.regions)]
+
+
+@dataclasses.dataclass(frozen=True)
+class SimulateConfig:
+    """The simulator's own model of time and links, and the baseline it runs (``wan-diloco simulate``).
+
+    Times are virtual seconds; ``speeds`` are step-time factors (1.2 = 20 % slower).
+    """
+
+    baseline: Literal["dp", "diloco", "streaming", "decoupled"] = "decoupled"
+    tokens: int = 0  # if > 0, a token budget (all learners together) replaces run.steps
+    step_time_s: float = 0.5
+    step_noise: float = 0.0  # sigma of the lognormal step-time noise
+    speeds: tuple[float, ...] = ()
+    bandwidth_gbit_s: float = 0.1  # per learner link, each direction
+    rtt_s: float = 0.06
+    eval_every: int = 50  # global steps between eval points on the curve
+    # Live learners also read the shards of learners that are down, so no shard drops out of the mix
+    # while its learner is away (data.FailoverBatches). Off: a down learner's data waits for it.
+    data_failover: bool = True
+
+    def validate(self) -> None:
+        require(self.baseline in BASELINES, "baseline", f"must be one of {', '.join(BASELINES)}, got {self.baseline!r}")
+        require(self.tokens >= 0, "tokens", f"must be >= 0, got {self.tokens}")
+        require(self.step_time_s > 0, "step_time_s", "must be > 0")
+        require(self.step_noise >= 0, "step_noise", "must be >= 0")
+        require(all(s > 0 for s in self.speeds), "speeds", "factors must be > 0")
+        require(self.bandwidth_gbit_s > 0, "bandwidth_gbit_s", "must be > 0")
+        require(self.rtt_s >= 0, "rtt_s", "must be >= 0")
+        require(self.eval_every >= 1, "eval_every", f"must be >= 1, got {self.eval_every}")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSpec:
+    """The whole run: every table of the file, validated and cross-checked. Build it with
+    :func:`from_document` or :func:`load` (``from_document({})`` is every default)."""
+
+    run: RunConfig
+    model: ModelConfig
+    data: DataConfig
+    learner: LearnerConfig
+    syncer: SyncerConfig
+    train: TrainConfig
+    transport: TransportConfig
+    codec: CodecConfig
+    simulate: SimulateConfig
+    preset: str  # the [model] preset the dimensions started from (for reports)
+
+    def token(self) -> str:
+        """The bearer token: ``run.token``, else ``$WAN_DILOCO_TOKEN``; a missing one is a ConfigError."""
+        token = self.run.token or os.environ.get(TOKEN_ENV, "")
+        require(bool(token), "run.token", f"no bearer token: set run.token or the {TOKEN_ENV} environment variable")
+        return token
+
+    def with_changes(self, **tables: Mapping[str, Any]) -> "RunSpec":
+        """A new spec with some keys of some tables replaced (``with_changes(run={"learners": 8})``),
+        validated and cross-checked like a file."""
+        doc = to_document(self)
+        for name, changes in tables.items():
+            require(name in TABLES, name, f"unknown table; known tables are {', '.join(TABLES)}")
+            doc[name] = {**doc.get(name, {}), **changes}
+        return from_document(doc)
+
+
+TABLES = ("run", "model", "data", "learner", "syncer", "train", "transport", "codec", "simulate")
+
+
+def _table(doc: Mapping[str, Any], name: str) -> dict[str, Any]:
+    value = doc.get(name, {})
+    require(isinstance(value, Mapping), name, f"must be a table, got {type(value).__name__}")
+    return dict(value)
+
+
+def _derived(table: dict[str, Any], key: str, value: Any, where: str, source: str) -> None:
+    """``table[key]`` is ``value``, taken from ``source``; a different explicit value is an error."""
+    if key in table and table[key] != value:
+        raise ConfigError(f"{where}.{key}: {table[key]!r} differs from {source} = {value!r}; "
+                          f"leave it out (it is derived) or change {source}")
+    table[key] = value
+
+
+def _model(table: Mapping[str, Any]) -> tuple[str, ModelConfig]:
+    table = dict(table)
+    name = table.pop("preset", "tiny")
+    require(isinstance(name, str), "model.preset", f"must be a string, got {name!r}")
+    base = model_lib.preset(name)
+    return name, from_mapping(ModelConfig, {**dataclasses.asdict(base), **table}, prefix="model.")
+
+
+def from_document(doc: Mapping[str, Any]) -> RunSpec:
+    """Build and cross-check the whole spec from a parsed TOML document."""
+    unknown = sorted(set(doc) - set(TABLES))
+    require(not unknown, unknown[0] if unknown else "", f"unknown table; known tables are {', '.join(TABLES)}")
+    run = from_mapping(RunConfig, _table(doc, "run"), prefix="run.")
+    preset, model = _model(_table(doc, "model"))
+    data_t = _table(doc, "data")
+    _derived(data_t, "vocab_size", model.vocab_size, "data", "model.vocab_size")
+    data = from_mapping(DataConfig, data_t, prefix="data.")
+    learner = from_mapping(LearnerConfig, _table(doc, "learner"), prefix="learner.")
+    syncer_t = _table(doc, "syncer")
+    _derived(syncer_t, "num_learners", run.learners, "syncer", "run.learners")
+    _derived(syncer_t, "tau", learner.tau, "syncer", "learner.tau")
+    syncer = from_mapping(SyncerConfig, syncer_t, prefix="syncer.")
+    simulate = from_mapping(SimulateConfig, _table(doc, "simulate"), prefix="simulate.")
+    require(not simulate.speeds or len(simulate.speeds) == run.learners, "simulate.speeds",
+            f"needs one factor per learner (run.learners = {run.learners}), got {len(simulate.speeds)}")
+    train_t = _table(doc, "train")
+    train_t.setdefault("warmup_steps", TrainConfig.warmup_steps)
+    _derived(train_t, "total_steps", inner_steps(run, model, simulate), "train", "the step budget")
+    # Warmup is at most a tenth of the run, so a short run is not all warmup.
+    train_t["warmup_steps"] = min(train_t["warmup_steps"], train_t["total_steps"] // 10)
+    train = from_mapping(TrainConfig, train_t, prefix="train.")
+    transport = from_mapping(TransportConfig, _table(doc, "transport"), prefix="transport.")
+    codec = from_mapping(CodecConfig, _table(doc, "codec"), prefix="codec.")
+    require(not codec.stochastic_rounding, "codec.stochastic_rounding",
+            "not available in runs yet (the learners and the syncer encode without a PRNG key)")
+    return RunSpec(run, model, data, learner, syncer, train, transport, codec, simulate, preset)
+
+
+def inner_steps(run: RunConfig, model: ModelConfig, simulate: SimulateConfig) -> int:
+    """Steps of the lr schedule: run.steps, or the simulator's token budget in steps of all learners."""
+    if simulate.tokens:
+        return max(2, -(-simulate.tokens // (run.batch_size * model.seq_len * run.learners)))
+    return run.steps
+
+
+def to_document(spec: RunSpec) -> dict[str, Any]:
+    """The spec as a TOML-shaped document (derived keys left out), so that from_document gives it back."""
+    doc: dict[str, Any] = {}
+    for name in TABLES:
+        table = dataclasses.asdict(getattr(spec, name))
+        doc[name] = {k: list(v) if isinstance(v, tuple) else v for k, v in table.items()}
+    doc["model"]["preset"] = spec.preset
+    for table, key in (("data", "vocab_size"), ("syncer", "num_learners"), ("syncer", "tau"), ("train", "total_steps")):
+        doc[table].pop(key)
+    doc["transport"] = {k: v for k, v in doc["transport"].items() if v is not None}
+    if doc["transport"].get("tls") is None:
+        doc["transport"].pop("tls", None)
+    return doc
+
+
+# Short names for the keys studies vary most (simulate's flags, benchmarks, tests): name -> (table, key).
+SHORT_NAMES: dict[str, tuple[str, str]] = {
+    "preset": ("model", "preset"), "learners": ("run", "learners"), "steps": ("run", "steps"),
+    "batch_size": ("run", "batch_size"), "seed": ("run", "seed"), "eval_batches": ("run", "eval_batches"),
+    "eval_batch_size": ("run", "eval_batch_size"), "fragmenter": ("run", "fragmenter"),
+    "corpus": ("data", "corpus"), "shard_block_tokens": ("data", "shard_block_tokens"),
+    "fragments": ("learner", "num_fragments"), "sync_every": ("learner", "sync_every"), "tau": ("learner", "tau"),
+    "alpha": ("learner", "alpha"), "keep_local": ("learner", "keep_local"),
+    "error_feedback": ("learner", "error_feedback"), "quorum": ("syncer", "quorum"), "grace": ("syncer", "grace"),
+    "merge": ("syncer", "merge"), "outer_lr": ("syncer.outer", "lr"), "outer_momentum": ("syncer.outer", "momentum"),
+    "inner_lr": ("train", "lr"), "warmup_steps": ("train", "warmup_steps"), "bits": ("codec", "bits"),
+    "baseline": ("simulate", "baseline"), "tokens": ("simulate", "tokens"), "step_time_s": ("simulate", "step_time_s"),
+    "step_noise": ("simulate", "step_noise"), "speeds": ("simulate", "speeds"),
+    "bandwidth_gbit_s": ("simulate", "bandwidth_gbit_s"), "rtt_s": ("simulate", "rtt_s"),
+    "eval_every": ("simulate", "eval_every"), "data_failover": ("simulate", "data_failover"),
+}
+
+
+def set_short(doc: dict[str, Any], **values: Any) -> dict[str, Any]:
+    """Set keys of a TOML-shaped ``doc`` in place by their :data:`SHORT_NAMES`; returns it."""
+    for name, value in values.items():
+        require(name in SHORT_NAMES, name, f"unknown setting; known: {', '.join(sorted(SHORT_NAMES))}")
+        table, key = SHORT_NAMES[name]
+        node = doc
+        for part in table.split("."):
+            node = node.setdefault(part, {})
+            require(isinstance(node, dict), table, "must be a table")
+        node[key] = list(value) if isinstance(value, tuple) else value
+    return doc
+
+
+def from_short(**values: Any) -> RunSpec:
+    """A spec from defaults and :data:`SHORT_NAMES` values: ``from_short(learners=8, bits=4)``."""
+    return from_document(set_short({}, **values))
+
+
+def load(path: str | Path | None) -> RunSpec:
+    """The spec in ``path``; None gives the embedded default (``examples/local.toml``)."""
+    if path is None:
+        return from_document(tomllib.loads(DEFAULT_TOML))
+    return from_document(load_toml(path))
+
+
+# The embedded default of `wan-diloco train`, also written out as examples/local.toml.
+# Sized so 4 JAX learners sharing 2 CPU cores show a falling loss within about a minute.
+DEFAULT_TOML = """\
+# wan-diloco: syncer + 4 learners in 2 regions on loopback (the default of `wan-diloco train`).
+# `wan-diloco simulate --config` runs the same file on a virtual clock ([simulate] is only read there).
+
+[run]
+learners = 4
+regions = ["us-east", "eu-west"]   # learner m runs in regions[m % 2]
+steps = 300                        # global step budget
+batch_size = 8
+seed = 0
+eval_batches = 4
+eval_batch_size = 8
+host = "127.0.0.1"
+port = 0                           # 0: any free port; the launcher passes it to the learners
+status_port = 0                    # /status and /metrics of the syncer
+run_dir = "runs"
+
+[model]
+preset = "tiny"
+seq_len = 64                       # shorter context than the preset's 128: 4 processes share 2 cores
+
+[data]
+corpus = "stdlib"                  # this Python's standard library, read as bytes
+max_bytes = 4194304                # 4 MiB is plenty for 300 steps and keeps start-up quick
+
+[learner]
+sync_every = 8                     # H: each fragment syncs every 8 steps
+num_fragments = 4                  # P: one fragment every 2 steps
+tau = 2                            # a fragment may travel for 2 steps while training goes on
+
+[syncer]
+quorum = 1                         # K: merge as soon as one learner delivered (then the grace window)
+merge = "rda"
+
+[train]
+lr = 3e-3
+warmup_steps = 15
+
+[codec]
+bits = 8                           # int8 outer gradients and updates (4 = NF4, 32 = uncompressed)
+
+[simulate]
+step_time_s = 0.1                  # virtual seconds per step
+bandwidth_gbit_s = 1.0
+"""
