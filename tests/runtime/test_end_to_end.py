@@ -5,7 +5,7 @@ import socket
 import pytest
 
 from wan_diloco import spec as rt
-from wan_diloco.cli.launch import launch
+from wan_diloco.runtime.launch import launch
 
 from .conftest import micro_config
 
@@ -14,7 +14,7 @@ from .conftest import micro_config
 def test_three_learners_end_bit_identical_to_the_syncer(tmp_path, bits):
     extra = f"\n[codec]\nbits = {bits}\n" if bits != 32 else ""
     path = micro_config(tmp_path, learners=3, steps=40, extra=extra)
-    code, summary = launch(rt.load(path), path.read_text(), str(tmp_path / "run"), quiet=True)
+    code, summary = launch(rt.load(path), path.read_text(), str(tmp_path / "run"))
     assert code == 0, summary
     events = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     syncer = next(e for e in events if e["source"] == "syncer" and e["event"] == "final")
@@ -41,6 +41,6 @@ def test_launch_fails_with_the_reason_when_the_syncer_cannot_start(tmp_path):
         path = micro_config(tmp_path, learners=1)
         text = path.read_text().replace("[run]\n", f"[run]\nport = {port}\n")
         path.write_text(text)
-        code, summary = launch(rt.load(path), text, str(tmp_path / "run"), quiet=True)
+        code, summary = launch(rt.load(path), text, str(tmp_path / "run"))
     assert code == 1
     assert "syncer exited with code" in summary["error"]

@@ -3,7 +3,10 @@
 ``Cluster`` starts them with this Python, reads their JSON lines from stdout
 (stderr goes to a log file per process), and stops them all: SIGTERM to each
 process group, SIGKILL after a timeout. It is a context manager so children
-never outlive it, also when the caller fails.
+never outlive it, also when the caller fails. ``launch`` runs a whole run with
+it: every event goes to ``RUN_DIR/metrics.jsonl``, folded into a ``RunState``;
+Ctrl-C or SIGTERM stops every child; a run that cannot continue (the syncer
+died, or every learner did) ends with the reason.
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from wan_diloco.spec import TOKEN_ENV, RunSpec
 
@@ -163,3 +167,122 @@ class Cluster:
                 c.reader.join(5)
             if c.proc.stdout is not None and (c.reader is None or not c.reader.is_alive()):
                 c.proc.stdout.close()
+
+
+class RunFailed(Exception):
+    """The run cannot continue; the text says why."""
+
+
+class RunState:
+    """Latest state of every process of a run, folded from their events."""
+
+    def __init__(self, cfg: RunSpec):
+        self.cfg = cfg
+        self.learners: dict[int, dict] = {m: {"region": cfg.run.region(m), "status": "starting"}
+                                          for m in range(cfg.run.learners)}
+        self.syncer: dict = {}
+        self.syncer_final: dict | None = None
+        self.finals: dict[int, dict] = {}
+        self.starts: dict[int, dict] = {}
+
+    def fold(self, name: str, e: dict) -> None:
+        kind = e.get("event")
+        if name == "syncer":
+            if kind == "final":
+                self.syncer_final = e
+            if kind in ("progress", "final", "listening"):
+                self.syncer.update(e)
+            return
+        m = int(name.rpartition("-")[2])
+        row = self.learners[m]
+        if kind == "start":
+            self.starts.setdefault(m, e)
+            row["status"] = "training"
+        elif kind == "step":
+            row.update(e)
+        elif kind == "final":
+            self.finals[m] = e
+            row.update(status="done", step=e["steps"], loss=e["last_loss"], tokens=e["tokens"],
+                       bytes_sent=e["bytes_sent"])
+        elif kind == "exit" and row.get("status") != "done":
+            row["status"] = "exited"
+
+
+def summarize(mon: RunState, wall_s: float) -> dict:
+    """The run's figures once it is over (what `launch` prints and writes as JSON)."""
+    cfg, finals = mon.cfg, list(mon.finals.values())
+    sf = mon.syncer_final or {}
+    params = int(mon.syncer.get("params", 0))
+    M = cfg.run.learners
+    dp_bytes = cfg.run.steps * 2 * (M - 1) / M * params * 4 * M
+    sent = int(sf.get("bytes_in", 0)) + int(sf.get("bytes_out", 0))
+    raw = sum(f["raw_bytes"] for f in finals)
+    payload = sum(f["payload_bytes"] for f in finals)
+    digests = sf.get("digests")
+    return {
+        "learners_finished": len(finals), "learners": M,
+        "initial_eval_loss": sum(s["eval_loss"] for s in mon.starts.values()) / max(1, len(mon.starts)),
+        "final_eval_loss": sum(f["final_eval_loss"] for f in finals) / max(1, len(finals)),
+        "tokens": sum(f["tokens"] for f in finals), "global_steps": sf.get("global_step", 0),
+        "goodput": sum(f["compute_s"] for f in finals) / max(1e-9, sum(f["train_s"] for f in finals)),
+        "fragment_syncs": sf.get("fragment_syncs", []), "mean_quorum": sf.get("mean_quorum", 0.0),
+        "late_carried": sf.get("late_carried", 0),
+        "bytes_sent": sent, "dp_bytes": dp_bytes, "compression_ratio": raw / payload if payload else 1.0,
+        "bit_identical": bool(digests) and all(f["digests"] == digests for f in finals),
+        "params": params, "wall_s": wall_s,
+    }
+
+
+def launch(cfg: RunSpec, config_text: str, run_dir: str | None = None,
+           watch: Callable[[RunState], None] | None = None) -> tuple[int, dict]:
+    """Run everything to the end; returns (exit code, summary). ``watch(state)`` sees every update.
+
+    The summary of a failed run has ``error`` (why); ``failed_learners`` names learners
+    that did not finish a run that otherwise did."""
+    rdir = Path(run_dir) if run_dir else Path(cfg.run.run_dir) / time.strftime("%Y%m%d-%H%M%S")
+    rdir.mkdir(parents=True, exist_ok=True)
+    (rdir / "config.toml").write_text(config_text)
+    mon, t0 = RunState(cfg), time.monotonic()
+    stop = {"sig": 0}
+
+    def on_signal(signum, _frame):
+        stop["sig"] = signum
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        with Cluster(cfg, rdir / "config.toml", rdir) as cluster, open(rdir / "metrics.jsonl", "w") as mf:
+            try:
+                cluster.start_syncer()
+            except RuntimeError as e:
+                raise RunFailed(str(e)) from None
+            for m in range(cfg.run.learners):
+                cluster.start_learner(m)
+            while True:
+                if stop["sig"]:
+                    raise RunFailed(f"stopped by {signal.Signals(stop['sig']).name}; all processes terminated")
+                try:
+                    name, e = cluster.events.get(timeout=0.25)
+                    mf.write(json.dumps({"source": name, **e}) + "\n")
+                    mon.fold(name, e)
+                    if watch is not None:
+                        watch(mon)
+                except queue.Empty:
+                    pass
+                sync = cluster.children["syncer"]
+                learners = [c for n, c in cluster.children.items() if n != "syncer"]
+                if sync.exit_code is not None:
+                    if sync.exit_code != 0 or mon.syncer_final is None:
+                        raise RunFailed(f"the syncer died (exit code {sync.exit_code}); see {sync.log_path}")
+                    if all(c.exit_code is not None for c in learners) and cluster.events.empty():
+                        break
+                elif all(c.exit_code is not None and c.exit_code != 0 for c in learners):
+                    codes = ", ".join(f"{c.name}: {c.exit_code}" for c in learners)
+                    raise RunFailed(f"every learner died ({codes}); see the logs in {rdir}")
+        failed = {c.name: (c.exit_code, str(c.log_path)) for n, c in cluster.children.items()
+                  if n != "syncer" and c.exit_code != 0}
+        return 0, {**summarize(mon, time.monotonic() - t0), "run_dir": str(rdir), "failed_learners": failed}
+    except RunFailed as e:
+        return (128 + stop["sig"] if stop["sig"] else 1), {"error": str(e), "run_dir": str(rdir)}
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
