@@ -1,6 +1,6 @@
 """Codec configuration, the wire format it implies, and the fixed tables the header refers to.
 
-Defaults come from ``bench/codec.py`` (numbers in the README codec table):
+Defaults come from ``bench/codec.py`` (figures in docs/benchmarks.md):
 
 * ``block_size = 256``: on real outer gradients (the tiny transformer's, captured
   from the simulator) NF4 with 256-value blocks meets both int4 targets:
