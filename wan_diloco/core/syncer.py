@@ -272,12 +272,12 @@ class SyncerCore:
         return info
 
     def _recheck(self, now_s: float) -> list:
-        if self.final_started:
-            return self._final_sync(now_s) if self._finals_complete() else []
         actions: list = []
         for key in sorted(self.rounds):
             if key in self.rounds:
                 actions += self._maybe_close(now_s, key)
+        if self.final_started and self._finals_complete():  # the last learner it waited for went away
+            actions += self._final_sync(now_s)
         return actions
 
     def _maybe_close(self, now_s: float, key: tuple[int, int]) -> list:
