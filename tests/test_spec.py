@@ -31,6 +31,8 @@ def test_two_region_example_parses():
     ({"simulate": {"baseline": "sync"}}, "simulate.baseline"),
     ({"run": {"learners": 2}, "simulate": {"speeds": [1.0]}}, "simulate.speeds"),
     ({"data": {"corpus": ""}}, "data.corpus"),
+    ({"train": {"warmup_steps": "10"}}, "train.warmup_steps"),
+    ({"codec": {"bits": 8, "stochastic_rounding": True}}, "codec.stochastic_rounding"),
     ({"run": {"corpus": "stdlib"}}, "run.corpus: unknown field"),
     ({"model": {"preset": "huge"}}, "unknown preset"),
     ({"model": {"d_model": 30, "n_heads": 4}}, "model.n_heads"),

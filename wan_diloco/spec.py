@@ -189,7 +189,8 @@ def from_document(doc: Mapping[str, Any]) -> RunSpec:
     train_t.setdefault("warmup_steps", TrainConfig.warmup_steps)
     _derived(train_t, "total_steps", inner_steps(run, model, simulate), "train", "the step budget")
     # Warmup is at most a tenth of the run, so a short run is not all warmup.
-    train_t["warmup_steps"] = min(train_t["warmup_steps"], train_t["total_steps"] // 10)
+    if isinstance(train_t["warmup_steps"], int):  # a wrong type is reported by from_mapping below
+        train_t["warmup_steps"] = min(train_t["warmup_steps"], train_t["total_steps"] // 10)
     train = from_mapping(TrainConfig, train_t, prefix="train.")
     transport = from_mapping(TransportConfig, _table(doc, "transport"), prefix="transport.")
     codec = from_mapping(CodecConfig, _table(doc, "codec"), prefix="codec.")
