@@ -30,7 +30,7 @@ def test_learners_and_syncer_come_from_the_spec():
     s = micro()
     parts = Assembly(s)
     cores = [parts.learner_core(m) for m in range(3)]
-    assert [c.region for c in cores] == [s.run.region(m) for m in range(3)]
+    assert [c.region for c in cores] == [s.region(m) for m in range(3)]
     assert parts.syncer_core().cfg.num_learners == 3
     assert [len(sh) > 0 for sh in parts.shards] == [True] * 3
     batch = parts.batches(1).next()

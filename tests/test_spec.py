@@ -13,7 +13,7 @@ def test_default_is_examples_local_and_consistent():
     cfg = rt.load(None)
     assert cfg.run.learners == cfg.syncer.num_learners == 4
     assert cfg.syncer.tau == cfg.learner.tau and cfg.train.total_steps == cfg.run.steps
-    assert [cfg.run.region(m) for m in range(4)] == ["us-east", "eu-west", "us-east", "eu-west"]
+    assert [cfg.region(m) for m in range(4)] == ["us-east", "eu-west", "us-east", "eu-west"]
     assert cfg.model.d_model == 128 and cfg.model.seq_len == 64  # tiny preset, shorter context
 
 
@@ -36,7 +36,9 @@ def test_two_region_example_parses():
     ({"run": {"corpus": "stdlib"}}, "run.corpus: unknown field"),
     ({"model": {"preset": "huge"}}, "unknown preset"),
     ({"model": {"d_model": 30, "n_heads": 4}}, "model.n_heads"),
-    ({"run": {"regions": []}}, "regions"),
+    ({"regions": {"names": []}}, "regions.names"),
+    ({"run": {"regions": ["a"]}}, "run.regions: unknown field"),
+    ({"run": {"learners": 2}, "regions": {"learners": ["us-east"]}}, "regions.learners"),
     ({"transport": {"chunk_bytes": 10}}, "transport.chunk_bytes"),
 ])
 def test_bad_configs_name_the_field(doc, text):
@@ -64,7 +66,7 @@ def test_document_round_trip():
     s = rt.load(ROOT / "examples" / "two_regions_tls.toml")
     assert rt.from_document(rt.to_document(s)) == s
     t = s.with_changes(run={"learners": 2}, learner={"tau": 3})
-    assert t.syncer.num_learners == 2 and t.syncer.tau == 3 and t.run.regions == s.run.regions
+    assert t.syncer.num_learners == 2 and t.syncer.tau == 3 and t.regions == s.regions
     with pytest.raises(ConfigError, match="unknown table"):
         s.with_changes(runn={})
 

@@ -79,7 +79,7 @@ class Assembly:
 
     def learner_core(self, m: int) -> LearnerCore:
         return LearnerCore(self.spec.learner, m, self.layout.fragments, self.flat0, self.codec,
-                           region=self.spec.run.region(m))
+                           region=self.spec.region(m))
 
     def syncer_core(self) -> SyncerCore:
         return SyncerCore(self.spec.syncer, self.layout.fragments, self.flat0, model_lib.is_embedding, self.codec)

@@ -2,7 +2,8 @@
 
 Tables (every key optional; each default is stated once, in the dataclass named):
 
-- ``[run]`` :class:`RunConfig`: M, regions, step budget, batch, seed, eval set, addresses
+- ``[run]`` :class:`RunConfig`: M, step budget, batch, seed, eval set, addresses
+- ``[regions]`` ``regions.RegionsConfig``: region names, where learners and the syncer live, the links
 - ``[model]`` ``model.ModelConfig``: a ``preset`` plus optional explicit dimensions
 - ``[data]`` ``data.DataConfig``: corpus, bytes read, eval split, shard blocks
 - ``[learner]`` ``core.LearnerConfig``: H, P, τ, α, error feedback
@@ -34,6 +35,7 @@ from wan_diloco.core import LearnerConfig, SyncerConfig
 from wan_diloco.data import DataConfig
 from wan_diloco.fragments import STRATEGIES
 from wan_diloco.model import ModelConfig
+from wan_diloco.regions.topology import RegionsConfig, regions_from_mapping
 from wan_diloco.train import TrainConfig
 from wan_diloco.transport.config import TransportConfig
 
@@ -46,7 +48,6 @@ class RunConfig:
     """What the processes of one run share besides the protocol settings."""
 
     learners: int = 4  # M
-    regions: tuple[str, ...] = ("region-a", "region-b")  # learner m lives in regions[m % len(regions)]
     steps: int = 300  # global step budget
     batch_size: int = 16  # sequences per learner step
     seed: int = 0
@@ -65,7 +66,6 @@ class RunConfig:
 
     def validate(self) -> None:
         require(self.learners >= 1, "learners", f"must be >= 1, got {self.learners}")
-        require(len(self.regions) >= 1 and all(self.regions), "regions", "need at least one non-empty region name")
         require(self.steps >= 1, "steps", f"must be >= 1, got {self.steps}")
         require(self.batch_size >= 1, "batch_size", f"must be >= 1, got {self.batch_size}")
         require(self.eval_batches >= 1, "eval_batches", f"must be >= 1, got {self.eval_batches}")
@@ -76,9 +76,6 @@ class RunConfig:
         require(self.min_step_s >= 0, "min_step_s", f"must be >= 0, got {self.min_step_s}")
         require(self.tick_s > 0, "tick_s", f"must be > 0, got {self.tick_s}")
         require(self.report_every_s > 0, "report_every_s", f"must be > 0, got {self.report_every_s}")
-
-    def region(self, learner: int) -> str:
-        return self.regions[learner % len(self.regions)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,7 +122,12 @@ class RunSpec:
     transport: TransportConfig
     codec: CodecConfig
     simulate: SimulateConfig
+    regions: RegionsConfig
     preset: str  # the [model] preset the dimensions started from (for reports)
+
+    def region(self, learner: int) -> str:
+        """The region learner ``learner`` runs in."""
+        return self.regions.region_of(learner)
 
     def token(self) -> str:
         """The bearer token: ``run.token``, else ``$WAN_DILOCO_TOKEN``; a missing one is a ConfigError."""
@@ -143,7 +145,7 @@ class RunSpec:
         return from_document(doc)
 
 
-TABLES = ("run", "model", "data", "learner", "syncer", "train", "transport", "codec", "simulate")
+TABLES = ("run", "model", "data", "learner", "syncer", "train", "transport", "codec", "simulate", "regions")
 
 
 def _table(doc: Mapping[str, Any], name: str) -> dict[str, Any]:
@@ -196,7 +198,10 @@ def from_document(doc: Mapping[str, Any]) -> RunSpec:
     codec = from_mapping(CodecConfig, _table(doc, "codec"), prefix="codec.")
     require(not codec.stochastic_rounding, "codec.stochastic_rounding",
             "not available in runs yet (the learners and the syncer encode without a PRNG key)")
-    return RunSpec(run, model, data, learner, syncer, train, transport, codec, simulate, preset)
+    regions = regions_from_mapping(_table(doc, "regions"))
+    require(not regions.learners or len(regions.learners) == run.learners, "regions.learners",
+            f"names the region of {len(regions.learners)} learners, run.learners = {run.learners}")
+    return RunSpec(run, model, data, learner, syncer, train, transport, codec, simulate, regions, preset)
 
 
 def inner_steps(run: RunConfig, model: ModelConfig, simulate: SimulateConfig) -> int:
@@ -272,7 +277,6 @@ DEFAULT_TOML = """\
 
 [run]
 learners = 4
-regions = ["us-east", "eu-west"]   # learner m runs in regions[m % 2]
 steps = 300                        # global step budget
 batch_size = 8
 seed = 0
@@ -310,4 +314,7 @@ bits = 8                           # int8 outer gradients and updates (4 = NF4, 
 [simulate]
 step_time_s = 0.1                  # virtual seconds per step
 bandwidth_gbit_s = 1.0
+
+[regions]
+names = ["us-east", "eu-west"]     # learner m runs in names[m % 2]; the syncer in the first
 """

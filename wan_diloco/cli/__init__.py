@@ -20,6 +20,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "learner": ("wan_diloco.cli.learner", "one learner process of a networked run"),
     "launch": ("wan_diloco.cli.launch", "start a syncer and M learners as local processes, with live progress"),
     "train": ("wan_diloco.cli.train", "the default local run: syncer + 4 learners in 2 regions on loopback"),
+    "wan": ("wan_diloco.cli.wan", "emulated WAN between region namespaces on this machine (needs root)"),
 }
 
 

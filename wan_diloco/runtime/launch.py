@@ -178,7 +178,7 @@ class RunState:
 
     def __init__(self, cfg: RunSpec):
         self.cfg = cfg
-        self.learners: dict[int, dict] = {m: {"region": cfg.run.region(m), "status": "starting"}
+        self.learners: dict[int, dict] = {m: {"region": cfg.region(m), "status": "starting"}
                                           for m in range(cfg.run.learners)}
         self.syncer: dict = {}
         self.syncer_final: dict | None = None

@@ -31,7 +31,7 @@ from wan_diloco.transport import MessageError, TransportError
 class Learner:
     def __init__(self, cfg: RunSpec, learner: int, target: str, token: str, parts: Assembly | None = None):
         self.cfg, self.m = cfg, learner
-        self.region = cfg.run.region(learner)
+        self.region = cfg.region(learner)
         parts = parts or Assembly(cfg)
         self.state = parts.state0
         self.layout = parts.layout

@@ -197,7 +197,7 @@ class SyncerService:
         for m in range(self.M):
             info = self.core.learners.get(m)
             learners[str(m)] = {
-                "region": self.regions.get(m, self.cfg.run.region(m)),
+                "region": self.regions.get(m, self.cfg.region(m)),
                 "alive": info.alive if info else None,
                 "last_seen_s_ago": round(now - info.last_seen_s, 3) if info else None,
                 "step": info.step if info else 0,
@@ -210,7 +210,7 @@ class SyncerService:
                    for t, p, d, c in list(st.history)[-100:]]
         return {
             "uptime_s": round(now - self.started_s, 3), "learners": learners,
-            "regions": sorted(set(self.cfg.run.regions)), "versions": list(self.core.version),
+            "regions": list(self.cfg.regions.names), "versions": list(self.core.version),
             "quorum": self.core.quorum(), "alive": self.core.alive(),
             "quorum_sizes": list(st.quorum_sizes)[-100:], "grace_s": list(st.grace_s)[-100:],
             "grace_window_s": self.core.grace_window_s(), "history": history,

@@ -1,0 +1,387 @@
+"""An emulated WAN on this machine: one network namespace per region, joined by a router.
+
+Layout (``prefix`` defaults to ``wdl``)::
+
+    <prefix>-<region>  (one per region)     eth0 10.77.<i>.2/30, default via 10.77.<i>.1
+           | veth
+    <prefix>--router                          v<i> 10.77.<i>.1/30 for every region i
+                                              htb (+ bfifo or netem) on each v<i> egress
+                                              backend "tun": <prefix>tun + forwarder process
+
+Every address is private to these namespaces; nothing is configured in the
+host's namespace, so deleting the namespaces removes every device as well.
+Rate is shaped with htb on the router: traffic towards a remote region on its
+own veth, traffic from it towards the syncer's region in a per-source class
+on the syncer region's veth. Delay, jitter and loss come from ``tc netem``
+when the kernel has it (tried, not guessed), else from the user-space TUN
+forwarder in :mod:`wan_diloco.regions.forwarder`.
+
+Traffic between two remote regions (learners never send any) crosses both
+links with the TUN forwarder, but only the destination's link with netem.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Literal, Sequence
+
+from wan_diloco.regions.topology import LinkConfig, RegionsConfig
+
+SUBNET = "10.77"  # 10.77.<i>.0/30 per region, only ever inside our namespaces
+MTU = 65000  # large frames cut per-packet cost, so Python can carry Gbit/s
+TCP_MEM = "4096 131072 268435456"  # 256 MB max: a 5 Gbit/s x 100 ms BDP is 62 MB
+FORWARDER_MODULE = "wan_diloco.regions.forwarder"
+ROUTER_TABLE = "100"
+PR_SET_PDEATHSIG = 1
+
+Backend = Literal["auto", "netem", "tun"]
+
+
+class EmulatorError(RuntimeError):
+    """The emulated network could not be built or used."""
+
+
+def _run(argv: Sequence[str], check: bool = True) -> subprocess.CompletedProcess:
+    res = subprocess.run(list(argv), capture_output=True, text=True)
+    if check and res.returncode != 0:
+        raise EmulatorError(f"`{' '.join(argv)}` failed ({res.returncode}): {res.stderr.strip() or res.stdout.strip()}")
+    return res
+
+
+def _die_with_parent() -> None:
+    # Runs in the child before exec: SIGTERM it when the emulator process dies,
+    # so a crashed or SIGKILLed emulator leaves no forwarder behind. (Linux
+    # sends it when the *thread* that started the child exits, so enter the
+    # Emulator from a thread that outlives it, normally the main thread.)
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+
+
+def router_name(prefix: str) -> str:
+    """Name of the router namespace (double dash: region names never start with '-')."""
+    return f"{prefix}--router"
+
+
+def list_namespaces(prefix: str) -> list[str]:
+    """Namespaces whose names start with ``prefix-``."""
+    res = _run(["ip", "netns", "list"], check=False)
+    names = [line.split()[0] for line in res.stdout.splitlines() if line.strip()]
+    return [n for n in names if n.startswith(prefix + "-")]
+
+
+def forwarder_pids(prefix: str) -> list[int]:
+    """Pids of forwarder processes started with ``--tag prefix``."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            argv = (d / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if FORWARDER_MODULE.encode() in argv and b"--tag" in argv:
+            i = argv.index(b"--tag")
+            if i + 1 < len(argv) and argv[i + 1] == prefix.encode():
+                out.append(int(d.name))
+    return out
+
+
+def _kill(pids: Sequence[int], grace_s: float = 2.0) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + grace_s
+    alive = list(pids)
+    while alive and time.monotonic() < deadline:
+        alive = [p for p in alive if Path(f"/proc/{p}").exists() and _state(p) != "Z"]
+        time.sleep(0.02)
+    for pid in alive:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "X"
+
+
+def teardown_leftovers(prefix: str = "wdl") -> list[str]:
+    """Remove namespaces and processes a crashed run with ``prefix`` left behind.
+
+    Kills every process inside those namespaces and every forwarder tagged with
+    ``prefix``, then deletes the namespaces (which removes their veth and TUN
+    devices). Returns what was removed, for printing.
+    """
+    removed: list[str] = []
+    namespaces = list_namespaces(prefix)
+    pids = set(forwarder_pids(prefix))
+    for ns in namespaces:
+        res = _run(["ip", "netns", "pids", ns], check=False)
+        pids.update(int(p) for p in res.stdout.split() if p.isdigit())
+    pids.discard(os.getpid())
+    if pids:
+        _kill(sorted(pids))
+        removed += [f"process {p}" for p in sorted(pids)]
+    for ns in namespaces:
+        _run(["ip", "netns", "del", ns], check=False)
+        removed.append(f"namespace {ns}")
+    return removed
+
+
+class Emulator:
+    """Context manager that builds the emulated WAN for ``topology`` and removes it on exit.
+
+    ``backend``: "auto" tries netem and falls back to the TUN forwarder; "netem"
+    or "tun" force one. After entering, :attr:`backend` says which one runs.
+    Teardown happens on normal exit, on exceptions, and on SIGINT/SIGTERM
+    (handlers are installed while inside and restored afterwards).
+    """
+
+    def __init__(self, topology: RegionsConfig, prefix: str = "wdl", backend: Backend = "auto"):
+        if not prefix.replace("-", "").isalnum() or len(prefix) > 8 or prefix.endswith("-"):
+            raise EmulatorError(f"prefix {prefix!r}: must be 1-8 letters/digits/'-' (device names are short)")
+        self.topology = topology
+        self.prefix = prefix
+        self.requested_backend = backend
+        self.backend: str | None = None
+        self.router = router_name(prefix)
+        self.index = {name: i + 1 for i, name in enumerate(topology.names)}
+        self.tun = f"{prefix}tun"
+        self._procs: list[subprocess.Popen] = []
+        self._forwarder: subprocess.Popen | None = None
+        self._old_handlers: dict[int, object] = {}
+        self._up = False
+
+    # ---- public helpers -------------------------------------------------
+    def namespace(self, region: str) -> str:
+        """Network namespace of ``region``."""
+        if region not in self.index:
+            raise KeyError(f"unknown region {region!r}; regions are {list(self.index)}")
+        return f"{self.prefix}-{region}"
+
+    def address_of(self, region: str) -> str:
+        """IPv4 address of ``region``'s namespace (reachable from every other region)."""
+        self.namespace(region)
+        return f"{SUBNET}.{self.index[region]}.2"
+
+    def exec(self, region: str, argv: Sequence[str], check: bool = True, timeout: float | None = None,
+             ) -> subprocess.CompletedProcess:
+        """Run ``argv`` inside ``region``'s namespace and wait; returns the completed process."""
+        res = subprocess.run(["ip", "netns", "exec", self.namespace(region), *argv],
+                             capture_output=True, text=True, timeout=timeout)
+        if check and res.returncode != 0:
+            raise EmulatorError(f"in {region}: `{' '.join(argv)}` failed ({res.returncode}): {res.stderr.strip()}")
+        return res
+
+    def popen(self, region: str, argv: Sequence[str], **kwargs) -> subprocess.Popen:
+        """Start ``argv`` inside ``region``'s namespace; it is killed on teardown if still running."""
+        kwargs.setdefault("preexec_fn", _die_with_parent)
+        proc = subprocess.Popen(["ip", "netns", "exec", self.namespace(region), *argv], **kwargs)
+        self._procs.append(proc)
+        return proc
+
+    def describe(self) -> list[str]:
+        """One line per region: namespace, address, link (for printing)."""
+        lines = [f"backend {self.backend}, router namespace {self.router}"]
+        for name in self.topology.names:
+            if name == self.topology.syncer_region:
+                link = "syncer's region"
+            else:
+                lk = self.topology.link_of(name)
+                link = (f"{lk.rate_gbit_s:g} Gbit/s, rtt {lk.rtt_ms:g} ms, jitter {lk.jitter_ms:g} ms, "
+                        f"loss {lk.loss_pct:g} %")
+            lines.append(f"{name:<16} {self.namespace(name):<24} {self.address_of(name):<14} {link}")
+        return lines
+
+    # ---- lifecycle ------------------------------------------------------
+    def __enter__(self) -> "Emulator":
+        if os.geteuid() != 0:
+            raise EmulatorError("the WAN emulator needs root (network namespaces, tc); run as root or under sudo")
+        if shutil.which("ip") is None or shutil.which("tc") is None:
+            raise EmulatorError("the WAN emulator needs iproute2 (`ip` and `tc`) on PATH")
+        if list_namespaces(self.prefix):
+            raise EmulatorError(f"namespaces with prefix {self.prefix!r} exist already "
+                                f"(another run, or a crashed one: `wan-diloco wan down`)")
+        self._install_handlers()
+        try:
+            self._up = True
+            self._build()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Tear everything down (idempotent)."""
+        try:
+            if self._up:
+                procs = [p for p in self._procs if p.poll() is None]
+                if self._forwarder is not None and self._forwarder.poll() is None:
+                    procs.append(self._forwarder)
+                _kill([p.pid for p in procs])
+                for p in procs:
+                    try:
+                        p.wait(timeout=2)
+                    except subprocess.TimeoutExpired:
+                        pass
+                teardown_leftovers(self.prefix)
+                self._up = False
+        finally:
+            self._restore_handlers()
+
+    def _install_handlers(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return  # signal handlers can only be set from the main thread
+
+        def on_signal(signum, frame):
+            # Unwind through __exit__ (which tears down) instead of dying in place.
+            if signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            raise SystemExit(128 + signum)
+
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._old_handlers[sig] = signal.signal(sig, on_signal)
+
+    def _restore_handlers(self) -> None:
+        for sig, old in self._old_handlers.items():
+            signal.signal(sig, old)
+        self._old_handlers.clear()
+
+    # ---- building -------------------------------------------------------
+    def _ns(self, ns: str, *argv: str, check: bool = True) -> subprocess.CompletedProcess:
+        return _run(["ip", "netns", "exec", ns, *argv], check=check)
+
+    def _build(self) -> None:
+        topo = self.topology
+        _run(["ip", "netns", "add", self.router])
+        r = self.router
+        for k, v in (("net.ipv4.ip_forward", "1"), ("net.ipv4.conf.all.rp_filter", "0"),
+                     ("net.ipv4.conf.default.rp_filter", "0"), ("net.ipv6.conf.all.disable_ipv6", "1"),
+                     ("net.ipv6.conf.default.disable_ipv6", "1")):
+            self._ns(r, "sysctl", "-qw", f"{k}={v}")
+        _run(["ip", "-n", r, "link", "set", "lo", "up"])
+        for name in topo.names:
+            i, ns = self.index[name], self.namespace(name)
+            _run(["ip", "netns", "add", ns])
+            for k, v in (("net.ipv4.tcp_rmem", TCP_MEM), ("net.ipv4.tcp_wmem", TCP_MEM),
+                         ("net.ipv6.conf.all.disable_ipv6", "1"), ("net.ipv6.conf.default.disable_ipv6", "1")):
+                self._ns(ns, "sysctl", "-qw", f"{k}={v}")
+            # Created straight inside the two namespaces: nothing ever exists in the host's.
+            _run(["ip", "-n", r, "link", "add", f"v{i}", "mtu", str(MTU), "type", "veth",
+                  "peer", "name", "eth0", "netns", ns])
+            _run(["ip", "-n", ns, "link", "set", "eth0", "mtu", str(MTU)])
+            _run(["ip", "-n", r, "addr", "add", f"{SUBNET}.{i}.1/30", "dev", f"v{i}"])
+            _run(["ip", "-n", ns, "addr", "add", f"{SUBNET}.{i}.2/30", "dev", "eth0"])
+            for dev_ns, dev in ((r, f"v{i}"), (ns, "eth0"), (ns, "lo")):
+                _run(["ip", "-n", dev_ns, "link", "set", dev, "up"])
+            _run(["ip", "-n", ns, "route", "add", "default", "via", f"{SUBNET}.{i}.1"])
+            self._ns(r, "sysctl", "-qw", f"net.ipv4.conf.v{i}.rp_filter=0")
+        want = self.requested_backend
+        if want in ("auto", "netem") and self._shape(netem=True):
+            self.backend = "netem"
+        elif want == "netem":
+            raise EmulatorError("backend 'netem' requested, but this kernel has no netem qdisc")
+        else:
+            self._shape(netem=False)
+            self._start_tun()
+            self.backend = "tun"
+
+    def _shape(self, netem: bool) -> bool:
+        """htb on the router's egress; leaves are netem (if ``netem``) or bfifo. False: no netem here."""
+        topo, r = self.topology, self.router
+        syncer_dev = f"v{self.index[topo.syncer_region]}"
+        for name in topo.names:
+            _run(["tc", "-n", r, "qdisc", "del", "dev", f"v{self.index[name]}", "root"], check=False)
+        # Syncer's side: one class per remote region, picked by source address;
+        # everything else (e.g. the syncer region's own loopback-like traffic) is unshaped.
+        _run(["tc", "-n", r, "qdisc", "add", "dev", syncer_dev, "root", "handle", "1:", "htb", "default", "1"])
+        _run(["tc", "-n", r, "class", "add", "dev", syncer_dev, "parent", "1:", "classid", "1:1",
+              "htb", "rate", "100gbit", "quantum", "200000"])
+        for name in topo.remote:
+            i, link = self.index[name], topo.link_of(name)
+            dev = f"v{i}"
+            # Towards the region: its own veth.
+            _run(["tc", "-n", r, "qdisc", "add", "dev", dev, "root", "handle", "1:", "htb", "default", "10"])
+            self._leaf(dev, "1:10", "10:", link, netem)
+            # From the region towards the syncer's region: a class on the syncer's veth.
+            cls = f"1:{10 + i:x}"
+            ok = self._leaf(syncer_dev, cls, f"{10 + i:x}:", link, netem)
+            _run(["tc", "-n", r, "filter", "add", "dev", syncer_dev, "parent", "1:", "protocol", "ip",
+                  "prio", "1", "u32", "match", "ip", "src", f"{SUBNET}.{i}.0/30", "flowid", cls])
+            if not ok:
+                return False
+        return True
+
+    def _leaf(self, dev: str, classid: str, handle: str, link: LinkConfig, netem: bool) -> bool:
+        r = self.router
+        rate = f"{link.rate_gbit_s * 1000:g}mbit"
+        # Burst and quantum must cover a 65000-byte frame, or htb stalls on big MTUs.
+        _run(["tc", "-n", r, "class", "add", "dev", dev, "parent", "1:", "classid", classid, "htb",
+              "rate", rate, "ceil", rate, "burst", "256k", "cburst", "256k", "quantum", "65536"])
+        # Queue one bandwidth-delay product (at least 1 MB): enough to keep the
+        # link busy, little enough that a bulk flow does not add much RTT.
+        bdp = max(int(link.rate_gbit_s * 1e9 / 8 * max(link.rtt_ms, 1) / 1000), 1 << 20)
+        if netem:
+            argv = ["tc", "-n", r, "qdisc", "add", "dev", dev, "parent", classid, "handle", handle, "netem",
+                    "limit", str(max(bdp // 1500, 1000)), "delay", f"{link.one_way_s * 1000:g}ms"]
+            if link.jitter_ms:
+                argv += [f"{link.jitter_ms:g}ms"]
+            if link.loss_pct:
+                argv += ["loss", f"{link.loss_pct:g}%"]
+            res = _run(argv, check=False)
+            if res.returncode != 0:
+                if "unknown" in res.stderr.lower() or "no such file" in res.stderr.lower():
+                    return False
+                raise EmulatorError(f"`{' '.join(argv)}` failed: {res.stderr.strip()}")
+            return True
+        _run(["tc", "-n", r, "qdisc", "add", "dev", dev, "parent", classid, "handle", handle,
+              "bfifo", "limit", str(bdp)])
+        return True
+
+    def _start_tun(self) -> None:
+        r, topo = self.router, self.topology
+        _run(["ip", "-n", r, "tuntap", "add", "dev", self.tun, "mode", "tun"])
+        _run(["ip", "-n", r, "link", "set", self.tun, "mtu", str(MTU), "up"])
+        self._ns(r, "sysctl", "-qw", f"net.ipv4.conf.{self.tun}.rp_filter=0")
+        # Everything arriving from a region goes through the TUN; what the
+        # forwarder writes back arrives on the TUN and takes the main table.
+        _run(["ip", "-n", r, "route", "add", "default", "dev", self.tun, "table", ROUTER_TABLE])
+        for name in topo.names:
+            _run(["ip", "-n", r, "rule", "add", "iif", f"v{self.index[name]}", "lookup", ROUTER_TABLE,
+                  "priority", "100"])
+        argv = [sys.executable, "-m", FORWARDER_MODULE, "--tun", self.tun, "--tag", self.prefix]
+        for name in topo.remote:
+            link = topo.link_of(name)
+            argv += ["--link", f"{SUBNET}.{self.index[name]}={link.one_way_s!r},"
+                               f"{link.jitter_ms / 1000!r},{link.loss_pct / 100!r}"]
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[2]),
+                                                          env.get("PYTHONPATH", "")]))
+        self._forwarder = subprocess.Popen(["ip", "netns", "exec", r, *argv], stdout=subprocess.PIPE,
+                                           stderr=subprocess.PIPE, text=True, env=env,
+                                           preexec_fn=_die_with_parent)
+        line = self._forwarder.stdout.readline()
+        if line.strip() != "ready":
+            err = self._forwarder.stderr.read() if self._forwarder.poll() is not None else ""
+            raise EmulatorError(f"TUN forwarder did not start: {line.strip()} {err.strip()}")
+
+    @property
+    def forwarder_pid(self) -> int | None:
+        """Pid of the TUN forwarder process (None with netem)."""
+        return self._forwarder.pid if self._forwarder is not None else None
