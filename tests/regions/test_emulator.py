@@ -182,8 +182,8 @@ def test_refuses_a_prefix_in_use_and_a_missing_backend():
 def test_iperf3_agrees_on_the_rate(wan):
     gbit_s = measure.iperf3(wan, "hub", "west", seconds=4.0)
     print(f"\niperf3 west -> hub: {gbit_s:.3f} Gbit/s through a {RATE_GBIT_S} Gbit/s link")
-    # iperf3 averages over the whole run, slow start included
-    assert 0.8 * RATE_GBIT_S <= gbit_s <= 1.05 * RATE_GBIT_S
+    # The first second (slow start at 50 ms RTT) is left out, as the raw-TCP probe's warm-up is.
+    assert 0.85 * RATE_GBIT_S <= gbit_s <= 1.05 * RATE_GBIT_S
 
 
 def test_jitter_spreads_the_rtt_around_the_configured_value():

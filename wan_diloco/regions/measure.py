@@ -174,14 +174,16 @@ def throughput(emu, server_region: str, client_region: str, seconds: float = 4.0
             srv.wait()
 
 
-def iperf3(emu, server_region: str, client_region: str, seconds: float = 4.0) -> float | None:
-    """Gbit/s by iperf3 (receiver side), or None when iperf3 is not installed."""
+def iperf3(emu, server_region: str, client_region: str, seconds: float = 4.0, omit_s: int = 1) -> float | None:
+    """Gbit/s by iperf3 (receiver side, the first ``omit_s`` of slow start left out), or None
+    when iperf3 is not installed."""
     if shutil.which("iperf3") is None:
         return None
     srv = emu.popen(server_region, ["iperf3", "-s", "-1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         time.sleep(0.3)
-        res = emu.exec(client_region, ["iperf3", "-J", "-c", emu.address_of(server_region), "-t", str(seconds)],
+        res = emu.exec(client_region, ["iperf3", "-J", "-c", emu.address_of(server_region), "-t", str(seconds),
+                                           "-O", str(omit_s)],
                        timeout=seconds + 60)
         return json.loads(res.stdout)["end"]["sum_received"]["bits_per_second"] / 1e9
     finally:
