@@ -170,16 +170,6 @@ class Layout:
         self.fragment_of = {n: p for p, f in enumerate(self.fragments) for n in f}
         self.nbytes = [4 * sum(math.prod(self.shapes[n]) for n in f) for f in self.fragments]
 
-    def fragment_for(self, names: Sequence[str]) -> int:
-        """The fragment whose tensors are exactly ``names``; ValueError otherwise."""
-        names = list(names)
-        if not names or names[0] not in self.fragment_of:
-            raise ValueError(f"tensors {names[:2]} belong to no fragment")
-        p = self.fragment_of[names[0]]
-        if set(names) != set(self.fragments[p]):
-            raise ValueError(f"tensors do not form fragment {p}")
-        return p
-
     def check_index(self, fragment: int) -> None:
         if not isinstance(fragment, int) or not 0 <= fragment < len(self.fragments):
             raise ValueError(f"fragment {fragment!r} out of range 0..{len(self.fragments) - 1}")
