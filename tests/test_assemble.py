@@ -32,6 +32,7 @@ def test_learners_and_syncer_come_from_the_spec():
     cores = [parts.learner_core(m) for m in range(3)]
     assert [c.region for c in cores] == [s.region(m) for m in range(3)]
     assert parts.syncer_core().cfg.num_learners == 3
+    assert "state0" not in vars(parts)  # the syncer side builds no inner optimizer state
     assert [len(sh) > 0 for sh in parts.shards] == [True] * 3
     batch = parts.batches(1).next()
     assert batch.tokens.shape == (2, 33)

@@ -46,14 +46,19 @@ class Assembly:
     # ---- model and fragments ----------------------------------------------------------
 
     @cached_property
+    def params0(self):
+        """The shared starting point Θ(0): same seed, same parameters in every process."""
+        return model_lib.init_params(self.spec.model, jax.random.PRNGKey(self.spec.run.seed))
+
+    @cached_property
     def state0(self) -> train_lib.TrainState:
-        """The shared starting point Θ(0): same seed, same parameters and optimizer in every process."""
+        """Θ(0) with a fresh inner optimizer (learners only: the syncer never builds one)."""
         s = self.spec
-        return train_lib.init_state(s.model, s.train, jax.random.PRNGKey(s.run.seed))
+        return train_lib.init_state(s.model, s.train, jax.random.PRNGKey(s.run.seed), params=self.params0)
 
     @cached_property
     def flat0(self) -> dict[str, np.ndarray]:
-        return host_flat(self.state0.params)
+        return host_flat(self.params0)
 
     @cached_property
     def layout(self) -> Layout:

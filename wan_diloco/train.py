@@ -75,9 +75,9 @@ class TrainState:
     step: jax.Array  # int32 scalar
 
 
-def init_state(model_cfg: ModelConfig, train_cfg: TrainConfig, key: jax.Array) -> TrainState:
-    """Fresh parameters from ``key`` and a zeroed optimizer state."""
-    params = model_lib.init_params(model_cfg, key)
+def init_state(model_cfg: ModelConfig, train_cfg: TrainConfig, key: jax.Array, params: Params | None = None) -> TrainState:
+    """Fresh parameters from ``key`` (or the given ``params``) and a zeroed optimizer state."""
+    params = model_lib.init_params(model_cfg, key) if params is None else params
     return TrainState(params, make_optimizer(train_cfg).init(params), jnp.zeros((), jnp.int32))
 
 
