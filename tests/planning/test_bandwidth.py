@@ -123,3 +123,18 @@ def test_bad_config_names_the_field(changes, field):
     cfg = BandwidthConfig(**{"params": 1e9, "layers": 24, "step_time_s": 0.1, **changes})
     with pytest.raises(ConfigError, match=f"^{field}:"):
         cfg.validate()
+
+
+def test_via_hub_moves_each_sites_bytes_up_and_down_whatever_the_site_count():
+    from wan_diloco.planning.bandwidth import BandwidthConfig, schedule_for
+    from wan_diloco.planning.timeline import compute_utilization
+
+    def cu(method, dcs, hub):
+        c = BandwidthConfig(params=1e9, layers=8, step_time_s=1.0, datacenters=dcs, grad_bits=16, tau=1)
+        return compute_utilization(schedule_for(c, method, via_hub=hub), 16.0)
+
+    # 16 Gbit of gradients on a 16 Gbit/s link: through a hub they cross it twice, a 2-site ring once
+    assert cu("data_parallel", 2, True) < cu("data_parallel", 2, False)
+    assert cu("data_parallel", 2, True) == cu("data_parallel", 8, True)  # a ring of 8 sends 1.75x, a hub 1x
+    assert cu("data_parallel", 8, False) < cu("data_parallel", 8, True)
+    assert cu("decoupled", 4, True) == cu("decoupled", 4, False)  # the syncer is a hub already

@@ -15,6 +15,7 @@ from wan_diloco.config import ConfigError
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "simulate": ("wan_diloco.cli.simulate", "simulated multi-region training run on a virtual clock"),
     "bandwidth": ("wan_diloco.cli.bandwidth", "Gbit/s between datacenters needed for a compute-utilization target"),
+    "plan": ("wan_diloco.cli.plan", "choose H, P, tau, bits and grace for a run from its links and step time"),
     "goodput": ("wan_diloco.cli.goodput", "chaos simulation of goodput and uptime under chip failures"),
     "syncer": ("wan_diloco.cli.syncer", "serve the syncer of a networked run (gRPC over HTTP/2)"),
     "learner": ("wan_diloco.cli.learner", "one learner process of a networked run"),

@@ -83,24 +83,30 @@ def fragment_layers(layers: int, fragments: int) -> list[tuple[int, ...]]:
     return out
 
 
-def schedule_for(cfg: BandwidthConfig, method: str) -> Schedule:
-    """The wire schedule of ``method`` under ``cfg``."""
+def schedule_for(cfg: BandwidthConfig, method: str, via_hub: bool = False) -> Schedule:
+    """The wire schedule of ``method`` under ``cfg``.
+
+    ``via_hub``: every method exchanges through a central server (parameter
+    server or syncer: each site's bytes go up once and the result comes down
+    once) instead of a ring all-reduce; this is how wan-diloco's runtime runs
+    all of them. Decoupled DiLoCo always goes through its syncer."""
     require(method in METHODS, "method", f"must be one of {', '.join(METHODS)}, got {method!r}")
     m = cfg.datacenters
-    ring_volume = 2 * (m - 1) / m  # share of the bytes each site sends in a ring all-reduce
+    # Share of the bytes each site sends in a ring all-reduce; through a hub, all of them once.
+    ring_volume = 1.0 if via_hub else 2 * (m - 1) / m
     params_per_layer = cfg.params / cfg.layers
     everything = tuple(range(cfg.layers))
     common = dict(layers=cfg.layers, step_time_s=cfg.step_time_s, latency_s=cfg.rtt_s / 2, ring_phases=2 * (m - 1))
     if method == "data_parallel":
-        sync = Sync(everything, params_per_layer * cfg.grad_bits * ring_volume, deadline_steps=0)
+        sync = Sync(everything, params_per_layer * cfg.grad_bits * ring_volume, deadline_steps=0, hub=via_hub)
         return Schedule(period_steps=1, syncs={0: (sync,)}, **common)
     h = cfg.sync_every
     if method == "diloco":
-        sync = Sync(everything, params_per_layer * cfg.bits * ring_volume, deadline_steps=0)
+        sync = Sync(everything, params_per_layer * cfg.bits * ring_volume, deadline_steps=0, hub=via_hub)
         return Schedule(period_steps=h, syncs={h - 1: (sync,)}, **common)
     bits = 4 if method == "streaming_overlap_4bit" else cfg.bits
     tau = 0 if method == "streaming" else cfg.tau
-    hub = method == "decoupled"
+    hub = via_hub or method == "decoupled"
     # A hub sends each learner's fragment up once and the merged one down once.
     volume = 1.0 if hub else ring_volume
     frags = fragment_layers(cfg.layers, cfg.n_fragments)

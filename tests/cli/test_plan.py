@@ -1,0 +1,114 @@
+import json
+from pathlib import Path
+
+import pytest
+
+from wan_diloco.cli import main
+
+ROOT = Path(__file__).resolve().parents[2]
+LOCAL = str(ROOT / "examples" / "local.toml")
+TINY_PARAMS = 853_120  # the tiny preset: 4 blocks of 196,608 + embedding and head of 256 x 128 + norms
+
+
+def _plan(tmp_path, *extra):
+    out = tmp_path / "plan.json"
+    rc = main(["plan", "--config", LOCAL, "--json", str(out), *extra])
+    return rc, json.loads(out.read_text())
+
+
+def test_plan_of_the_local_example_matches_wan_diloco_bandwidth(tmp_path, capsys):
+    rc, data = _plan(tmp_path, "--step-time", "0.1")
+    assert rc == 0 and data["reached"]
+    assert (data["sync_every"], data["fragments"], data["tau"], data["bits"]) == (10, 4, 1, 16)
+    assert data["params"] == TINY_PARAMS and data["layers"] == 4
+    assert data["inputs"]["fragment_params_configured"] == [213_376, 213_248, 213_248, 213_248]
+    assert data["fragment_params"] == data["inputs"]["fragment_params_configured"]
+    assert data["fragment_bytes"] == 213_376 * 2
+    # Learners 1 and 3 are in eu-west (2 Gbit/s, 60 ms by default); 0 and 2 share the syncer's us-east LAN.
+    assert data["links"] == {"eu-west": {"rate_gbit_s": 2.0, "rtt_s": 0.06}}
+    assert data["learners_per_region"] == {"eu-west": 2}
+    assert data["inputs"]["link_source"] == {"eu-west": "config"}
+    assert data["inputs"]["step_time_from"] == "given" and data["step_time_s"] == 0.1
+    assert data["tau_by_region"] == {"eu-west": 1}
+    assert data["demand_gbit_s_by_region"]["eu-west"] == pytest.approx(2 * TINY_PARAMS * 16 / (10 * 0.1) / 1e9)
+    # The same figure from `wan-diloco bandwidth`: each of the two learners gets 1 Gbit/s of the link.
+    bw = tmp_path / "bw.json"
+    assert main(["bandwidth", "--params", str(TINY_PARAMS), "--layers", "4", "--step-time", "0.1",
+                 "--method", "decoupled", "--sync-every", "10", "--fragments", "4", "--tau", "1", "--bits", "16",
+                 "--rtt-ms", "60", "--target-cu", "0.95", "--bandwidth-gbit", "1", "--json", str(bw)]) == 0
+    assert data["cu_predicted"] == json.loads(bw.read_text())["cu_at_bandwidth"]["cu"]["decoupled"]
+    out = capsys.readouterr().out
+    assert "reached" in out and "eu-west" in out and "sync_every = 10" in out
+
+
+def test_measured_links_replace_the_config(tmp_path, capsys):
+    metrics = tmp_path / "metrics.jsonl"
+    events = [{"source": "learner-1", "event": "link", "region": "eu-west", "rtt_ms": 150.0, "rate_gbit_s": 1.5},
+              {"source": "learner-0", "event": "link", "region": "us-east", "rtt_ms": 0.1, "rate_gbit_s": 9.0},
+              {"source": "learner-3", "event": "step", "step": 4},
+              {"source": "learner-3", "event": "link", "region": "eu-west", "rtt_ms": 150.0, "rate_gbit_s": 0.05}]
+    metrics.write_text("".join(json.dumps(e) + "\n" for e in events))
+    rc, data = _plan(tmp_path, "--step-time", "0.1", "--measured", str(metrics))
+    assert data["links"] == {"eu-west": {"rate_gbit_s": 0.05, "rtt_s": 0.15}}
+    assert data["inputs"]["link_source"] == {"eu-west": "measured"}
+    assert any("us-east" in n and "syncer" in n for n in data["inputs"]["notes"])
+    # 25 Mbit/s per learner. H=10, P=4 allows only tau 1; P=2 at 4 bits: 213 kB, 2 x 0.068 s + 0.15 s = 0.29 s
+    # over 0.09 s steps -> tau 4 = 10//2 - 1 (8 bits would need 5).
+    assert rc == 0 and data["reached"]
+    assert (data["sync_every"], data["fragments"], data["tau"], data["bits"]) == (10, 2, 4, 4)
+    assert data["tau_by_region"] == {"eu-west": 4}
+    assert "measured" in capsys.readouterr().out
+
+
+def test_unreachable_target_exits_1_with_why(tmp_path, capsys):
+    rc, data = _plan(tmp_path, "--step-time", "0.001", "--target-cu", "0.99")
+    assert rc == 1 and not data["reached"] and data["why"]
+    assert "eu-west" in data["why"][0]
+    assert "not reached" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "toml, extra, field",
+    [("[model]\npreset = \"huge\"\n", [], "model.preset"),
+     ("[learner]\nsync_evry = 8\n", [], "learner.sync_evry"),
+     ("[regions]\nnames = [\"us-east\"]\n", [], "regions"),
+     ("", ["--measured", "missing.jsonl"], "measured"),
+     ("", ["--target-cu", "1.2"], "target_cu"),
+     ("", ["--step-time", "0"], "step_time")],
+)
+def test_bad_input_exits_2_naming_the_field(tmp_path, capsys, toml, extra, field):
+    cfg = tmp_path / "run.toml"
+    cfg.write_text(toml)
+    with pytest.raises(SystemExit) as e:
+        main(["plan", "--config", str(cfg), "--step-time", "0.1", *extra])
+    assert e.value.code == 2
+    assert f"error: {field}:" in capsys.readouterr().err
+
+
+def test_measured_region_unknown_to_the_config_is_an_error(tmp_path, capsys):
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text(json.dumps({"event": "link", "region": "mars", "rtt_ms": 1.0, "rate_gbit_s": 1.0}) + "\n")
+    with pytest.raises(SystemExit):
+        main(["plan", "--config", LOCAL, "--step-time", "0.1", "--measured", str(metrics)])
+    assert "'mars' is not a WAN region" in capsys.readouterr().err
+
+
+def test_step_time_is_measured_when_not_given(tmp_path, monkeypatch):
+    from wan_diloco.cli import plan as plan_cli
+
+    seen = []
+    monkeypatch.setattr(plan_cli, "measure_step_time", lambda spec: seen.append(spec) or 0.1)
+    rc, data = _plan(tmp_path)
+    assert rc == 0 and len(seen) == 1 and seen[0].model.d_model == 128
+    assert data["inputs"]["step_time_from"].startswith("measured here") and data["step_time_s"] == 0.1
+
+
+@pytest.mark.slow
+def test_measure_step_time_times_real_steps():
+    from wan_diloco import spec
+    from wan_diloco.cli.plan import measure_step_time
+
+    micro = spec.from_document({"model": {"d_model": 16, "n_layers": 1, "n_heads": 2, "d_ff": 32, "seq_len": 8,
+                                          "vocab_size": 64}, "run": {"batch_size": 2, "min_step_s": 0.02},
+                                "learner": {"num_fragments": 1}})
+    assert 0.02 <= measure_step_time(micro, steps=2) < 10  # min_step_s pacing is a floor
