@@ -75,3 +75,13 @@ def test_token_budget_sets_the_schedule():
     s = rt.from_document({"run": {"batch_size": 2, "learners": 4}, "model": {"seq_len": 64},
                           "simulate": {"tokens": 2 * 64 * 4 * 100}})
     assert s.train.total_steps == 100 and s.train.warmup_steps == 10
+
+
+def test_dumps_round_trips_through_toml_and_leaves_unset_values_out():
+    import tomllib
+
+    s = rt.load(None).with_changes(regions={"links": {"eu-west": {"rtt_ms": 90.0}}},
+                                     transport={"tls": {"ca_file": "ca.pem"}}, plan={"adapt_tau": True})
+    text = rt.dumps(s)
+    assert "max_grace_s" not in text  # None: unset, and TOML has no null
+    assert rt.from_document(tomllib.loads(text)) == s

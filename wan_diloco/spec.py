@@ -11,6 +11,7 @@ Tables (every key optional; each default is stated once, in the dataclass named)
 - ``[train]`` ``train.TrainConfig``: inner AdamW and its schedule
 - ``[transport]`` ``transport.TransportConfig`` (and ``[transport.tls]``)
 - ``[codec]`` ``compression.CodecConfig``: bits of outer gradients and updates on the wire
+- ``[plan]`` :class:`PlanConfig`: CU target and margin of plans; per-learner τ from measured links
 - ``[simulate]`` :class:`SimulateConfig`: only the simulator's time and link model and baseline;
   real runs ignore it, so one file goes from ``simulate`` to ``launch`` and back.
 
@@ -27,6 +28,8 @@ import os
 import tomllib
 from pathlib import Path
 from typing import Any, Literal, Mapping
+
+import tomli_w
 
 from wan_diloco import model as model_lib
 from wan_diloco.compression.config import CodecConfig
@@ -109,6 +112,29 @@ class SimulateConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class PlanConfig:
+    """How a run is planned from its links (``wan-diloco plan``, and the learners while they train).
+
+    With ``adapt_tau`` each learner takes the smallest τ its measured link
+    allows (``planning.tau_for_link``, from its probe and its measured step
+    time, at most ``max_tau`` and below H/P) and plans again whenever a probe
+    finds the link's rate moved by more than ``replan_threshold``.
+    """
+
+    target_cu: float = 0.95
+    margin: float = 0.1  # share of each link's rate a plan leaves unused
+    adapt_tau: bool = False
+    replan_threshold: float = 0.2
+    max_tau: int = 5
+
+    def validate(self) -> None:
+        require(0 < self.target_cu < 1, "target_cu", f"must be in (0, 1), got {self.target_cu}")
+        require(0 <= self.margin < 1, "margin", f"must be in [0, 1), got {self.margin}")
+        require(0 < self.replan_threshold < 10, "replan_threshold", f"must be in (0, 10), got {self.replan_threshold}")
+        require(self.max_tau >= 1, "max_tau", f"must be >= 1, got {self.max_tau}")
+
+
+@dataclasses.dataclass(frozen=True)
 class RunSpec:
     """The whole run: every table of the file, validated and cross-checked. Build it with
     :func:`from_document` or :func:`load` (``from_document({})`` is every default)."""
@@ -123,6 +149,7 @@ class RunSpec:
     codec: CodecConfig
     simulate: SimulateConfig
     regions: RegionsConfig
+    plan: PlanConfig
     preset: str  # the [model] preset the dimensions started from (for reports)
 
     def region(self, learner: int) -> str:
@@ -145,7 +172,7 @@ class RunSpec:
         return from_document(doc)
 
 
-TABLES = ("run", "model", "data", "learner", "syncer", "train", "transport", "codec", "simulate", "regions")
+TABLES = ("run", "model", "data", "learner", "syncer", "train", "transport", "codec", "simulate", "regions", "plan")
 
 
 def _table(doc: Mapping[str, Any], name: str) -> dict[str, Any]:
@@ -201,7 +228,8 @@ def from_document(doc: Mapping[str, Any]) -> RunSpec:
     regions = regions_from_mapping(_table(doc, "regions"))
     require(not regions.learners or len(regions.learners) == run.learners, "regions.learners",
             f"names the region of {len(regions.learners)} learners, run.learners = {run.learners}")
-    return RunSpec(run, model, data, learner, syncer, train, transport, codec, simulate, regions, preset)
+    plan = from_mapping(PlanConfig, _table(doc, "plan"), prefix="plan.")
+    return RunSpec(run, model, data, learner, syncer, train, transport, codec, simulate, regions, plan, preset)
 
 
 def inner_steps(run: RunConfig, model: ModelConfig, simulate: SimulateConfig) -> int:
@@ -224,6 +252,17 @@ def to_document(spec: RunSpec) -> dict[str, Any]:
     if doc["transport"].get("tls") is None:
         doc["transport"].pop("tls", None)
     return doc
+
+
+def _without_none(node: Any) -> Any:
+    if isinstance(node, dict):
+        return {k: _without_none(v) for k, v in node.items() if v is not None}
+    return node
+
+
+def dumps(spec: RunSpec) -> str:
+    """The spec as TOML text (``None`` means "unset" and is left out), read back by :func:`from_document`."""
+    return tomli_w.dumps(_without_none(to_document(spec)))
 
 
 # Short names for the keys studies vary most (simulate's flags, benchmarks, tests): name -> (table, key).

@@ -165,3 +165,12 @@ def test_error_feedback_carries_what_was_dropped():
 def test_step_done_without_begin_is_an_error():
     with pytest.raises(RuntimeError):
         make().step_done(0.0, 1)
+
+
+def test_retune_changes_tau_and_refuses_a_bad_one_without_changing_state():
+    lc = make(tau=0)
+    lc.retune(3)
+    assert lc.cfg.tau == 3
+    with pytest.raises(ConfigError, match="tau"):
+        lc.retune(lc.cfg.sync_every)
+    assert lc.cfg.tau == 3

@@ -15,7 +15,9 @@ from pathlib import Path
 import pytest
 
 from wan_diloco.regions import measure
-from wan_diloco.regions.emulator import Emulator, EmulatorError, forwarder_pids, list_namespaces, teardown_leftovers
+from wan_diloco.regions.emulator import (
+    Emulator, EmulatorError, forwarder_pids, list_namespaces, teardown_leftovers, unavailable_reason,
+)
 from wan_diloco.regions.topology import regions_from_mapping
 
 pytestmark = pytest.mark.netns
@@ -25,17 +27,7 @@ RATE_GBIT_S = 1.0
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _why_not() -> str | None:
-    if os.geteuid() != 0:
-        return "needs root (network namespaces and tc)"
-    if shutil.which("ip") is None or shutil.which("tc") is None:
-        return "needs iproute2 (`ip`, `tc`)"
-    if subprocess.run(["ip", "netns", "list"], capture_output=True).returncode != 0:
-        return "`ip netns` is not available here"
-    return None
-
-
-if (reason := _why_not()) is not None:
+if (reason := unavailable_reason()) is not None:
     pytestmark = [pytest.mark.netns, pytest.mark.skip(reason=reason)]
 
 
@@ -198,3 +190,24 @@ def test_jitter_spreads_the_rtt_around_the_configured_value():
     # in-order delivery pulls delays up towards delay + jitter, hence the skew
     assert 38.0 <= r["rtt_ms_median"] <= 47.0
     assert leftovers("wdlj") == NOTHING
+
+
+def test_a_link_can_slow_down_be_cut_and_come_back_while_in_use():
+    teardown_leftovers("wdlc")
+    topo = regions_from_mapping({"names": ["hub", "east"], "link": {"rate_gbit_s": 0.2, "rtt_ms": 20.0}})
+    with Emulator(topo, prefix="wdlc") as emu:
+        emu.set_rate("east", 0.02)
+        slow = measure.throughput(emu, "hub", "east", seconds=3.0)
+        knock = [sys.executable, "-c", f"import socket; socket.create_connection(('{emu.address_of('hub')}', 9), 2)"]
+        assert "refused" in emu.exec("east", knock, check=False).stderr  # the link is up: a closed port answers
+        emu.cut("east")
+        assert "timed out" in emu.exec("east", knock, check=False).stderr  # cut: silence
+        emu.cut("east", down=False)
+        emu.set_rate("east", 0.2)
+        back = measure.rtt(emu, "hub", "east", count=5)
+        fast = measure.throughput(emu, "hub", "east", seconds=3.0)
+    print(f"\nslowed to 0.02: {slow.gbit_s:.4f} Gbit/s; back at 0.2: {fast.gbit_s:.3f} Gbit/s, rtt {back['rtt_ms_median']:.1f}")
+    assert slow.gbit_s == pytest.approx(0.02, rel=0.15)
+    assert fast.gbit_s == pytest.approx(0.2, rel=0.15)
+    assert back["rtt_ms_median"] == pytest.approx(20.0, rel=0.15)
+    assert leftovers("wdlc") == NOTHING

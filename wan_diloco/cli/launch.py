@@ -20,6 +20,9 @@ from wan_diloco.runtime.launch import RunState, launch
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", metavar="TOML", required=True, help="run config (see examples/local.toml)")
+    p.add_argument("--emulate", action="store_true",
+                   help="run every process in its region's namespace of an emulated WAN built from [regions] "
+                        "(needs root; TLS with a CA made for the run)")
     add_common(p)
 
 
@@ -32,14 +35,16 @@ def add_common(p: argparse.ArgumentParser) -> None:
 def table(mon: RunState) -> Table:
     cfg = mon.cfg
     t = Table(title=f"wan-diloco: {cfg.run.learners} learners, step budget {cfg.run.steps}")
-    for col in ("process", "region", "step", "loss", "tokens", "sent", "status"):
-        t.add_column(col, justify="left" if col in ("process", "region", "status") else "right")
+    for col in ("process", "region", "step", "loss", "tokens", "sent", "link", "tau", "status"):
+        t.add_column(col, justify="left" if col in ("process", "region", "link", "status") else "right")
     for m, r in mon.learners.items():
-        loss = r.get("loss")
+        loss, link = r.get("loss"), r.get("link")
         t.add_row(f"learner-{m}", r["region"], str(r.get("step", "")), f"{loss:.3f}" if loss is not None else "",
-                  f"{r.get('tokens', 0):,}", human_bytes(r.get("bytes_sent", 0)), r["status"])
+                  f"{r.get('tokens', 0):,}", human_bytes(r.get("bytes_sent", 0)),
+                  f"{link['rate_gbit_s']:.3g} Gbit/s {link['rtt_ms']:.0f} ms" if link else "", str(r["tau"]),
+                  r["status"])
     s = mon.syncer
-    t.add_row("syncer", "", str(s.get("global_step", "")), "", "", human_bytes(s.get("bytes_out", 0)),
+    t.add_row("syncer", "", str(s.get("global_step", "")), "", "", human_bytes(s.get("bytes_out", 0)), "", "",
               f"versions {s.get('versions', '')}")
     return t
 
@@ -66,13 +71,17 @@ def print_summary(s: dict) -> None:
     out.print(t)
 
 
-def launch_and_show(cfg: spec_lib.RunSpec, config_text: str, run_dir: str | None, quiet: bool) -> tuple[int, dict]:
+def launch_and_show(cfg: spec_lib.RunSpec, config_text: str, run_dir: str | None, quiet: bool,
+                    emulate: bool = False) -> tuple[int, dict]:
     """``runtime.launch`` with a live table (unless quiet) and its warnings and errors printed."""
     if quiet:
-        code, summary = launch(cfg, config_text, run_dir)
+        code, summary = launch(cfg, config_text, run_dir, emulate=emulate)
     else:
         with Live(table(RunState(cfg)), console=console, refresh_per_second=4, transient=False) as live:
-            code, summary = launch(cfg, config_text, run_dir, watch=lambda mon: live.update(table(mon)))
+            code, summary = launch(cfg, config_text, run_dir, watch=lambda mon: live.update(table(mon)),
+                                   emulate=emulate)
+    for line in summary.get("emulator", {}).get("namespaces", []):
+        console.print(f"emulated WAN: {line}")
     for name, (exit_code, log) in summary.get("failed_learners", {}).items():
         console.print(f"[yellow]wan-diloco: {name} did not finish (exit code {exit_code}); see {log}[/yellow]")
     if "error" in summary:
@@ -91,5 +100,5 @@ def finish(code: int, summary: dict, args: argparse.Namespace) -> int:
 
 def run(args: argparse.Namespace) -> int:
     cfg = spec_lib.load(args.config)
-    code, summary = launch_and_show(cfg, Path(args.config).read_text(), args.run_dir, args.quiet)
+    code, summary = launch_and_show(cfg, Path(args.config).read_text(), args.run_dir, args.quiet, args.emulate)
     return finish(code, summary, args)

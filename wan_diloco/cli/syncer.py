@@ -26,6 +26,7 @@ async def serve(cfg: spec_lib.RunSpec, token: str, port: int | None = None) -> i
     host = cfg.run.host
     server = TransportServer(service, token, cfg.transport, f"{host}:{cfg.run.port if port is None else port}",
                              metrics, name="syncer")
+    service.peer_links = server.peer_links  # one dict: the server records, /status shows
     status = StatusServer(service.status, metrics, host, cfg.run.status_port) if cfg.run.status_port >= 0 else None
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -6,7 +6,7 @@ current parameters, and applies ``ApplyGlobal`` actions to its parameters.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -176,6 +176,15 @@ class LearnerCore:
         self.in_flight.pop(fragment, None)
         self.c_steps[fragment] = self.c_tokens[fragment] = 0
         return [ApplyGlobal(fragment, self.base[fragment], 0.0)]
+
+    def retune(self, tau: int) -> None:
+        """Take a new τ while training (a plan from the measured link); refused values change nothing.
+
+        Only when this learner waits changes: fragments in flight are held to
+        the new τ from now on, the schedule and the protocol stay as they are."""
+        cfg = replace(self.cfg, tau=tau)
+        cfg.validate()
+        self.cfg = cfg
 
     @property
     def blocked(self) -> bool:

@@ -22,6 +22,7 @@ links with the TUN forwarder, but only the destination's link with netem.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import os
 import shutil
 import signal
@@ -36,9 +37,23 @@ from wan_diloco.regions.topology import LinkConfig, RegionsConfig
 
 SUBNET = "10.77"  # 10.77.<i>.0/30 per region, only ever inside our namespaces
 MTU = 65000  # large frames cut per-packet cost, so Python can carry Gbit/s
+MIN_MTU = 1500
+PACKETS_PER_S = 2000  # the MTU is chosen so the fastest link needs at most this many packets a second
+
+
+def mtu_for(topology: RegionsConfig) -> int:
+    """MTU of the emulated links: as small as real (1500) unless the forwarder's packet rate needs larger.
+
+    Large frames let a Python forwarder carry Gbit/s, but on a slow link one
+    65000-byte frame takes long to serialize (0.75 s at 0.7 Mbit/s), which no
+    real WAN does; so slow topologies get ordinary frames."""
+    fastest = max((topology.link_of(r).rate_gbit_s for r in topology.remote), default=1.0)
+    return int(min(MTU, max(MIN_MTU, fastest * 1e9 / 8 / PACKETS_PER_S)))
 TCP_MEM = "4096 131072 268435456"  # 256 MB max: a 5 Gbit/s x 100 ms BDP is 62 MB
 FORWARDER_MODULE = "wan_diloco.regions.forwarder"
 ROUTER_TABLE = "100"
+CLASSIFY_PRIO = 1  # u32 filters that pick a region's class
+ROUTER_RULE_PRIO = "1000"  # ip rules that steer into the TUN; cut() blackholes at 2i+1, 2i+2 (< 1000)
 PR_SET_PDEATHSIG = 1
 
 Backend = Literal["auto", "netem", "tun"]
@@ -62,6 +77,17 @@ def _die_with_parent() -> None:
     # Emulator from a thread that outlives it, normally the main thread.)
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+
+
+def unavailable_reason() -> str | None:
+    """Why the emulator cannot run here (not root, no iproute2, no ``ip netns``), or None."""
+    if os.geteuid() != 0:
+        return "needs root (network namespaces and tc)"
+    if shutil.which("ip") is None or shutil.which("tc") is None:
+        return "needs iproute2 (`ip`, `tc`)"
+    if subprocess.run(["ip", "netns", "list"], capture_output=True).returncode != 0:
+        return "`ip netns` is not available here"
+    return None
 
 
 def router_name(prefix: str) -> str:
@@ -160,6 +186,7 @@ class Emulator:
         self.router = router_name(prefix)
         self.index = {name: i + 1 for i, name in enumerate(topology.names)}
         self.tun = f"{prefix}tun"
+        self.mtu = mtu_for(topology)
         self._procs: list[subprocess.Popen] = []
         self._forwarder: subprocess.Popen | None = None
         self._old_handlers: dict[int, object] = {}
@@ -176,6 +203,10 @@ class Emulator:
         """IPv4 address of ``region``'s namespace (reachable from every other region)."""
         self.namespace(region)
         return f"{SUBNET}.{self.index[region]}.2"
+
+    def netns_argv(self, region: str) -> list[str]:
+        """Prefix that runs a command inside ``region``'s namespace (for callers that start their own)."""
+        return ["ip", "netns", "exec", self.namespace(region)]
 
     def exec(self, region: str, argv: Sequence[str], check: bool = True, timeout: float | None = None,
              ) -> subprocess.CompletedProcess:
@@ -279,13 +310,16 @@ class Emulator:
         for name in topo.names:
             i, ns = self.index[name], self.namespace(name)
             _run(["ip", "netns", "add", ns])
+            # Slow start after idle off: what a host tuned for long fat links runs with
+            # (docs/operations.md), so a sync after a quiet spell starts at full window.
             for k, v in (("net.ipv4.tcp_rmem", TCP_MEM), ("net.ipv4.tcp_wmem", TCP_MEM),
+                         ("net.ipv4.tcp_slow_start_after_idle", "0"),
                          ("net.ipv6.conf.all.disable_ipv6", "1"), ("net.ipv6.conf.default.disable_ipv6", "1")):
                 self._ns(ns, "sysctl", "-qw", f"{k}={v}")
             # Created straight inside the two namespaces: nothing ever exists in the host's.
-            _run(["ip", "-n", r, "link", "add", f"v{i}", "mtu", str(MTU), "type", "veth",
+            _run(["ip", "-n", r, "link", "add", f"v{i}", "mtu", str(self.mtu), "type", "veth",
                   "peer", "name", "eth0", "netns", ns])
-            _run(["ip", "-n", ns, "link", "set", "eth0", "mtu", str(MTU)])
+            _run(["ip", "-n", ns, "link", "set", "eth0", "mtu", str(self.mtu)])
             _run(["ip", "-n", r, "addr", "add", f"{SUBNET}.{i}.1/30", "dev", f"v{i}"])
             _run(["ip", "-n", ns, "addr", "add", f"{SUBNET}.{i}.2/30", "dev", "eth0"])
             for dev_ns, dev in ((r, f"v{i}"), (ns, "eth0"), (ns, "lo")):
@@ -323,22 +357,26 @@ class Emulator:
             cls = f"1:{10 + i:x}"
             ok = self._leaf(syncer_dev, cls, f"{10 + i:x}:", link, netem)
             _run(["tc", "-n", r, "filter", "add", "dev", syncer_dev, "parent", "1:", "protocol", "ip",
-                  "prio", "1", "u32", "match", "ip", "src", f"{SUBNET}.{i}.0/30", "flowid", cls])
+                  "prio", str(CLASSIFY_PRIO), "u32", "match", "ip", "src", f"{SUBNET}.{i}.0/30", "flowid", cls])
             if not ok:
                 return False
         return True
 
-    def _leaf(self, dev: str, classid: str, handle: str, link: LinkConfig, netem: bool) -> bool:
+    def _leaf(self, dev: str, classid: str, handle: str, link: LinkConfig, netem: bool, verb: str = "add") -> bool:
         r = self.router
         rate = f"{link.rate_gbit_s * 1000:g}mbit"
-        # Burst and quantum must cover a 65000-byte frame, or htb stalls on big MTUs.
-        _run(["tc", "-n", r, "class", "add", "dev", dev, "parent", "1:", "classid", classid, "htb",
-              "rate", rate, "ceil", rate, "burst", "256k", "cburst", "256k", "quantum", "65536"])
-        # Queue one bandwidth-delay product (at least 1 MB): enough to keep the
-        # link busy, little enough that a bulk flow does not add much RTT.
-        bdp = max(int(link.rate_gbit_s * 1e9 / 8 * max(link.rtt_ms, 1) / 1000), 1 << 20)
+        rate_bytes_s = link.rate_gbit_s * 1e9 / 8
+        # Burst and quantum must cover a frame, or htb stalls on big MTUs; beyond
+        # that, a burst of 2 ms at line rate (no more: a slow link must stay slow).
+        burst = max(4 * self.mtu, int(rate_bytes_s * 0.002))
+        _run(["tc", "-n", r, "class", verb, "dev", dev, "parent", "1:", "classid", classid, "htb",
+              "rate", rate, "ceil", rate, "burst", str(burst), "cburst", str(burst),
+              "quantum", str(max(self.mtu + 536, 1600))])
+        # Queue one bandwidth-delay product (at least a few frames): enough to
+        # keep the link busy, little enough that a bulk flow does not add much RTT.
+        bdp = max(int(rate_bytes_s * max(link.rtt_ms, 1) / 1000), 8 * self.mtu)
         if netem:
-            argv = ["tc", "-n", r, "qdisc", "add", "dev", dev, "parent", classid, "handle", handle, "netem",
+            argv = ["tc", "-n", r, "qdisc", verb, "dev", dev, "parent", classid, "handle", handle, "netem",
                     "limit", str(max(bdp // 1500, 1000)), "delay", f"{link.one_way_s * 1000:g}ms"]
             if link.jitter_ms:
                 argv += [f"{link.jitter_ms:g}ms"]
@@ -350,21 +388,41 @@ class Emulator:
                     return False
                 raise EmulatorError(f"`{' '.join(argv)}` failed: {res.stderr.strip()}")
             return True
-        _run(["tc", "-n", r, "qdisc", "add", "dev", dev, "parent", classid, "handle", handle,
+        _run(["tc", "-n", r, "qdisc", verb, "dev", dev, "parent", classid, "handle", handle,
               "bfifo", "limit", str(bdp)])
         return True
+
+    # ---- changing links while a run uses them ------------------------------
+    def set_rate(self, region: str, rate_gbit_s: float) -> None:
+        """Shape ``region``'s link (both directions) to ``rate_gbit_s`` from now on (delay and loss kept)."""
+        link = dataclasses.replace(self.topology.link_of(region), rate_gbit_s=rate_gbit_s)
+        link.validate()
+        i, syncer_dev = self.index[region], f"v{self.index[self.topology.syncer_region]}"
+        netem = self.backend == "netem"
+        self._leaf(f"v{i}", "1:10", "10:", link, netem, verb="change")
+        self._leaf(syncer_dev, f"1:{10 + i:x}", f"{10 + i:x}:", link, netem, verb="change")
+
+    def cut(self, region: str, down: bool = True) -> None:
+        """Drop every packet to and from ``region`` at the router (``down=False`` restores it), as a
+        failed WAN link does: the endpoints' TCP sees silence, not a reset."""
+        i, r = self.index[region], self.router
+        verb = "add" if down else "del"
+        # Policy rules ahead of everything else the router does (TUN steering sits at ROUTER_RULE_PRIO).
+        for prio, direction in ((2 * i + 1, "from"), (2 * i + 2, "to")):
+            _run(["ip", "-n", r, "rule", verb, direction, f"{SUBNET}.{i}.0/30", "blackhole", "priority", str(prio)],
+                 check=down)
 
     def _start_tun(self) -> None:
         r, topo = self.router, self.topology
         _run(["ip", "-n", r, "tuntap", "add", "dev", self.tun, "mode", "tun"])
-        _run(["ip", "-n", r, "link", "set", self.tun, "mtu", str(MTU), "up"])
+        _run(["ip", "-n", r, "link", "set", self.tun, "mtu", str(self.mtu), "up"])
         self._ns(r, "sysctl", "-qw", f"net.ipv4.conf.{self.tun}.rp_filter=0")
         # Everything arriving from a region goes through the TUN; what the
         # forwarder writes back arrives on the TUN and takes the main table.
         _run(["ip", "-n", r, "route", "add", "default", "dev", self.tun, "table", ROUTER_TABLE])
         for name in topo.names:
             _run(["ip", "-n", r, "rule", "add", "iif", f"v{self.index[name]}", "lookup", ROUTER_TABLE,
-                  "priority", "100"])
+                  "priority", ROUTER_RULE_PRIO])
         argv = [sys.executable, "-m", FORWARDER_MODULE, "--tun", self.tun, "--tag", self.prefix]
         for name in topo.remote:
             link = topo.link_of(name)

@@ -10,6 +10,7 @@ died, or every learner did) ends with the reason.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -23,7 +24,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from wan_diloco import spec as spec_lib
+from wan_diloco.regions import Emulator, EmulatorError
 from wan_diloco.spec import TOKEN_ENV, RunSpec
+from wan_diloco.transport.dev_certs import make_dev_certs
 
 THREAD_ENV = {
     # 1 + M JAX processes share the machine: one compute thread each instead of one per core each.
@@ -62,8 +66,10 @@ class Cluster:
     """Children of one run; ``events`` yields (child name, event dict) from all of them."""
 
     def __init__(self, cfg: RunSpec, config_path: Path, run_dir: Path, token: str | None = None,
-                 env: dict | None = None):
+                 env: dict | None = None, wrap: Callable[[str], list[str]] | None = None):
+        """``wrap(name)`` is an argv prefix for child ``name`` (e.g. ``ip netns exec NS``)."""
         self.cfg, self.config_path, self.run_dir = cfg, Path(config_path), Path(run_dir)
+        self.wrap = wrap or (lambda name: [])
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.token = token or cfg.run.token or os.environ.get(TOKEN_ENV) or secrets.token_urlsafe(24)
         self.env = child_env(self.token, env)
@@ -83,7 +89,7 @@ class Cluster:
         log = open(log_path, "ab")
         try:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "wan_diloco.cli", *args], stdout=subprocess.PIPE, stderr=log,
+                [*self.wrap(name), sys.executable, "-m", "wan_diloco.cli", *args], stdout=subprocess.PIPE, stderr=log,
                 env=self.env, start_new_session=True,  # own process group: Ctrl-C reaches only the launcher
             )
         finally:
@@ -178,7 +184,7 @@ class RunState:
 
     def __init__(self, cfg: RunSpec):
         self.cfg = cfg
-        self.learners: dict[int, dict] = {m: {"region": cfg.region(m), "status": "starting"}
+        self.learners: dict[int, dict] = {m: {"region": cfg.region(m), "status": "starting", "tau": cfg.learner.tau}
                                           for m in range(cfg.run.learners)}
         self.syncer: dict = {}
         self.syncer_final: dict | None = None
@@ -200,6 +206,10 @@ class RunState:
             row["status"] = "training"
         elif kind == "step":
             row.update(e)
+        elif kind == "link":
+            row["link"] = {k: e[k] for k in ("rtt_ms", "rate_gbit_s")}
+        elif kind == "replan":
+            row["tau"] = e["tau_new"]
         elif kind == "final":
             self.finals[m] = e
             row.update(status="done", step=e["steps"], loss=e["last_loss"], tokens=e["tokens"],
@@ -234,14 +244,53 @@ def summarize(mon: RunState, wall_s: float) -> dict:
 
 
 def launch(cfg: RunSpec, config_text: str, run_dir: str | None = None,
-           watch: Callable[[RunState], None] | None = None) -> tuple[int, dict]:
+           watch: Callable[[RunState], None] | None = None, emulate: bool | Emulator = False,
+           emulator_prefix: str = "wdl") -> tuple[int, dict]:
     """Run everything to the end; returns (exit code, summary). ``watch(state)`` sees every update.
+
+    With ``emulate`` the syncer and every learner run in their region's network
+    namespace of an emulated WAN built from ``[regions]`` (``regions.Emulator``,
+    needs root), over TLS with a throwaway CA made for the run (cleartext is
+    refused off loopback); the resolved config is ``RUN_DIR/config.toml``. An
+    ``Emulator`` already entered (a benchmark that changes links during the
+    run) is used as it is and left up.
 
     The summary of a failed run has ``error`` (why); ``failed_learners`` names learners
     that did not finish a run that otherwise did."""
     rdir = Path(run_dir) if run_dir else Path(cfg.run.run_dir) / time.strftime("%Y%m%d-%H%M%S")
     rdir.mkdir(parents=True, exist_ok=True)
-    (rdir / "config.toml").write_text(config_text)
+    if not emulate:
+        (rdir / "config.toml").write_text(config_text)
+        return _run(cfg, rdir, watch)
+    try:
+        with contextlib.ExitStack() as stack:
+            emu = emulate if isinstance(emulate, Emulator) else stack.enter_context(
+                Emulator(cfg.regions, prefix=emulator_prefix))
+            ecfg = emulated_spec(cfg, emu, rdir / "tls")
+            (rdir / "config.toml").write_text(spec_lib.dumps(ecfg))
+            info = {"backend": emu.backend, "namespaces": emu.describe()}
+            code, summary = _run(ecfg, rdir, watch, wrap=lambda name: emu.netns_argv(_region_of(ecfg, name)))
+            return code, {**summary, "emulator": info}
+    except EmulatorError as e:
+        return 1, {"error": f"emulated WAN: {e}", "run_dir": str(rdir)}
+
+
+def _region_of(cfg: RunSpec, name: str) -> str:
+    return cfg.regions.syncer_region if name == "syncer" else cfg.region(int(name.rpartition("-")[2]))
+
+
+def emulated_spec(cfg: RunSpec, emu: Emulator, tls_dir: Path) -> RunSpec:
+    """``cfg`` with the syncer on its region's emulated address and TLS from a CA made for this run."""
+    host = emu.address_of(cfg.regions.syncer_region)
+    certs = make_dev_certs(tls_dir, hosts=(host,))
+    # One file for every process: the syncer reads cert and key, learners the CA.
+    tls = {"cert_file": certs["server"].cert_file, "key_file": certs["server"].key_file,
+           "ca_file": certs["client"].ca_file}
+    return cfg.with_changes(run={"host": host}, transport={"tls": tls})
+
+
+def _run(cfg: RunSpec, rdir: Path, watch: Callable[[RunState], None] | None,
+         wrap: Callable[[str], list[str]] | None = None) -> tuple[int, dict]:
     mon, t0 = RunState(cfg), time.monotonic()
     stop = {"sig": 0}
 
@@ -250,7 +299,7 @@ def launch(cfg: RunSpec, config_text: str, run_dir: str | None = None,
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        with Cluster(cfg, rdir / "config.toml", rdir) as cluster, open(rdir / "metrics.jsonl", "w") as mf:
+        with Cluster(cfg, rdir / "config.toml", rdir, wrap=wrap) as cluster, open(rdir / "metrics.jsonl", "w") as mf:
             try:
                 cluster.start_syncer()
             except RuntimeError as e:

@@ -21,11 +21,15 @@ import numpy as np
 from wan_diloco import train as train_lib
 from wan_diloco import tree
 from wan_diloco.assemble import Assembly, fragment_digest
+from wan_diloco.planning import LinkEstimate, replan_reasons, tau_for_link
 from wan_diloco.core import ApplyGlobal, ProtocolError, Resync, SendFragment, SendMetadata, Snapshot, learner_node
 from wan_diloco.runtime.events import emit
 from wan_diloco.runtime.netthread import NetThread
 from wan_diloco.spec import RunSpec
 from wan_diloco.transport import MessageError, TransportError
+
+
+REPLAN_MIN_STEPS = 5  # steps timed before τ is planned from a link (τ counts steps)
 
 
 class Learner:
@@ -49,6 +53,10 @@ class Learner:
         self.raw_bytes = 0  # fp32 size of what was uploaded: numerator of the compression ratio
         self.payload_bytes = 0
         self.resyncs = 0
+        self.link = None  # the latest LinkSample
+        self.planned_link: LinkEstimate | None = None  # the link the current τ was planned for
+        self.unplanned: LinkEstimate | None = None  # a sample that came before the step time was known
+        self.uploads = 0
 
     # ---- actions --------------------------------------------------------------------
 
@@ -65,6 +73,7 @@ class Learner:
             elif isinstance(a, SendFragment):
                 self.raw_bytes += self.layout.nbytes[a.msg.fragment]
                 self.payload_bytes += a.msg.nbytes
+                self.uploads += 1
                 self.net.upload(a.msg)
             elif isinstance(a, SendMetadata):
                 self.net.send_metadata(a.msg)
@@ -90,6 +99,8 @@ class Learner:
             if kind == "update":
                 arrived_s, update = item
                 self._handle(self.core.on_update(arrived_s, update))
+            elif kind == "link":
+                self._on_link(item)
             else:
                 raise RuntimeError(f"learner {self.m}: {item}")
         for p, fut in list(self.pending_resync.items()):
@@ -106,6 +117,45 @@ class Learner:
                 continue
             self._install(*got)
 
+    def _on_link(self, sample) -> None:
+        """A link measurement: log it (the run's metrics JSONL), keep it, and re-plan τ if asked to."""
+        self.link = sample
+        emit({"event": "link", "role": "learner", "learner": self.m, "region": self.region, "step": self.core.step,
+              **sample.to_event()})
+        if self.cfg.plan.adapt_tau:
+            self._replan(LinkEstimate(sample.rate_gbit_s, sample.rtt_s))
+
+    def _replan(self, link: LinkEstimate) -> None:
+        """τ = the smallest this link allows (``planning.tau_for_link``), when the link moved enough.
+
+        Until a few steps are timed, the sample waits: τ is counted in steps."""
+        step_s = self.core.step_s.value
+        if step_s is None or self.core.step < REPLAN_MIN_STEPS:
+            self.unplanned = link
+            return
+        self.unplanned = None
+        plan = self.cfg.plan
+        if self.planned_link is None:
+            reasons = [f"first plan: rate {link.rate_gbit_s:.3g} Gbit/s, rtt {link.rtt_s * 1e3:.1f} ms measured"]
+        else:
+            reasons = replan_reasons({self.region: self.planned_link}, {self.region: link}, plan.replan_threshold)
+        if not reasons:
+            return
+        self.planned_link = link
+        cap = min(plan.max_tau, self.cfg.learner.sync_every - 1)
+        # What actually goes on the wire per fragment so far (compressed), else the codec's bound.
+        frag_bytes = (self.payload_bytes / self.uploads if self.uploads
+                      else max(self.codec.max_bytes(p) for p in range(len(self.layout.fragments))))
+        tau = tau_for_link(frag_bytes, link, step_s, plan.margin, sync_s=0.0, max_tau=cap)
+        if tau is None:
+            tau = cap
+            reasons.append(f"the round trip needs more than tau = {cap} steps; using {cap}")
+        old = self.core.cfg.tau
+        self.core.retune(tau)
+        emit({"event": "replan", "role": "learner", "learner": self.m, "region": self.region, "step": self.core.step,
+              "tau_old": old, "tau_new": tau, "step_s": round(step_s, 4), "fragment_bytes": int(frag_bytes),
+              "reasons": reasons})
+
     # ---- the run --------------------------------------------------------------------
 
     def join(self, timeout_s: float) -> None:
@@ -121,6 +171,7 @@ class Learner:
         try:
             self.join(self.cfg.transport.call_timeout_s + self.cfg.transport.retry_budget_s)
             self.net.send_metadata(self.core.metadata())
+            self.net.start_probing()
             initial_loss = self.evaluate()
             emit({"event": "start", "role": "learner", "learner": self.m, "region": self.region,
                   "step": self.core.step, "eval_loss": initial_loss})
@@ -140,6 +191,8 @@ class Learner:
                 self.compute_s += t1 - t0
                 self.tokens += batch.n_tokens
                 self._handle(self.core.step_done(t1, batch.n_tokens))
+                if self.unplanned is not None and self.core.step >= REPLAN_MIN_STEPS:
+                    self._replan(self.unplanned)
                 if t1 - last_report >= self.cfg.run.report_every_s:
                     last_report = t1
                     emit({"event": "step", "role": "learner", "learner": self.m, "step": self.core.step,
@@ -153,7 +206,9 @@ class Learner:
                     "steps": self.core.step, "tokens": self.tokens, "train_s": train_s, "compute_s": self.compute_s,
                     "initial_eval_loss": initial_loss, "last_loss": loss, "raw_bytes": self.raw_bytes,
                     "payload_bytes": self.payload_bytes, "bytes_sent": self.net.bytes_sent,
-                    "bytes_received": self.net.bytes_received, "resyncs": self.resyncs, **report}
+                    "bytes_received": self.net.bytes_received, "resyncs": self.resyncs,
+                    "link": self.link.to_event() if self.link is not None else None, "tau": self.core.cfg.tau,
+                    **report}
         finally:
             self.net.stop()
 

@@ -20,8 +20,9 @@ import time
 from wan_diloco.compression import FragmentCodec
 from wan_diloco.core import FragmentUpload, Metadata, ProtocolError
 from wan_diloco.runtime import serde
+from wan_diloco.transport.probe import MAX_PROBE_BYTES, PROBE_CUTOFF
 from wan_diloco.transport import (
-    BulkRequest, Frame, MessageError, SyncerClient, TransportConfig, TransportError, TransportMetrics,
+    BulkRequest, Frame, MessageError, ProbePolicy, SyncerClient, TransportConfig, TransportError, TransportMetrics,
     new_event_loop,
 )
 
@@ -39,11 +40,13 @@ class NetThread:
     def __init__(self, target: str, token: str, transport_cfg: TransportConfig, node: str, region: str,
                  codec: FragmentCodec, bulk_codec: FragmentCodec):
         self.node, self.region, self.codec, self.bulk_codec = node, region, codec, bulk_codec
-        # ("update", (arrived_s, core GlobalUpdate)) | ("error", text)
+        # ("update", (arrived_s, core GlobalUpdate)) | ("link", LinkSample) | ("error", text)
         self.inbox: queue.Queue = queue.Queue()
         self.metrics = TransportMetrics()
         self.loop = new_event_loop()
         self.client = SyncerClient(target, token, transport_cfg, self.metrics)
+        self.probe_policy = ProbePolicy(transport_cfg.probe_seconds, transport_cfg.probe_duty,
+                                        transport_cfg.probe_every_s)
         self._thread = threading.Thread(target=self._main, name=f"{node}-net", daemon=True)
         self._ready = threading.Event()
         self._md: Frame | None = None
@@ -101,6 +104,33 @@ class NetThread:
             self.inbox.put(("error", "the syncer ended the update stream"))
         except (TransportError, MessageError) as e:
             self.inbox.put(("error", f"update stream failed: {e}"))
+
+    def start_probing(self) -> None:
+        """Start measuring the link (after the join: a probe must not delay it)."""
+        self.loop.call_soon_threadsafe(lambda: self.loop.create_task(self._probe_link()))
+
+    async def _probe_link(self) -> None:
+        """Measure the link at start (growing the probe until it is long enough to trust), then
+        periodically at the policy's duty cycle; every sample goes to the inbox."""
+        pol, report, tries, floor = self.probe_policy, {}, 0, 0
+        while True:
+            nbytes = min(MAX_PROBE_BYTES, max(floor, pol.next_bytes()))
+            try:
+                sample = await self.client.probe(self.node, nbytes, report, max_s=PROBE_CUTOFF * pol.probe_seconds)
+            except (TransportError, MessageError) as e:
+                log.warning("%s: link probe failed: %s", self.node, e)
+                await asyncio.sleep(max(1.0, pol.every_s))
+                continue
+            report = sample.to_event()
+            tries += 1
+            if tries <= 3 and pol.too_short(sample):
+                pol.last, floor = sample, 4 * nbytes  # bigger, from this rate, and at once
+                continue
+            floor = 0
+            self.inbox.put(("link", sample))
+            if pol.every_s == 0:
+                return
+            await asyncio.sleep(pol.delay_s(sample))
 
     # ---- upstream (called from the training thread) ---------------------------------
 
@@ -173,4 +203,6 @@ class NetThread:
 
 
 def _total(counter) -> int:
-    return int(sum(s.value for metric in counter.collect() for s in metric.samples if s.name.endswith("_total")))
+    """Bytes of training traffic: every RPC but the link probe's."""
+    return int(sum(s.value for metric in counter.collect() for s in metric.samples
+                   if s.name.endswith("_total") and s.labels.get("rpc") != "Probe"))

@@ -53,6 +53,7 @@ class SyncerService:
         self.final_report: dict | None = None
         self.late_final: set[int] = set()
         self.stopping = False
+        self.peer_links: dict[str, dict] = {}  # the transport server's: each learner's last link measurement
 
     # ---- plumbing -------------------------------------------------------------------
 
@@ -187,6 +188,7 @@ class SyncerService:
             "mean_grace_s": sum(st.grace_s) / len(st.grace_s) if st.grace_s else 0.0,
             "late_dropped": st.late_dropped, "late_carried": st.late_carried, "stale_dropped": st.stale_dropped,
             "bytes_in": _total(self.metrics.bytes_in), "bytes_out": _total(self.metrics.bytes_out),
+            "probe_bytes": _total(self.metrics.bytes_out, "Probe"),
             "rejected": self.rejected, "resyncs_served": self.resyncs_served,
         }
 
@@ -214,7 +216,10 @@ class SyncerService:
             "quorum": self.core.quorum(), "alive": self.core.alive(),
             "quorum_sizes": list(st.quorum_sizes)[-100:], "grace_s": list(st.grace_s)[-100:],
             "grace_window_s": self.core.grace_window_s(), "history": history,
-            "fragment_bytes": list(self.layout.nbytes), "final_done": self.final_done.is_set(), **self.summary(),
+            "fragment_bytes": list(self.layout.nbytes), "final_done": self.final_done.is_set(),
+            "links": {sender: {"rtt_ms": v["rtt_ms"], "rate_gbit_s": v["rate_gbit_s"],
+                               "age_s": round(now - v["at_s"], 3)} for sender, v in self.peer_links.items()},
+            **self.summary(),
         }
 
     def refresh_gauges(self) -> None:
@@ -225,5 +230,7 @@ class SyncerService:
         self.metrics.gauge("global_step", "Highest learner step seen").set(self.core.global_step)
 
 
-def _total(counter) -> int:
-    return int(sum(s.value for metric in counter.collect() for s in metric.samples if s.name.endswith("_total")))
+def _total(counter, rpc: str | None = None) -> int:
+    """Bytes of training traffic (every RPC but the link probe's), or of one ``rpc``."""
+    return int(sum(s.value for metric in counter.collect() for s in metric.samples if s.name.endswith("_total")
+                   and (s.labels.get("rpc") != "Probe" if rpc is None else s.labels.get("rpc") == rpc)))

@@ -18,11 +18,12 @@ from .messages import (
     Message, MessageError, OversizedError, Subscribe, decode_message, encode_message,
 )
 from .metrics import TransportMetrics
+from .probe import LinkSample, ProbePolicy
 from .server import BulkSource, Handler, Rejected, TransportServer
 from .status import StatusServer
 
 __all__ = [
-    "Ack", "Backoff", "BufferPool", "BulkChunk", "BulkRequest", "BulkSource", "Frame", "Handler", "Kind",
+    "Ack", "Backoff", "LinkSample", "ProbePolicy", "BufferPool", "BulkChunk", "BulkRequest", "BulkSource", "Frame", "Handler", "Kind",
     "LatestMailbox", "MAX_HEADER_BYTES", "MAX_MESSAGE_BYTES", "MESSAGE_MAGIC", "Message", "MessageError",
     "MessageReader", "OversizedError", "Prepared", "Rejected", "StatusServer", "Subscribe", "SyncerClient",
     "TlsConfig", "TransportConfig", "TransportError", "TransportMetrics", "TransportServer", "UpdateHub",

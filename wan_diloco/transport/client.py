@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import math
 import random
 import time
 from typing import AsyncIterator
@@ -22,6 +23,7 @@ from .messages import (
     encode_message, encode_parts,
 )
 from .metrics import TransportMetrics
+from .probe import LinkSample, rate_from_transfer
 from .security import bearer_metadata, channel_credentials, check_token, require_secure_or_loopback
 from .server import SERVICE
 
@@ -210,6 +212,61 @@ class SyncerClient:
                 raise TransportError("Subscribe", e.code(), e.details() or "") from None
             finally:
                 call.cancel()
+
+    async def _probe_call(self, channel: int, sender: str, nbytes: int, report: dict,
+                          got: list[int] | None = None) -> int:
+        """One Probe call on ``channel``; bytes received are also added to ``got[0]`` as they arrive."""
+        request = encode_message(Frame(sender=sender, fragment=0, meta={"bytes": nbytes, **report}))
+        call = self._channel(channel).unary_stream(f"/{SERVICE}/Probe")(
+            request, timeout=self.config.upload_deadline_s(nbytes), metadata=self._call_metadata,
+            wait_for_ready=True)
+        n = 0
+        try:
+            async for chunk in call:
+                n += len(chunk)
+                if got is not None:
+                    got[0] += len(chunk)
+        except grpc.aio.AioRpcError as e:
+            self.metrics.error("Probe", e.code().name)
+            raise TransportError("Probe", e.code(), e.details() or "") from None
+        finally:
+            call.cancel()
+            self.metrics.received("Probe", n)
+        if n != nbytes:
+            raise MessageError(f"probe asked for {nbytes} bytes, got {n}")
+        return n
+
+    async def probe(self, sender: str, nbytes: int, report: dict | None = None, rtt_tries: int = 3,
+                    max_s: float | None = None) -> LinkSample:
+        """Measure the link to the server (``probe.py``): RTT, then ``nbytes`` spread over every channel.
+
+        ``report`` (e.g. the previous sample's ``to_event()``) travels in the
+        request so the server can show it. A transfer still running after
+        ``max_s`` is cut short and measured on what arrived, so a probe sized
+        for a faster link never hogs a slow one. Not retried: a failed probe
+        is simply a missing sample."""
+        report = dict(report or {})
+        n = len(self._channels)
+        # Every connection up first, so no handshake is timed as RTT or transfer.
+        await asyncio.gather(*(self._probe_call(i, sender, 0, report) for i in range(n)))
+        rtt_s = math.inf
+        for _ in range(max(1, rtt_tries)):
+            t0 = time.monotonic()
+            await self._probe_call(0, sender, 0, report)
+            rtt_s = min(rtt_s, time.monotonic() - t0)
+        shares = [nbytes // n + (1 if i < nbytes % n else 0) for i in range(n)]
+        got = [0]
+        t0 = time.monotonic()
+        tasks = [asyncio.ensure_future(self._probe_call(i, sender, b, report, got)) for i, b in enumerate(shares) if b]
+        done, pending = await asyncio.wait(tasks, timeout=max_s)
+        for t in pending:
+            t.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        wall_s = time.monotonic() - t0
+        for t in done:
+            t.result()  # a failed call fails the probe
+        rate, transfer_s = rate_from_transfer(got[0], wall_s, rtt_s)
+        return LinkSample(rtt_s=rtt_s, rate_gbit_s=rate, nbytes=got[0], transfer_s=transfer_s, at_s=time.monotonic())
 
     async def fetch_bulk(self, request: BulkRequest) -> AsyncIterator[BulkChunk]:
         """Chunks of a bulk object in order; checks indices, offsets and total size."""

@@ -57,6 +57,9 @@ class TransportConfig:
     backoff_max_s: float = 5.0
     backoff_multiplier: float = 2.0
     retry_budget_s: float = 60.0  # stop retrying an unavailable peer after this long
+    probe_every_s: float = 30.0  # learners measure their link at start, then at most this often (0: start only)
+    probe_duty: float = 0.02  # largest share of time link probes may keep the link busy
+    probe_seconds: float = 0.2  # target length of one timed probe transfer
     allow_insecure_remote: bool = False  # cleartext to a non-loopback address
     tls: TlsConfig | None = None
 
@@ -81,6 +84,9 @@ class TransportConfig:
         for name in ("keepalive_time_s", "keepalive_timeout_s", "call_timeout_s", "subscribe_renew_s",
                      "backoff_initial_s", "min_upload_rate_gbit_s", "retry_budget_s"):
             require(getattr(self, name) > 0, name, f"must be > 0, got {getattr(self, name)}")
+        require(self.probe_every_s >= 0, "probe_every_s", f"must be >= 0 (0: probe at start only), got {self.probe_every_s}")
+        require(0 < self.probe_duty <= 0.5, "probe_duty", f"must be in (0, 0.5], got {self.probe_duty}")
+        require(0 < self.probe_seconds <= 10, "probe_seconds", f"must be in (0, 10], got {self.probe_seconds}")
         require(self.backoff_max_s >= self.backoff_initial_s, "backoff_max_s", "must be >= backoff_initial_s")
         require(self.backoff_multiplier >= 1.0, "backoff_multiplier", "must be >= 1")
         if self.tls is not None:

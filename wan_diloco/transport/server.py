@@ -23,12 +23,14 @@ from .messages import (
     decode_message, encode_message,
 )
 from .metrics import TransportMetrics
+from .probe import MAX_CONCURRENT_PROBES, MAX_PROBE_BYTES, finite_positive, now_s
 from .security import check_token, require_secure_or_loopback, server_credentials, token_matches
 
 log = logging.getLogger(__name__)
 
 SERVICE = "wan_diloco.Syncer"
-METHODS = ("Metadata", "Upload", "Subscribe", "Bulk")
+METHODS = ("Metadata", "Upload", "Subscribe", "Bulk", "Probe")
+MAX_PEER_LINKS = 4096
 
 
 class Rejected(Exception):
@@ -93,6 +95,9 @@ class TransportServer:
         self._upload_slots = asyncio.Semaphore(self.config.max_concurrent_uploads)
         # Idle receive buffers kept for reuse: never more than the uploads in flight.
         self._pool = BufferPool(keep=self.config.max_concurrent_uploads)
+        self._probes = 0
+        # sender -> its latest link measurement as it reported it (``Probe`` meta): for /status.
+        self.peer_links: dict[str, dict] = {}
 
     async def start(self) -> int:
         """Bind and start; returns the port."""
@@ -101,6 +106,7 @@ class TransportServer:
             "Upload": grpc.stream_unary_rpc_method_handler(self._upload),
             "Subscribe": grpc.unary_stream_rpc_method_handler(self._subscribe),
             "Bulk": grpc.unary_stream_rpc_method_handler(self._bulk),
+            "Probe": grpc.unary_stream_rpc_method_handler(self._probe),
         }  # no (de)serializers: requests and responses are raw bytes
         credentials = server_credentials(self.config.tls) if self.config.tls is not None else None
         server = grpc.aio.server(options=self.config.server_options())
@@ -250,6 +256,46 @@ class TransportServer:
                 yield encode_message(BulkChunk(self.name, req.name, 0, 0, 0, b""))
         except BaseException as e:
             await self._guard(context, "Bulk", e)
+
+    async def _probe(self, request: bytes, context):
+        """Stream ``meta["bytes"]`` zero bytes back: the sender times it (``probe.py``)."""
+        await self._auth(context, "Probe")
+        try:
+            msg = self._decode(request, Frame, self.config.grpc_message_bytes)
+            nbytes = msg.meta.get("bytes")
+            if isinstance(nbytes, bool) or not isinstance(nbytes, int) or not 0 <= nbytes <= MAX_PROBE_BYTES:
+                raise MessageError(f"probe meta.bytes must be an integer in [0, {MAX_PROBE_BYTES}], got {nbytes!r}")
+            if self._probes >= MAX_CONCURRENT_PROBES:
+                raise Rejected(f"{self._probes} probes in progress already", grpc.StatusCode.RESOURCE_EXHAUSTED)
+        except BaseException as e:
+            await self._guard(context, "Probe", e)
+            return
+        self.metrics.received("Probe", len(request))
+        self._record_link(msg.sender, msg.meta)
+        self._probes += 1
+        try:
+            if nbytes == 0:
+                yield b""
+                return
+            zeros = bytes(min(nbytes, self.config.chunk_bytes))
+            for offset in range(0, nbytes, len(zeros)):
+                part = zeros if offset + len(zeros) <= nbytes else zeros[: nbytes - offset]
+                self.metrics.sent("Probe", len(part))
+                yield part
+        finally:
+            self._probes -= 1
+
+    def _record_link(self, sender: str, meta: dict) -> None:
+        rtt_ms, rate = finite_positive(meta.get("rtt_ms")), finite_positive(meta.get("rate_gbit_s"))
+        if rtt_ms is None or rate is None:
+            return  # a first probe carries no measurement yet; nonsense is not recorded
+        if sender not in self.peer_links and len(self.peer_links) >= MAX_PEER_LINKS:
+            self.peer_links.pop(next(iter(self.peer_links)))  # oldest first: a token holder cannot grow it
+        self.peer_links[sender] = {"rtt_ms": rtt_ms, "rate_gbit_s": rate, "at_s": now_s()}
+        self.metrics.gauge("link_rtt_ms", "Round-trip time each peer measured to us, ms", ["peer"]).labels(
+            sender).set(rtt_ms)
+        self.metrics.gauge("link_rate_gbit_s", "Download rate each peer measured from us, Gbit/s", ["peer"]).labels(
+            sender).set(rate)
 
 
 async def _aiter(pieces):

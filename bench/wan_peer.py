@@ -1,0 +1,109 @@
+#!/usr/bin/env python
+"""The production transport between two emulated regions: a server, a link probe, a timed upload.
+
+Started inside region namespaces by bench/wan.py and tests/regions (one JSON
+line on stdout each), so every byte crosses the emulated link with the same
+TLS, channels and HTTP/2 settings a run uses.
+
+    wan_peer.py server --host H --tls DIR [--tuned RATE,RTT]      prints {"ready": port}, serves until stdin closes
+    wan_peer.py probe  --target H:P --tls DIR --samples N           prints the link samples
+    wan_peer.py upload --target H:P --tls DIR --mib M --fragments F [--tuned RATE,RTT]
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from wan_diloco.transport import (  # noqa: E402
+    Ack, Frame, ProbePolicy, SyncerClient, TlsConfig, TransportConfig, TransportServer, run, tune_for_link,
+)
+
+TOKEN = "wan-bench-token-not-secret"
+
+
+class Sink:
+    """Acknowledges every upload; nothing else (probes are served by the transport itself)."""
+
+    async def on_metadata(self, frame):
+        return None
+
+    async def on_fragment(self, frame):
+        return Ack(sender="sink", global_step=0)
+
+    def subscribe(self, msg):
+        raise NotImplementedError
+
+    async def bulk(self, request):
+        raise NotImplementedError
+
+
+def config(args) -> TransportConfig:
+    d = Path(args.tls)
+    tls = TlsConfig(cert_file=str(d / "server.pem"), key_file=str(d / "server.key"), ca_file=str(d / "ca.pem"))
+    base = TransportConfig(tls=tls, max_message_bytes=1 << 30, call_timeout_s=120.0)
+    if args.tuned:
+        rate, rtt_ms = (float(x) for x in args.tuned.split(","))
+        # The emulator raises tcp_rmem/tcp_wmem to 256 MB in every namespace: few connections suffice.
+        return tune_for_link(rate, rtt_ms / 1e3, base, socket_buffer_bytes=64 << 20)
+    return base
+
+
+async def serve(args) -> None:
+    server = TransportServer(Sink(), TOKEN, config(args), f"{args.host}:0")
+    await server.start()
+    print(json.dumps({"ready": server.port}), flush=True)
+    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)  # until the parent closes stdin
+    await server.stop(0)
+
+
+async def probe(args) -> None:
+    pol, out, report = ProbePolicy(probe_seconds=args.probe_seconds, duty=0.5, every_s=0), [], {}
+    async with SyncerClient(args.target, TOKEN, config(args)) as client:
+        floor = 0
+        for _ in range(args.samples + 3):
+            s = await client.probe("learner-0", max(floor, pol.next_bytes()), report)
+            report, pol.last = s.to_event(), s
+            floor = 4 * s.nbytes if pol.too_short(s) else 0
+            out.append(s.to_event())
+    print(json.dumps({"samples": out}), flush=True)
+
+
+async def upload(args) -> None:
+    cfg = config(args)
+    payload = bytes(args.mib << 20)
+    async with SyncerClient(args.target, TOKEN, cfg) as client:
+        await client.upload_fragment(Frame("learner-0", 0, {}, payload[: 1 << 20]))  # connections up
+        t0 = time.monotonic()
+        await asyncio.gather(*(client.upload_fragment(Frame("learner-0", i, {}, payload))
+                               for i in range(args.fragments)))
+        wall = time.monotonic() - t0
+    nbytes = args.fragments * len(payload)
+    print(json.dumps({"gbit_s": nbytes * 8 / wall / 1e9, "bytes": nbytes, "seconds": wall,
+                      "channels": cfg.channels, "chunk_bytes": cfg.chunk_bytes,
+                      "lookahead_bytes": cfg.lookahead_bytes}), flush=True)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("mode", choices=("server", "probe", "upload"))
+    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--target")
+    p.add_argument("--tls", required=True)
+    p.add_argument("--tuned", help="RATE_GBIT_S,RTT_MS: transport.tune_for_link settings instead of defaults")
+    p.add_argument("--samples", type=int, default=3)
+    p.add_argument("--probe-seconds", type=float, default=0.3)
+    p.add_argument("--mib", type=int, default=64)
+    p.add_argument("--fragments", type=int, default=4)
+    args = p.parse_args()
+    run({"server": serve, "probe": probe, "upload": upload}[args.mode](args))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,44 @@
+"""The link probe over the production transport (TLS, HTTP/2) across an emulated WAN link.
+
+Needs root and `ip netns` (skipped otherwise, like test_emulator.py). The
+server runs in the syncer's region, the probing client in the other one.
+"""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from wan_diloco.regions.emulator import Emulator, unavailable_reason
+from wan_diloco.regions.topology import regions_from_mapping
+from wan_diloco.transport.dev_certs import make_dev_certs
+
+
+pytestmark = pytest.mark.netns
+if (reason := unavailable_reason()) is not None:
+    pytestmark = [pytest.mark.netns, pytest.mark.skip(reason=reason)]
+
+PEER = str(Path(__file__).resolve().parents[2] / "bench" / "wan_peer.py")
+RATE_GBIT_S, RTT_MS = 0.4, 60.0
+
+
+def test_probe_measures_the_emulated_link_within_10_percent(tmp_path):
+    topo = regions_from_mapping({"names": ["hub", "far"], "link": {"rate_gbit_s": RATE_GBIT_S, "rtt_ms": RTT_MS}})
+    with Emulator(topo, prefix="wdlp") as emu:
+        host = emu.address_of("hub")
+        make_dev_certs(tmp_path, hosts=(host,))
+        srv = emu.popen("hub", [sys.executable, PEER, "server", "--host", host, "--tls", str(tmp_path)],
+                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            port = json.loads(srv.stdout.readline())["ready"]
+            res = emu.exec("far", [sys.executable, PEER, "probe", "--target", f"{host}:{port}",
+                                   "--tls", str(tmp_path), "--samples", "3"], timeout=120)
+        finally:
+            srv.stdin.close()
+            srv.wait(10)
+    samples = json.loads(res.stdout.strip().splitlines()[-1])["samples"][-3:]
+    rtt_ms = min(s["rtt_ms"] for s in samples)
+    rate = max(s["rate_gbit_s"] for s in samples)
+    assert rtt_ms == pytest.approx(RTT_MS, rel=0.10), samples
+    assert rate == pytest.approx(RATE_GBIT_S, rel=0.10), samples
