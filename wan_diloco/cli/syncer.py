@@ -57,7 +57,9 @@ async def serve(cfg: spec_lib.RunSpec, token: str, port: int | None = None) -> i
         service.stopping = True
         if status is not None:
             await status.stop()
-        await server.stop(0.5)
+        # Final fragments still streaming to a learner on a slow link get time to arrive.
+        await service.final_streams_done(cfg.syncer.final_timeout_s)
+        await server.stop(2.0 if service.final_done.is_set() else 0.5)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -206,6 +206,8 @@ class RunState:
             row["status"] = "training"
         elif kind == "step":
             row.update(e)
+        elif kind == "finishing":
+            row["status"] = "final sync"
         elif kind == "link":
             row["link"] = {k: e[k] for k in ("rtt_ms", "rate_gbit_s")}
         elif kind == "replan":

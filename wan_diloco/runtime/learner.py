@@ -174,7 +174,8 @@ class Learner:
             self.net.start_probing()
             initial_loss = self.evaluate()
             emit({"event": "start", "role": "learner", "learner": self.m, "region": self.region,
-                  "step": self.core.step, "eval_loss": initial_loss})
+                  "step": self.core.step, "eval_loss": initial_loss, "bytes_sent": self.net.bytes_sent,
+                  "bytes_received": self.net.bytes_received})
             t_start, last_report, loss = time.monotonic(), 0.0, float("nan")
             while self.core.step < self.cfg.run.steps and not self.stop.is_set():
                 self._drain()
@@ -201,6 +202,8 @@ class Learner:
             if self.stop.is_set():
                 return {"event": "stopped", "role": "learner", "learner": self.m, "step": self.core.step}
             train_s = time.monotonic() - t_start
+            emit({"event": "finishing", "role": "learner", "learner": self.m, "step": self.core.step,
+                  "train_s": train_s, "bytes_sent": self.net.bytes_sent, "bytes_received": self.net.bytes_received})
             report = self.final_sync()
             return {"event": "final", "role": "learner", "learner": self.m, "region": self.region,
                     "steps": self.core.step, "tokens": self.tokens, "train_s": train_s, "compute_s": self.compute_s,

@@ -53,6 +53,7 @@ class SyncerService:
         self.final_report: dict | None = None
         self.late_final: set[int] = set()
         self.stopping = False
+        self.final_streams = 0  # final fragments being streamed right now
         self.peer_links: dict[str, dict] = {}  # the transport server's: each learner's last link measurement
 
     # ---- plumbing -------------------------------------------------------------------
@@ -145,15 +146,31 @@ class SyncerService:
         data = serde.fragment_to_bulk(p, self.core.version[p], self.core.global_step, self.core.theta[p],
                                       self.bulk_codec)
         if kind == "final":
-            try:
-                m = serde.learner_id(request.sender, self.M)
-                self.final_fetched.setdefault(m, set()).add(p)
-            except ProtocolError:
-                pass
-            self._check_finished()
+            return BulkSource(len(data), self._final_pieces(request.sender, p, data))
         return BulkSource(len(data), [data])
 
+    async def _final_pieces(self, sender: str, p: int, data: bytes):
+        self.final_streams += 1
+        try:
+            yield data
+        finally:
+            self.final_streams -= 1
+        # Only now has the transport taken the last byte (on a slow link, long after bulk() returned):
+        # the syncer may end once every learner's final fragments are out, not when they were asked for.
+        try:
+            m = serde.learner_id(sender, self.M)
+            self.final_fetched.setdefault(m, set()).add(p)
+        except ProtocolError:
+            pass
+        self._check_finished()
+
     # ---- end of run -----------------------------------------------------------------
+
+    async def final_streams_done(self, timeout_s: float) -> None:
+        """Wait (at most ``timeout_s``) until no final fragment is still being streamed."""
+        deadline = time.monotonic() + timeout_s
+        while self.final_streams and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
 
     def _final_done(self) -> None:
         """The core merged the final uploads: serve ``final/P`` and report."""
