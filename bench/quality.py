@@ -2,8 +2,11 @@
 
 Every run trains the same model from the same initialisation on the same
 token budget in the simulated driver (virtual clock, real JAX training), and
-reports final eval loss, goodput and tokens. Writes bench/results/quality.json
-and bench/results/quality.png (eval loss against tokens).
+reports final eval loss, goodput and tokens. Every run sees the same stated
+deployment (``deployment``): lognormal step-time noise and WAN links scaled
+down from a 10B-parameter run, so that the methods differ in time as they would
+in a real run. Writes bench/results/quality.json and bench/results/quality.png
+(eval loss against tokens).
 
     python bench/quality.py            # tiny preset, ~30 min on 2 CPU cores (2 runs at a time)
     python bench/quality.py --quick    # same runs, fewer tokens, ~5 min
@@ -32,6 +35,55 @@ from wan_diloco.planning.tape import Outage  # noqa: E402
 DECOUPLED = dict(baseline="decoupled", learners=4, quorum=1, grace=True, fragments=4, tau=2)
 DOWN_FRACTION = 0.25  # share of learner time the failure tape keeps learners down
 HETERO = dict(speeds=(1.0, 1.0, 1.0, 1.2), step_noise=0.1)
+
+# The deployment every row runs under (a row's own settings win: the hetero rows keep their speeds).
+# Links: the Decoupled row uses the same share of its link as a large run does of its own. The large
+# run is 10B parameters, 1 s steps, 2 Gbit/s, 80 ms, with Streaming DiLoCo's H = 100 and 4-bit outer
+# gradients: it moves 10e9 x 4 / 100 = 0.4 Gbit per step each way, 20 % of its link. The tiny row moves
+# params x bits / H per step (853,120 x 32 / 8 = 3.41 Mbit, or 6.8 Mbit/s at 0.5 s steps), so
+#     rate = (params x bits / H / step_time) / (large params x large bits / large H / large step / large rate)
+#          = 6.8 Mbit/s / 0.2 = 34 Mbit/s.
+# Scaling bytes alone (same H and bits as the large run) would give 0.34 Mbit/s, 20x less than the bench's
+# fp32 H = 8 needs: every DiLoCo row would then be link-bound, which no one would deploy. Data parallel
+# moves its gradient every step on the same link (2(M-1)/M x 27.3 Mbit, ~1.2 s per 0.5 s step), so its
+# goodput here is low, as over a real WAN. The RTT is kept in steps: 80 ms x 0.5 s / 1 s = 40 ms, so τ,
+# the grace window and dp's (M-1)·RTT weigh the same. Step noise: lognormal, sigma 0.1, drawn per learner
+# from the run's seed (``default_rng([seed, m])`` in the drivers), so a run is reproducible.
+LARGE_RUN = dict(params=10e9, step_time_s=1.0, bandwidth_gbit_s=2.0, rtt_s=0.080, sync_every=100, bits=4)
+STEP_TIME_S = 0.5  # virtual seconds per step of the tiny preset (the simulator's default)
+STEP_NOISE = 0.1  # sigma of the lognormal step-time noise
+ROW_SYNC_EVERY, ROW_BITS = 8, 32  # the Decoupled row's H and outer-gradient bits (the bench's defaults)
+
+
+def deployment(preset: str, step_time_s: float = STEP_TIME_S, step_noise: float = STEP_NOISE,
+               large: dict = LARGE_RUN, sync_every: int = ROW_SYNC_EVERY, bits: int = ROW_BITS) -> dict:
+    """The stated deployment of ``preset``: noise, step time and links scaled from ``large`` (see above)."""
+    params = model.param_count(model.abstract_params(model.preset(preset)))
+    share = large["params"] * large["bits"] / large["sync_every"] / large["step_time_s"] / (
+        large["bandwidth_gbit_s"] * 1e9)  # of its link the large run uses, each way
+    demand = params * bits / sync_every / step_time_s  # bit/s the Decoupled row moves each way
+    bandwidth = demand / share / 1e9
+    return {
+        "step_noise": step_noise, "step_time_s": step_time_s, "bandwidth_gbit_s": bandwidth,
+        "rtt_s": large["rtt_s"] * step_time_s / large["step_time_s"], "params": params,
+        "link_share": share, "row_sync_every": sync_every, "row_bits": bits,
+        "fp32_model_transfer_steps": params * 32 / (bandwidth * 1e9) / step_time_s,
+        "scaled_from": large,
+        "rule": "bandwidth = (params * bits / H / step_time) / link_share, link_share = the large run's "
+                "(params * bits / H / step_time) / rate; rtt = large.rtt * step_time / large.step_time",
+    }
+
+
+def deployment_settings(dep: dict) -> dict:
+    """The ``spec.SHORT_NAMES`` settings of a deployment."""
+    return {k: dep[k] for k in ("step_noise", "step_time_s", "bandwidth_gbit_s", "rtt_s")}
+
+
+def row_settings(overrides: dict, common: dict) -> tuple[dict, bool]:
+    """One row's settings (the deployment and budget in ``common``, the row's own win) and whether it fails."""
+    merged = {**common, **overrides}
+    failures = merged.pop("failures", False)
+    return merged, failures
 
 
 def runs(sync_every: int) -> dict[str, dict]:
@@ -90,9 +142,8 @@ def failure_tape(learners: int, run_s: float, down_fraction: float, seed: int,
 
 def _one(args: tuple[str, dict, dict]) -> tuple[str, dict]:
     name, overrides, common = args
-    overrides = dict(overrides)
-    failures = overrides.pop("failures", False)
-    spec = spec_lib.from_short(**{**common, **overrides})
+    settings, failures = row_settings(overrides, common)
+    spec = spec_lib.from_short(**settings)
     M = spec.run.learners
     outages = []
     if failures:
@@ -150,6 +201,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="sequences per learner step (dp: learners x this); 1 is where dp itself ends lowest "
                          "at 2M tokens among 16/8/4/2/1, on the mean of three seeds (bench/quality_sweep.py)")
     ap.add_argument("--seed", type=int, default=0, help="model init, data order and step noise (not the tape)")
+    ap.add_argument("--bandwidth-gbit", type=float, default=None,
+                    help="replace the deployment's scaled link rate (per learner link, each way; recorded in the JSON)")
     ap.add_argument("--only", nargs="*", help="run only these names")
     ap.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="runs in parallel (processes)")
     ap.add_argument("--out", default=str(ROOT / "results" / "quality.json"))
@@ -162,8 +215,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     tokens = int(args.tokens or (2.5e5 if args.quick else 2e6))
     steps = tokens // (args.batch_size * model.preset(args.preset).seq_len * 4)
+    dep = deployment(args.preset)
+    if args.bandwidth_gbit is not None:
+        dep.update(bandwidth_gbit_s=args.bandwidth_gbit, scaled_bandwidth_gbit_s=dep["bandwidth_gbit_s"],
+                   fp32_model_transfer_steps=dep["params"] * 32 / (args.bandwidth_gbit * 1e9) / dep["step_time_s"])
     common = dict(preset=args.preset, tokens=tokens, batch_size=args.batch_size, eval_every=max(1, steps // 40),
-                  seed=args.seed)
+                  seed=args.seed, **deployment_settings(dep))
     todo = runs(args.sync_every)
     if args.only:
         unknown = set(args.only) - set(todo)
@@ -180,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     doc = {"preset": args.preset, "tokens": tokens, "batch_size": args.batch_size, "quick": args.quick,
-           "seed": args.seed,
+           "seed": args.seed, "deployment": dep,
            "runs": {k: {kk: vv for kk, vv in v.items()} for k, v in results.items()}}
     out.write_text(json.dumps(doc, indent=1))
     plot(results, out.with_suffix(".png"))
