@@ -21,6 +21,7 @@ import numpy as np
 from wan_diloco import train as train_lib
 from wan_diloco import tree
 from wan_diloco.assemble import Assembly, fragment_digest
+from wan_diloco.config import ConfigError
 from wan_diloco.planning import LinkEstimate, replan_reasons, tau_for_link
 from wan_diloco.core import ApplyGlobal, ProtocolError, Resync, SendFragment, SendMetadata, Snapshot, learner_node
 from wan_diloco.runtime.events import emit
@@ -122,8 +123,11 @@ class Learner:
         self.link = sample
         emit({"event": "link", "role": "learner", "learner": self.m, "region": self.region, "step": self.core.step,
               **sample.to_event()})
-        if self.cfg.plan.adapt_tau:
-            self._replan(LinkEstimate(sample.rate_gbit_s, sample.rtt_s))
+        if self.cfg.plan.adapt_tau and sample.rate_gbit_s > 0:
+            try:
+                self._replan(LinkEstimate(sample.rate_gbit_s, sample.rtt_s))
+            except ConfigError as e:  # a measurement the planner cannot use must not end the run
+                emit({"event": "warning", "role": "learner", "learner": self.m, "what": f"no re-plan: {e}"})
 
     def _replan(self, link: LinkEstimate) -> None:
         """τ = the smallest this link allows (``planning.tau_for_link``), when the link moved enough.

@@ -121,6 +121,10 @@ class NetThread:
                 log.warning("%s: link probe failed: %s", self.node, e)
                 await asyncio.sleep(max(1.0, pol.every_s))
                 continue
+            if sample.nbytes == 0:  # nothing arrived before the cut-off: no rate to report; try again later
+                log.warning("%s: link probe got no bytes in %.1f s", self.node, PROBE_CUTOFF * pol.probe_seconds)
+                await asyncio.sleep(max(1.0, pol.every_s))
+                continue
             report = sample.to_event()
             tries += 1
             if tries <= 3 and pol.too_short(sample):

@@ -26,8 +26,9 @@ import math
 import time
 
 MAX_PROBE_BYTES = 256 << 20
-MIN_PROBE_BYTES = 256 << 10
+MIN_PROBE_BYTES = 16 << 10  # a fifth of a second at 0.66 Mbit/s
 PROBE_CUTOFF = 5  # a probe transfer is cut short after this many times its target length
+PROBE_MESSAGE_MIN_BYTES = 4 << 10
 MAX_CONCURRENT_PROBES = 8  # server side: probe streams served at once (several channels per learner)
 
 

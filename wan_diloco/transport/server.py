@@ -23,7 +23,7 @@ from .messages import (
     decode_message, encode_message,
 )
 from .metrics import TransportMetrics
-from .probe import MAX_CONCURRENT_PROBES, MAX_PROBE_BYTES, finite_positive, now_s
+from .probe import MAX_CONCURRENT_PROBES, MAX_PROBE_BYTES, PROBE_MESSAGE_MIN_BYTES, finite_positive, now_s
 from .security import check_token, require_secure_or_loopback, server_credentials, token_matches
 
 log = logging.getLogger(__name__)
@@ -277,7 +277,8 @@ class TransportServer:
             if nbytes == 0:
                 yield b""
                 return
-            zeros = bytes(min(nbytes, self.config.chunk_bytes))
+            # Small messages (about 64 per probe): a probe cut short still counts what arrived.
+            zeros = bytes(min(self.config.chunk_bytes, max(PROBE_MESSAGE_MIN_BYTES, nbytes // 64)))
             for offset in range(0, nbytes, len(zeros)):
                 part = zeros if offset + len(zeros) <= nbytes else zeros[: nbytes - offset]
                 self.metrics.sent("Probe", len(part))
