@@ -423,7 +423,7 @@ def replan_reasons(
             continue
         change = m.rate_gbit_s / p.rate_gbit_s - 1
         if abs(change) > threshold:
-            out.append(f"{r}: rate {m.rate_gbit_s:.2f} Gbit/s measured vs {p.rate_gbit_s:.2f} planned "
+            out.append(f"{r}: rate {m.rate_gbit_s:.3g} Gbit/s measured vs {p.rate_gbit_s:.3g} planned "
                        f"({100 * change:+.0f} %)")
     return out
 
