@@ -25,6 +25,9 @@ def test_probe_measures_rtt_and_rate_and_the_server_records_the_report():
             assert 'wan_diloco_link_rate_gbit_s{peer="learner-0"}' in text
             # every byte asked for was sent, spread over both channels
             assert server.metrics.bytes_out.labels("Probe")._value.get() == 3 << 20
+            # probe bytes are counted apart from training traffic
+            assert server.metrics.total(server.metrics.bytes_out, "Probe") == 3 << 20
+            assert server.metrics.total(server.metrics.bytes_out) == 0
     arun(main())
 
 

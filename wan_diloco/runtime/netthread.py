@@ -199,14 +199,9 @@ class NetThread:
 
     @property
     def bytes_sent(self) -> int:
-        return _total(self.metrics.bytes_out)
+        return self.metrics.total(self.metrics.bytes_out)
 
     @property
     def bytes_received(self) -> int:
-        return _total(self.metrics.bytes_in)
+        return self.metrics.total(self.metrics.bytes_in)
 
-
-def _total(counter) -> int:
-    """Bytes of training traffic: every RPC but the link probe's."""
-    return int(sum(s.value for metric in counter.collect() for s in metric.samples
-                   if s.name.endswith("_total") and s.labels.get("rpc") != "Probe"))

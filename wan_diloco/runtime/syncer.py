@@ -204,8 +204,8 @@ class SyncerService:
             "mean_quorum": sum(st.quorum_sizes) / len(st.quorum_sizes) if st.quorum_sizes else 0.0,
             "mean_grace_s": sum(st.grace_s) / len(st.grace_s) if st.grace_s else 0.0,
             "late_dropped": st.late_dropped, "late_carried": st.late_carried, "stale_dropped": st.stale_dropped,
-            "bytes_in": _total(self.metrics.bytes_in), "bytes_out": _total(self.metrics.bytes_out),
-            "probe_bytes": _total(self.metrics.bytes_out, "Probe"),
+            "bytes_in": self.metrics.total(self.metrics.bytes_in), "bytes_out": self.metrics.total(self.metrics.bytes_out),
+            "probe_bytes": self.metrics.total(self.metrics.bytes_out, "Probe"),
             "rejected": self.rejected, "resyncs_served": self.resyncs_served,
         }
 
@@ -246,8 +246,3 @@ class SyncerService:
         self.metrics.gauge("learners_alive", "Learners not known to be down").set(len(self.core.alive()))
         self.metrics.gauge("global_step", "Highest learner step seen").set(self.core.global_step)
 
-
-def _total(counter, rpc: str | None = None) -> int:
-    """Bytes of training traffic (every RPC but the link probe's), or of one ``rpc``."""
-    return int(sum(s.value for metric in counter.collect() for s in metric.samples if s.name.endswith("_total")
-                   and (s.labels.get("rpc") != "Probe" if rpc is None else s.labels.get("rpc") == rpc)))

@@ -44,6 +44,13 @@ class TransportMetrics:
                                        namespace=self.namespace, registry=self.registry)
         return self._gauges[name]
 
+    @staticmethod
+    def total(counter: Counter, rpc: str | None = None) -> int:
+        """Sum of a by-RPC counter (``bytes_in``, ``bytes_out``): every RPC but the link
+        probe's (training traffic), or only ``rpc``."""
+        return int(sum(s.value for metric in counter.collect() for s in metric.samples if s.name.endswith("_total")
+                       and (s.labels.get("rpc") != "Probe" if rpc is None else s.labels.get("rpc") == rpc)))
+
     def render(self) -> bytes:
         """The registry in Prometheus text exposition format."""
         return generate_latest(self.registry)

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import time
 
 MAX_PROBE_BYTES = 256 << 20
 MIN_PROBE_BYTES = 16 << 10  # a fifth of a second at 0.66 Mbit/s
@@ -96,6 +95,3 @@ def finite_positive(x: object) -> float | None:
     x = float(x)
     return x if math.isfinite(x) and x > 0 else None
 
-
-def now_s() -> float:
-    return time.monotonic()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import time
 from typing import AsyncIterator, Iterable, Protocol, Union
 
 import grpc
@@ -23,7 +24,7 @@ from .messages import (
     decode_message, encode_message,
 )
 from .metrics import TransportMetrics
-from .probe import MAX_CONCURRENT_PROBES, MAX_PROBE_BYTES, PROBE_MESSAGE_MIN_BYTES, finite_positive, now_s
+from .probe import MAX_CONCURRENT_PROBES, MAX_PROBE_BYTES, PROBE_MESSAGE_MIN_BYTES, finite_positive
 from .security import check_token, require_secure_or_loopback, server_credentials, token_matches
 
 log = logging.getLogger(__name__)
@@ -292,7 +293,7 @@ class TransportServer:
             return  # a first probe carries no measurement yet; nonsense is not recorded
         if sender not in self.peer_links and len(self.peer_links) >= MAX_PEER_LINKS:
             self.peer_links.pop(next(iter(self.peer_links)))  # oldest first: a token holder cannot grow it
-        self.peer_links[sender] = {"rtt_ms": rtt_ms, "rate_gbit_s": rate, "at_s": now_s()}
+        self.peer_links[sender] = {"rtt_ms": rtt_ms, "rate_gbit_s": rate, "at_s": time.monotonic()}
         self.metrics.gauge("link_rtt_ms", "Round-trip time each peer measured to us, ms", ["peer"]).labels(
             sender).set(rtt_ms)
         self.metrics.gauge("link_rate_gbit_s", "Download rate each peer measured from us, Gbit/s", ["peer"]).labels(
