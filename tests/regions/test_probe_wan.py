@@ -24,6 +24,8 @@ RATE_GBIT_S, RTT_MS = 0.4, 60.0
 
 
 def test_probe_measures_the_emulated_link_within_10_percent(tmp_path):
+    # Probes of a second: 0.2 s probes (the run's default) on a fresh 60 ms connection measured
+    # 0.13-0.23 Gbit/s of 0.4 in one CI run (TCP still ramping); see the note on issue #12.
     topo = regions_from_mapping({"names": ["hub", "far"], "link": {"rate_gbit_s": RATE_GBIT_S, "rtt_ms": RTT_MS}})
     with Emulator(topo, prefix="wdlp") as emu:
         host = emu.address_of("hub")
@@ -33,7 +35,7 @@ def test_probe_measures_the_emulated_link_within_10_percent(tmp_path):
         try:
             port = json.loads(srv.stdout.readline())["ready"]
             res = emu.exec("far", [sys.executable, PEER, "probe", "--target", f"{host}:{port}",
-                                   "--tls", str(tmp_path), "--samples", "3"], timeout=120)
+                                   "--tls", str(tmp_path), "--samples", "3", "--probe-seconds", "1.0"], timeout=120)
         finally:
             srv.stdin.close()
             srv.wait(10)
