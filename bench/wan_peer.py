@@ -63,14 +63,15 @@ async def serve(args) -> None:
 
 
 async def probe(args) -> None:
+    """Probes as a learner makes them (``ProbePolicy``): grown at start until settled, then ``--samples`` counted."""
     pol, out, report = ProbePolicy(probe_seconds=args.probe_seconds, duty=0.5, every_s=0), [], {}
     async with SyncerClient(args.target, TOKEN, config(args)) as client:
-        floor = 0
-        for _ in range(args.samples + 3):
-            s = await client.probe("learner-0", max(floor, pol.next_bytes()), report)
-            report, pol.last = s.to_event(), s
-            floor = 4 * s.nbytes if pol.too_short(s) else 0
-            out.append(s.to_event())
+        while len(out) < args.samples:
+            nbytes, max_s = pol.request()
+            s = await client.probe("learner-0", nbytes, report, max_s=max_s)
+            report = s.to_event()
+            if pol.take(s):
+                out.append(report)
     print(json.dumps({"samples": out}), flush=True)
 
 
@@ -97,7 +98,7 @@ def main() -> int:
     p.add_argument("--tls", required=True)
     p.add_argument("--tuned", help="RATE_GBIT_S,RTT_MS: transport.tune_for_link settings instead of defaults")
     p.add_argument("--samples", type=int, default=3)
-    p.add_argument("--probe-seconds", type=float, default=0.3)
+    p.add_argument("--probe-seconds", type=float, default=0.2)
     p.add_argument("--mib", type=int, default=64)
     p.add_argument("--fragments", type=int, default=4)
     args = p.parse_args()

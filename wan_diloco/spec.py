@@ -117,14 +117,16 @@ class PlanConfig:
 
     With ``adapt_tau`` each learner takes the smallest τ its measured link
     allows (``planning.tau_for_link``, from its probe and its measured step
-    time, at most ``max_tau`` and below H/P) and plans again whenever a probe
-    finds the link's rate moved by more than ``replan_threshold``.
+    time, at most ``max_tau`` and below H/P) and plans again when
+    ``replan_confirm`` probes in a row find the link's rate moved the same way
+    by more than ``replan_threshold``.
     """
 
     target_cu: float = 0.95
     margin: float = 0.1  # share of each link's rate a plan leaves unused
     adapt_tau: bool = False
     replan_threshold: float = 0.2
+    replan_confirm: int = 2  # probes in a row that must show a move (one noisy probe does not re-plan)
     max_tau: int = 5
 
     def validate(self) -> None:
@@ -132,6 +134,7 @@ class PlanConfig:
         require(0 <= self.margin < 1, "margin", f"must be in [0, 1), got {self.margin}")
         require(0 < self.replan_threshold < 10, "replan_threshold", f"must be in (0, 10), got {self.replan_threshold}")
         require(self.max_tau >= 1, "max_tau", f"must be >= 1, got {self.max_tau}")
+        require(1 <= self.replan_confirm <= 10, "replan_confirm", f"must be in [1, 10], got {self.replan_confirm}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -8,6 +8,7 @@ from wan_diloco.planning.bandwidth import BandwidthConfig, schedule_for
 from wan_diloco.planning.plan import (
     LinkEstimate,
     ModelFacts,
+    confirmed_move,
     fragment_order,
     links_from_metrics,
     plan_run,
@@ -164,6 +165,18 @@ def test_replan_reason_wording_and_new_regions():
         "eu-west: rate 0.21 Gbit/s measured vs 2 planned (-90 %)"]
     assert replan_reasons(planned, {}) == []
     assert replan_reasons(planned, {"ap-south": LinkEstimate(1.0, 0.2)})[0].startswith("ap-south:")
+
+
+def test_a_move_must_show_in_consecutive_probes_and_the_smaller_move_is_taken():
+    planned, L = LinkEstimate(2.0, 0.06), (lambda rate: LinkEstimate(rate, 0.06))
+    assert confirmed_move(planned, [L(0.5)]) is None  # one low probe (it met our own upload): no re-plan
+    assert confirmed_move(planned, [L(0.5), L(1.9)]) is None  # the next one disagrees
+    assert confirmed_move(planned, [L(2.6), L(0.5)]) is None  # opposite ways
+    assert confirmed_move(planned, [L(2.0), L(0.2), L(0.4)]) == L(0.4)  # both low: the smaller drop
+    assert confirmed_move(planned, [L(2.9), L(2.5)]) == L(2.5)
+    assert confirmed_move(planned, [L(0.2)], confirm=1) == L(0.2)
+    with pytest.raises(ConfigError, match="^confirm:"):
+        confirmed_move(planned, [L(0.2)], confirm=0)
 
 
 def _event(region, rate, rtt_ms, learner=1):

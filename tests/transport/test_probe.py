@@ -3,7 +3,7 @@ import grpc
 import pytest
 
 from wan_diloco.transport import Frame, ProbePolicy, TransportError, encode_message
-from wan_diloco.transport.probe import MAX_PROBE_BYTES, LinkSample, rate_from_transfer
+from wan_diloco.transport.probe import MAX_PROBE_BYTES, PROBE_CUTOFF, START_PROBES, LinkSample, rate_from_transfer
 from wan_diloco.transport.security import bearer_metadata
 from wan_diloco.transport.server import SERVICE
 
@@ -69,18 +69,41 @@ def test_rate_from_transfer_takes_one_rtt_off_the_wall_time():
 
 def test_policy_sizes_probes_from_the_last_rate_and_keeps_the_duty_cycle():
     pol = ProbePolicy(probe_seconds=0.2, duty=0.02, every_s=5.0)
-    assert pol.next_bytes() == 1 << 20  # nothing measured yet
-    s = LinkSample(rtt_s=0.05, rate_gbit_s=2.0, nbytes=50_000_000, transfer_s=0.2, at_s=0.0)
-    delay = pol.delay_s(s)
+    assert pol.request() == (1 << 20, PROBE_CUTOFF * 0.2)  # nothing measured yet
+    s = LinkSample(rtt_s=0.01, rate_gbit_s=2.0, nbytes=50_000_000, transfer_s=0.2, at_s=0.0)
+    assert pol.take(s)
+    delay = pol.delay_s()
     assert delay == pytest.approx(0.2 / 0.02 - 0.2)  # 2 % of the time busy, longer than every_s
     assert s.transfer_s / (delay + s.transfer_s) == pytest.approx(0.02)
     assert pol.next_bytes() == 50_000_000  # 2 Gbit/s x 0.2 s
-    assert pol.too_short(LinkSample(0.05, 2.0, 1 << 20, 0.004, 0.0))
-    assert not pol.too_short(s)
     fast = ProbePolicy(probe_seconds=0.2, duty=0.5, every_s=30.0)
-    assert fast.delay_s(s) == 30.0
+    fast.take(s)
+    assert fast.delay_s() == 30.0
     with pytest.raises(ValueError):
         ProbePolicy(duty=0)
+
+
+def test_probes_on_a_long_link_span_ten_round_trips():
+    pol = ProbePolicy(probe_seconds=0.2)
+    pol.take(LinkSample(rtt_s=0.1, rate_gbit_s=2.0, nbytes=250_000_000, transfer_s=1.0, at_s=0.0))
+    nbytes, max_s = pol.request()
+    assert nbytes == 250_000_000 and max_s == pytest.approx(PROBE_CUTOFF * 1.0)  # 2 Gbit/s x 10 x 100 ms
+    assert pol.too_short(LinkSample(0.1, 2.0, 50_000_000, 0.2, 0.0))  # 0.2 s < 10 RTTs / 4
+
+
+def test_start_up_probes_grow_until_long_enough_and_no_longer_rising():
+    pol = ProbePolicy(probe_seconds=0.2)
+    assert not pol.take(LinkSample(0.05, 0.5, 1 << 20, 0.017, 0.0))  # too short: not counted
+    assert pol.next_bytes() == 31_250_000  # 0.5 Gbit/s over 10 round trips
+    assert not pol.take(LinkSample(0.05, 1.2, 75_000_000, 0.5, 0.0))  # long enough but 2.4x faster: ramping
+    assert pol.take(LinkSample(0.05, 1.25, 75_000_000, 0.48, 0.0))  # settled
+    assert pol.take(LinkSample(0.05, 0.2, 1 << 20, 0.04, 0.0))  # once started, every sample counts
+    slow = ProbePolicy(probe_seconds=0.2)
+    assert not slow.take(LinkSample(0.001, 0.01, 1 << 20, 0.002, 0.0))
+    assert slow.next_bytes() == 4 << 20  # four times the last probe, more than its noisy rate asks for
+    stubborn = ProbePolicy(probe_seconds=0.2)
+    counted = [stubborn.take(LinkSample(0.05, 0.1 * 2 ** i, 1 << 20, 0.01, 0.0)) for i in range(START_PROBES)]
+    assert counted == [False] * (START_PROBES - 1) + [True]  # a link that never settles still gets a figure
 
 
 def test_a_probe_past_its_time_limit_is_measured_on_what_arrived():

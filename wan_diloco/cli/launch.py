@@ -15,6 +15,7 @@ from rich.table import Table
 
 from wan_diloco.cli.report import human_bytes, console, out
 from wan_diloco import spec as spec_lib
+from wan_diloco.cli import plan as plan_cli
 from wan_diloco.runtime.launch import RunState, launch
 
 
@@ -23,6 +24,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--emulate", action="store_true",
                    help="run every process in its region's namespace of an emulated WAN built from [regions] "
                         "(needs root; TLS with a CA made for the run)")
+    p.add_argument("--plan", action="store_true",
+                   help="plan H, P, tau, bits and the grace cap from the links first (as `wan-diloco plan`), "
+                        "print the plan and run with it")
+    p.add_argument("--measured", type=Path, metavar="PATH",
+                   help="with --plan: a previous run's metrics.jsonl, whose measured links replace [regions]'")
+    p.add_argument("--step-time", type=float, metavar="S", help="with --plan: seconds per step (default: timed here)")
     add_common(p)
 
 
@@ -98,7 +105,23 @@ def finish(code: int, summary: dict, args: argparse.Namespace) -> int:
     return code
 
 
+def planned(cfg: spec_lib.RunSpec, args: argparse.Namespace) -> spec_lib.RunSpec:
+    """``cfg`` with the plan from its links (``--plan``), after printing the plan."""
+    plan, facts, source, step_from, notes = plan_cli.make_plan(cfg, out, args.step_time, args.measured)
+    plan_cli.print_plan(out, cfg, plan, facts, source, step_from, notes)
+    if not plan.reached:
+        console.print("[yellow]wan-diloco: running with the best plan found, below the CU target[/yellow]")
+    return plan_cli.apply_plan(cfg, plan)
+
+
 def run(args: argparse.Namespace) -> int:
     cfg = spec_lib.load(args.config)
-    code, summary = launch_and_show(cfg, Path(args.config).read_text(), args.run_dir, args.quiet, args.emulate)
+    text = Path(args.config).read_text()
+    if args.plan:
+        cfg = planned(cfg, args)
+        text = spec_lib.dumps(cfg)  # the learners and the syncer read the planned settings
+    elif args.measured or args.step_time:
+        console.print("[red]wan-diloco: --measured and --step-time go with --plan[/red]")
+        return 2
+    code, summary = launch_and_show(cfg, text, args.run_dir, args.quiet, args.emulate)
     return finish(code, summary, args)

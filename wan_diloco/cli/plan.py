@@ -103,33 +103,52 @@ def learners_per_region(spec: RunSpec) -> dict[str, int]:
     return {r: counts[r] for r in spec.regions.names if counts[r]}
 
 
-def run(args: argparse.Namespace) -> int:
-    spec = spec_lib.load(args.config)
-    for name in ("target_cu", "margin", "max_tau"):  # the flags override the file's [plan]
-        if getattr(args, name) is None:
-            setattr(args, name, getattr(spec.plan, name))
-    require(args.step_time is None or (math.isfinite(args.step_time) and args.step_time > 0), "step_time",
-            f"must be > 0, got {args.step_time}")
+def make_plan(spec: RunSpec, console: Console, step_time: float | None = None, measured: Path | None = None,
+              target_cu: float | None = None, margin: float | None = None,
+              max_tau: int | None = None) -> tuple[Plan, ModelFacts, dict[str, str], str, list[str]]:
+    """(plan, model facts, where each link came from, where the step time came from, notes) for ``spec``;
+    ``None`` arguments take the file's ``[plan]`` values, the step time is timed here."""
+    target_cu = spec.plan.target_cu if target_cu is None else target_cu
+    margin = spec.plan.margin if margin is None else margin
+    max_tau = spec.plan.max_tau if max_tau is None else max_tau
+    require(step_time is None or (math.isfinite(step_time) and step_time > 0), "step_time",
+            f"must be > 0, got {step_time}")
     require(bool(spec.regions.remote), "regions",
             f"every region is the syncer's ({spec.regions.syncer_region}): no WAN link to plan for")
-    links, source, notes = links_of(spec, args.measured)
+    links, source, notes = links_of(spec, measured)
     facts = model_facts(spec)
-    console = Console()
-    if args.step_time is not None:
-        step_s, step_from = args.step_time, "given"
+    if step_time is not None:
+        step_s, step_from = step_time, "given"
     else:
         console.print(f"timing {TIMED_STEPS} steps of the model here (batch {spec.run.batch_size}) ...")
         step_s, step_from = measure_step_time(spec), f"measured here: one learner alone, {TIMED_STEPS} steps"
-    plan = plan_run(facts, links, step_s, learners_per_region(spec), target_cu=args.target_cu, margin=args.margin,
-                    max_tau=args.max_tau, grace_safety=spec.syncer.grace_safety)
+    plan = plan_run(facts, links, step_s, learners_per_region(spec), target_cu=target_cu, margin=margin,
+                    max_tau=max_tau, grace_safety=spec.syncer.grace_safety)
+    return plan, facts, source, step_from, notes
+
+
+def apply_plan(spec: RunSpec, plan: Plan) -> RunSpec:
+    """``spec`` with the plan's H, P, τ, bits and grace cap (the fragment order is advice: the
+    runtime sends fragments in index order)."""
+    return spec.with_changes(learner={"sync_every": plan.sync_every, "num_fragments": plan.fragments,
+                                      "tau": plan.tau},
+                             codec={"bits": plan.bits}, syncer={"max_grace_s": round(plan.max_grace_s, 6)})
+
+
+def run(args: argparse.Namespace) -> int:
+    spec = spec_lib.load(args.config)
+    console = Console()
+    plan, facts, source, step_from, notes = make_plan(spec, console, args.step_time, args.measured,
+                                                      args.target_cu, args.margin, args.max_tau)
     print_plan(console, spec, plan, facts, source, step_from, notes)
     if args.json:
         out = {**plan.to_dict(), "inputs": {
             "config": str(args.config) if args.config else "(embedded default)", "preset": spec.preset,
             "fragmenter": spec.run.fragmenter, "fragment_params_configured": list(facts.fragment_params or ()),
-            "step_time_s": step_s, "step_time_from": step_from, "link_source": source,
-            "measured": str(args.measured) if args.measured else None, "target_cu": args.target_cu,
-            "margin": args.margin, "max_tau": args.max_tau, "notes": notes}}
+            "step_time_s": plan.step_time_s, "step_time_from": step_from, "link_source": source,
+            "measured": str(args.measured) if args.measured else None, "target_cu": plan.target_cu,
+            "margin": plan.margin, "max_tau": spec.plan.max_tau if args.max_tau is None else args.max_tau,
+            "notes": notes}}
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(out, indent=2) + "\n")
     return 0 if plan.reached else 1

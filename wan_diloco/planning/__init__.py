@@ -13,6 +13,7 @@ from wan_diloco.planning.plan import (
     LinkEstimate,
     ModelFacts,
     Plan,
+    confirmed_move,
     fragment_order,
     links_from_metrics,
     plan_run,
@@ -27,7 +28,7 @@ from wan_diloco.planning.timeline import compute_utilization, min_rate_for_cu
 __all__ = [
     "METHODS", "PAPER_METHODS", "BandwidthConfig", "cu_at_rate", "required_rates", "schedule_for",
     "GoodputConfig", "GoodputResult", "simulate", "Recommendation", "recommend",
-    "LinkEstimate", "ModelFacts", "Plan", "fragment_order", "links_from_metrics", "plan_run", "replan_reasons",
+    "LinkEstimate", "ModelFacts", "Plan", "confirmed_move", "fragment_order", "links_from_metrics", "plan_run", "replan_reasons",
     "round_trip_s", "tau_for_link",
     "Outage", "load_tape", "save_tape", "scale_tape", "compute_utilization", "min_rate_for_cu",
 ]

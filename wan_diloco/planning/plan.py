@@ -428,6 +428,25 @@ def replan_reasons(
     return out
 
 
+def confirmed_move(planned: LinkEstimate, recent: Sequence[LinkEstimate], threshold: float = REPLAN_THRESHOLD,
+                   confirm: int = 2) -> LinkEstimate | None:
+    """The link to re-plan for when the last ``confirm`` samples all moved the rate beyond ``threshold``
+    of ``planned``, the same way; else None (one noisy probe, e.g. one that met the learner's own
+    upload on the link, does not re-plan).
+
+    Of the confirming samples it returns the one closest to ``planned``: the move every one of
+    them shows, so one outlier does not overshoot.
+    """
+    require(confirm >= 1, "confirm", f"must be >= 1, got {confirm}")
+    last = list(recent)[-confirm:]
+    if len(last) < confirm:
+        return None
+    changes = [m.rate_gbit_s / planned.rate_gbit_s - 1 for m in last]
+    if all(c > threshold for c in changes) or all(c < -threshold for c in changes):
+        return min(zip(changes, last), key=lambda cm: abs(cm[0]))[1]
+    return None
+
+
 def links_from_metrics(lines: Iterable[str], source: str = "metrics") -> dict[str, LinkEstimate]:
     """The latest link measurement per region in a run's ``metrics.jsonl`` lines.
 

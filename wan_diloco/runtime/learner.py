@@ -8,6 +8,7 @@ parameters from the syncer) and at the end (the final full sync).
 """
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import queue
 import signal
@@ -22,7 +23,7 @@ from wan_diloco import train as train_lib
 from wan_diloco import tree
 from wan_diloco.assemble import Assembly, fragment_digest
 from wan_diloco.config import ConfigError
-from wan_diloco.planning import LinkEstimate, replan_reasons, tau_for_link
+from wan_diloco.planning import LinkEstimate, confirmed_move, replan_reasons, tau_for_link
 from wan_diloco.core import ApplyGlobal, ProtocolError, Resync, SendFragment, SendMetadata, Snapshot, learner_node
 from wan_diloco.runtime.events import emit
 from wan_diloco.runtime.netthread import NetThread
@@ -57,6 +58,7 @@ class Learner:
         self.link = None  # the latest LinkSample
         self.planned_link: LinkEstimate | None = None  # the link the current τ was planned for
         self.unplanned: LinkEstimate | None = None  # a sample that came before the step time was known
+        self.recent_links: collections.deque[LinkEstimate] = collections.deque(maxlen=cfg.plan.replan_confirm)
         self.uploads = 0
 
     # ---- actions --------------------------------------------------------------------
@@ -129,10 +131,13 @@ class Learner:
             except ConfigError as e:  # a measurement the planner cannot use must not end the run
                 emit({"event": "warning", "role": "learner", "learner": self.m, "what": f"no re-plan: {e}"})
 
-    def _replan(self, link: LinkEstimate) -> None:
-        """τ = the smallest this link allows (``planning.tau_for_link``), when the link moved enough.
+    def _replan(self, link: LinkEstimate, fresh: bool = True) -> None:
+        """τ = the smallest this link allows (``planning.tau_for_link``), when the link moved enough:
+        beyond ``replan_threshold`` in ``replan_confirm`` probes in a row (``planning.confirmed_move``).
 
         Until a few steps are timed, the sample waits: τ is counted in steps."""
+        if fresh:
+            self.recent_links.append(link)
         step_s = self.core.step_s.value
         if step_s is None or self.core.step < REPLAN_MIN_STEPS:
             self.unplanned = link
@@ -142,9 +147,13 @@ class Learner:
         if self.planned_link is None:
             reasons = [f"first plan: rate {link.rate_gbit_s:.3g} Gbit/s, rtt {link.rtt_s * 1e3:.1f} ms measured"]
         else:
+            moved = confirmed_move(self.planned_link, self.recent_links, plan.replan_threshold, plan.replan_confirm)
+            if moved is None:
+                return
+            link = moved
             reasons = replan_reasons({self.region: self.planned_link}, {self.region: link}, plan.replan_threshold)
-        if not reasons:
-            return
+            if plan.replan_confirm > 1:
+                reasons.append(f"seen in {plan.replan_confirm} probes in a row")
         self.planned_link = link
         cap = min(plan.max_tau, self.cfg.learner.sync_every - 1)
         # What actually goes on the wire per fragment so far (compressed), else the codec's bound.
@@ -197,7 +206,7 @@ class Learner:
                 self.tokens += batch.n_tokens
                 self._handle(self.core.step_done(t1, batch.n_tokens))
                 if self.unplanned is not None and self.core.step >= REPLAN_MIN_STEPS:
-                    self._replan(self.unplanned)
+                    self._replan(self.unplanned, fresh=False)
                 if t1 - last_report >= self.cfg.run.report_every_s:
                     last_report = t1
                     emit({"event": "step", "role": "learner", "learner": self.m, "step": self.core.step,

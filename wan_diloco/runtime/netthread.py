@@ -20,7 +20,6 @@ import time
 from wan_diloco.compression import FragmentCodec
 from wan_diloco.core import FragmentUpload, Metadata, ProtocolError
 from wan_diloco.runtime import serde
-from wan_diloco.transport.probe import MAX_PROBE_BYTES, PROBE_CUTOFF
 from wan_diloco.transport import (
     BulkRequest, Frame, MessageError, ProbePolicy, SyncerClient, TransportConfig, TransportError, TransportMetrics,
     new_event_loop,
@@ -110,31 +109,29 @@ class NetThread:
         self.loop.call_soon_threadsafe(lambda: self.loop.create_task(self._probe_link()))
 
     async def _probe_link(self) -> None:
-        """Measure the link at start (growing the probe until it is long enough to trust), then
-        periodically at the policy's duty cycle; every sample goes to the inbox."""
-        pol, report, tries, floor = self.probe_policy, {}, 0, 0
+        """Measure the link at start (probing again, bigger, until the samples are long enough and no
+        longer rising: ``ProbePolicy.take``), then periodically at the policy's duty cycle; every
+        sample that counts goes to the inbox."""
+        pol, report = self.probe_policy, {}
         while True:
-            nbytes = min(MAX_PROBE_BYTES, max(floor, pol.next_bytes()))
+            nbytes, max_s = pol.request()
             try:
-                sample = await self.client.probe(self.node, nbytes, report, max_s=PROBE_CUTOFF * pol.probe_seconds)
+                sample = await self.client.probe(self.node, nbytes, report, max_s=max_s)
             except (TransportError, MessageError) as e:
                 log.warning("%s: link probe failed: %s", self.node, e)
                 await asyncio.sleep(max(1.0, pol.every_s))
                 continue
             if sample.nbytes == 0:  # nothing arrived before the cut-off: no rate to report; try again later
-                log.warning("%s: link probe got no bytes in %.1f s", self.node, PROBE_CUTOFF * pol.probe_seconds)
+                log.warning("%s: link probe got no bytes in %.1f s", self.node, max_s)
                 await asyncio.sleep(max(1.0, pol.every_s))
                 continue
             report = sample.to_event()
-            tries += 1
-            if tries <= 3 and pol.too_short(sample):
-                pol.last, floor = sample, 4 * nbytes  # bigger, from this rate, and at once
+            if not pol.take(sample):
                 continue
-            floor = 0
             self.inbox.put(("link", sample))
             if pol.every_s == 0:
                 return
-            await asyncio.sleep(pol.delay_s(sample))
+            await asyncio.sleep(pol.delay_s())
 
     # ---- upstream (called from the training thread) ---------------------------------
 

@@ -11,8 +11,11 @@ can get (window limits included), not what a raw socket could.
   RTT (the request's way there and the first byte's way back), so a short
   probe is not charged its round trip.
 - Duty cycle: :class:`ProbePolicy` sizes each probe to last about
-  ``probe_seconds`` at the last measured rate and spaces probes so that they
-  keep the link busy at most ``probe_duty`` of the time.
+  ``probe_seconds`` at the last measured rate, and at least ``PROBE_RTTS``
+  round trips (a transfer of a few RTTs on a long link measures TCP's ramp,
+  not the link), and spaces probes so that they keep the link busy at most
+  ``probe_duty`` of the time. At start a learner probes again, bigger, while
+  the samples are too short or still rising (``ProbePolicy.unsettled``).
 
 The request is a ``Frame`` whose meta carries the bytes wanted and, so the
 syncer can show every learner's link on /status and /metrics, the sender's
@@ -27,6 +30,9 @@ import math
 MAX_PROBE_BYTES = 256 << 20
 MIN_PROBE_BYTES = 16 << 10  # a fifth of a second at 0.66 Mbit/s
 PROBE_CUTOFF = 5  # a probe transfer is cut short after this many times its target length
+PROBE_RTTS = 10  # a timed transfer spans at least this many round trips
+START_PROBES = 6  # at most this many probes at start before the first sample counts
+RISING = 1.1  # a start-up sample this much faster than the one before: TCP is still ramping, probe again
 PROBE_MESSAGE_MIN_BYTES = 4 << 10
 MAX_CONCURRENT_PROBES = 8  # server side: probe streams served at once (several channels per learner)
 
@@ -58,11 +64,15 @@ def rate_from_transfer(nbytes: int, wall_s: float, rtt_s: float) -> tuple[float,
 
 
 class ProbePolicy:
-    """How big the next probe is and when it runs, from what the last one found.
+    """How big the next probe is, whether its sample counts and when the next one runs (sans-IO).
 
     ``probe_seconds``: target duration of one timed transfer. ``duty``: the
     largest share of time probes may keep the link busy. ``every_s``: the
     shortest interval between probes (0 disables probing after the first).
+
+    A driver loops: ``nbytes, max_s = request()``, probe, ``take(sample)``;
+    a sample that counts is reported and followed by ``delay_s()`` of sleep,
+    one that does not (start-up, unsettled) by the next probe at once.
     """
 
     def __init__(self, probe_seconds: float = 0.2, duty: float = 0.02, every_s: float = 30.0):
@@ -70,22 +80,51 @@ class ProbePolicy:
             raise ValueError("probe_seconds must be > 0, duty in (0, 1], every_s >= 0")
         self.probe_seconds, self.duty, self.every_s = probe_seconds, duty, every_s
         self.last: LinkSample | None = None
+        self.start_probes = 0  # probes made before the first that counted
+        self.started = False
+        self.floor = 0  # at start: at least this many bytes next (the last probe was too short)
+
+    def target_s(self, rtt_s: float | None = None) -> float:
+        """Length a probe should last: ``probe_seconds``, or ``PROBE_RTTS`` round trips if longer."""
+        if rtt_s is None:
+            rtt_s = self.last.rtt_s if self.last is not None else 0.0
+        return max(self.probe_seconds, PROBE_RTTS * rtt_s)
 
     def next_bytes(self) -> int:
-        """Bytes to ask for: about ``probe_seconds`` at the last measured rate."""
+        """Bytes to ask for: about ``target_s()`` at the last measured rate."""
         if self.last is None:
-            return 1 << 20
-        want = self.last.rate_gbit_s * 1e9 / 8 * self.probe_seconds
+            return max(self.floor, 1 << 20)
+        want = max(self.floor, self.last.rate_gbit_s * 1e9 / 8 * self.target_s())
         return int(min(MAX_PROBE_BYTES, max(MIN_PROBE_BYTES, want)))
+
+    def request(self) -> tuple[int, float]:
+        """(bytes to ask for, seconds after which the transfer is cut short)."""
+        return self.next_bytes(), PROBE_CUTOFF * self.target_s()
 
     def too_short(self, sample: LinkSample) -> bool:
         """True when a probe was so short that its rate is mostly noise (measure again, bigger)."""
-        return sample.transfer_s < self.probe_seconds / 4 and sample.nbytes < MAX_PROBE_BYTES
+        return sample.transfer_s < self.target_s(sample.rtt_s) / 4 and sample.nbytes < MAX_PROBE_BYTES
 
-    def delay_s(self, sample: LinkSample) -> float:
-        """Seconds to wait before the next probe: the duty cycle or ``every_s``, whichever is longer."""
-        self.last = sample
-        return max(self.every_s, sample.transfer_s / self.duty - sample.transfer_s)
+    def take(self, sample: LinkSample) -> bool:
+        """Record ``sample``; True if it counts. At start it does not while it is too short, or faster
+        than the one before by ``RISING`` (TCP still ramping on a fresh connection: the link is
+        probably faster than measured), for at most ``START_PROBES`` probes."""
+        previous, self.last = self.last, sample
+        if self.started:
+            return True
+        self.start_probes += 1
+        short = self.too_short(sample)
+        rising = previous is not None and sample.rate_gbit_s > RISING * previous.rate_gbit_s
+        if self.start_probes < START_PROBES and (short or rising):
+            self.floor = 4 * sample.nbytes if short else 0
+            return False
+        self.started, self.floor = True, 0
+        return True
+
+    def delay_s(self) -> float:
+        """Seconds to wait after a counted sample: the duty cycle or ``every_s``, whichever is longer."""
+        busy = self.last.transfer_s if self.last is not None else 0.0
+        return max(self.every_s, busy / self.duty - busy)
 
 
 def finite_positive(x: object) -> float | None:

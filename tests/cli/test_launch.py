@@ -1,0 +1,44 @@
+"""`wan-diloco launch` options that shape the run before any process starts (the run itself: tests/runtime)."""
+import tomllib
+from pathlib import Path
+
+from wan_diloco import spec as spec_lib
+from wan_diloco.cli import launch as launch_cli
+from wan_diloco.cli import main
+
+LOCAL = str(Path(__file__).resolve().parents[2] / "examples" / "local.toml")
+
+
+def _capture(monkeypatch):
+    seen = {}
+
+    def fake_launch(cfg, text, run_dir, quiet, emulate=False):
+        seen.update(cfg=cfg, text=text)
+        return 1, {"error": "not run in this test"}
+    monkeypatch.setattr(launch_cli, "launch_and_show", fake_launch)
+    return seen
+
+
+def test_launch_with_plan_runs_the_planned_settings(monkeypatch, capsys):
+    seen = _capture(monkeypatch)
+    assert main(["launch", "--config", LOCAL, "--plan", "--step-time", "0.1", "--quiet"]) == 1
+    cfg = seen["cfg"]
+    # What `wan-diloco plan --step-time 0.1` picks for the local example (tests/cli/test_plan.py).
+    assert (cfg.learner.sync_every, cfg.learner.num_fragments, cfg.learner.tau, cfg.codec.bits) == (10, 4, 1, 16)
+    assert cfg.syncer.max_grace_s is not None and cfg.syncer.max_grace_s > 0
+    # Every process reads the text: it must carry the same settings.
+    assert spec_lib.from_document(tomllib.loads(seen["text"])) == cfg
+    out = capsys.readouterr().out
+    assert "predicted CU" in out and "sync_every = 10" in out
+
+
+def test_launch_without_plan_runs_the_file_as_written(monkeypatch):
+    seen = _capture(monkeypatch)
+    main(["launch", "--config", LOCAL, "--quiet"])
+    assert seen["cfg"] == spec_lib.load(LOCAL) and seen["text"] == Path(LOCAL).read_text()
+
+
+def test_plan_inputs_without_plan_are_refused(monkeypatch, capsys):
+    seen = _capture(monkeypatch)
+    assert main(["launch", "--config", LOCAL, "--step-time", "0.1", "--quiet"]) == 2
+    assert not seen and "go with --plan" in capsys.readouterr().err
