@@ -53,7 +53,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from wan_diloco import spec as spec_lib  # noqa: E402
-from wan_diloco.planning import LinkEstimate, ModelFacts, plan_run  # noqa: E402
+from wan_diloco.planning import LinkEstimate, ModelFacts, plan_run, round_trip_s  # noqa: E402
 from wan_diloco.planning.bandwidth import BandwidthConfig, schedule_for  # noqa: E402
 from wan_diloco.planning.timeline import compute_utilization  # noqa: E402
 from wan_diloco.regions import Emulator, measure  # noqa: E402
@@ -222,7 +222,7 @@ def train_row(method: str, bits: int, steps: int, link: dict, workdir: Path, emu
            "cu": cu, "step_s": step_s, "link_gbit_s": link_gbit_s, "shaped_gbit_s": link["rate_gbit_s"] if emulate else None,
            "bytes_per_token": train_bytes / max(1, summary["tokens"]),
            "final_eval_loss": summary["final_eval_loss"], "tokens": summary["tokens"], "wall_s": wall,
-           "bit_identical": summary["bit_identical"]}
+           "bit_identical": summary["bit_identical"], "merge_lag_steps": summary.get("merge_lag_steps")}
     if phases is not None:
         row["phases"] = phases.log
         if events:
@@ -243,6 +243,14 @@ def link_log(run_dir: Path) -> tuple[list[dict], list[dict]]:
         elif e.get("event") == "link":
             links.append({k: e[k] for k in ("t", "learner", "region", "rtt_ms", "rate_gbit_s")})
     return replans, links
+
+
+def predicted_lag_steps(method: str, bits: int, facts: ModelFacts, step_s: float, link: dict) -> float:
+    """Steps from sending a fragment to having the merged one back (``planning.round_trip_s``): a learner
+    that does not wait (decoupled) trains them; one that waits stalls for what exceeds its tau."""
+    lrn = METHODS[method][1]["learner"]
+    fragment_bytes = facts.params * bits / 8 / lrn["num_fragments"]
+    return round_trip_s(fragment_bytes, LinkEstimate(link["rate_gbit_s"], link["rtt_ms"] / 1e3)) / step_s
 
 
 def predicted_cu(method: str, bits: int, facts: ModelFacts, step_s: float, link: dict, tau: int) -> float:
@@ -278,6 +286,9 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+TRANSPORT_ROUNDS = 3  # the first on fresh connections (cold), the median of the others is the row's figure
+
+
 def transport_rows(links: list[tuple[float, float]], workdir: Path) -> list[dict]:
     rows = []
     for rate, rtt_ms in links:
@@ -292,21 +303,25 @@ def transport_rows(links: list[tuple[float, float]], workdir: Path) -> list[dict
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                 try:
                     port = json.loads(srv.stdout.readline())["ready"]
-                    mib = max(16, int(rate * 1e9 / 8 * 1.0 / (1 << 20)))  # ~4 s of link in 4 fragments
+                    mib = max(16, int(rate * 1e9 / 8 * 1.0 / (1 << 20)))  # ~4 s of link in 4 fragments a round
                     pid, t0 = emu.forwarder_pid, time.monotonic()
-                    cpu0 = _cpu_s(pid) if pid else 0.0
+                    cpu0, srv_cpu0 = (_cpu_s(pid) if pid else 0.0), _cpu_s(srv.pid)
                     res = emu.exec("far", [sys.executable, PEER, "upload", "--target", f"{host}:{port}",
-                                           "--tls", str(tls), "--mib", str(mib), "--fragments", "4", *extra],
+                                           "--tls", str(tls), "--mib", str(mib), "--fragments", "4",
+                                           "--rounds", str(TRANSPORT_ROUNDS), *extra],
                                    timeout=300)
                     got = json.loads(res.stdout.strip().splitlines()[-1])
-                    got["forwarder_cores"] = (_cpu_s(pid) - cpu0) / (time.monotonic() - t0) if pid else None
+                    wall = time.monotonic() - t0
+                    got["forwarder_cores"] = (_cpu_s(pid) - cpu0) / wall if pid else None
+                    got["server_cores"] = (_cpu_s(srv.pid) - srv_cpu0) / wall
                 finally:
                     srv.stdin.close()
                     srv.wait(10)
                 row = {"rate_gbit_s": rate, "rtt_ms": rtt_ms, "settings": "tuned" if tuned else "default", **got,
                        "fraction_of_link": got["gbit_s"] / rate}
                 print(f"  transport {rate:g} Gbit/s {rtt_ms:g} ms {row['settings']:<8} {got['gbit_s']:.3f} Gbit/s "
-                      f"({row['fraction_of_link']:.0%}), {got['channels']} channels", flush=True)
+                      f"({row['fraction_of_link']:.0%}; cold {got['cold_gbit_s']:.3f}), {got['channels']} channels",
+                      flush=True)
                 rows.append(row)
     return rows
 
@@ -381,6 +396,7 @@ def main(argv=None) -> int:
             row["cu_nonet"] = nonet["cu"]
             row["cu_ratio"] = row["cu"] / nonet["cu"]
             row["cu_predicted"] = predicted_cu(method, bits, facts, nonet["step_s"], link, tau)
+            row["merge_lag_predicted"] = predicted_lag_steps(method, bits, facts, nonet["step_s"], link)
             row.pop("step_timeline", None)
             rows.append(row)
             save(out | {"rows": rows, "partial": True}, args.out)  # a failure later keeps what was measured

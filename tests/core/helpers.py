@@ -22,6 +22,6 @@ def upload(learner, fragment=0, due=8, delta=None, base_version=0, c_steps=8, c_
                           delta={name: d}, nbytes=d.nbytes)
 
 
-def meta(learner, step=8, step_s=1.0, sync_s=None):
+def meta(learner, step=8, step_s=1.0, sync_s=None, tau=None):
     return Metadata(learner=learner, step=step, c_steps=(step, step), c_tokens=(100 * step, 100 * step),
-                    clock=VectorClock({f"learner-{learner}": step}), step_s=step_s, sync_s=sync_s)
+                    clock=VectorClock({f"learner-{learner}": step}), step_s=step_s, sync_s=sync_s, tau=tau)

@@ -98,6 +98,24 @@ def test_no_grace_flag_and_no_estimates_give_zero_grace():
     assert s.grace_window_s() == 0.0
 
 
+def test_grace_respects_the_smallest_overlap_the_learners_report():
+    s = make(grace=True)  # configured tau = 2
+    s.on_metadata(0.0, meta(0, step_s=1.0))
+    assert s.tau_now() == 2 and s.grace_window_s() == pytest.approx(0.8 * 2.0)
+    s.on_metadata(0.0, meta(1, step_s=1.0, tau=4))  # a learner on a slow link re-planned to 4
+    s.on_metadata(0.0, meta(2, step_s=1.0, tau=3))
+    assert s.tau_now() == 3 and s.grace_window_s() == pytest.approx(0.8 * 3.0)
+    s.on_metadata(1.0, meta(2, step_s=1.0))  # no tau in this report: the last one stands
+    assert s.tau_now() == 3
+
+
+def test_an_impossible_overlap_is_refused_without_state_change():
+    s = make(grace=True)
+    with pytest.raises(ProtocolError, match="tau must be in"):
+        s.on_metadata(0.0, meta(0, step_s=1.0, tau=10**6))
+    assert s.tau_now() == 2 and s.global_step == 0 and s.learners == {}
+
+
 def test_lost_peer_is_not_waited_for():
     s = make(quorum=3, grace=False)
     for m in range(3):

@@ -101,6 +101,9 @@ def test_start_up_probes_grow_until_long_enough_and_no_longer_rising():
     slow = ProbePolicy(probe_seconds=0.2)
     assert not slow.take(LinkSample(0.001, 0.01, 1 << 20, 0.002, 0.0))
     assert slow.next_bytes() == 4 << 20  # four times the last probe, more than its noisy rate asks for
+    lan = ProbePolicy(probe_seconds=0.2)
+    lan.take(LinkSample(0.0002, 5.0, 125_000_000, 0.2, 0.0))
+    assert lan.take(LinkSample(0.0002, 8.0, 125_000_000, 0.2, 0.0))  # sub-ms round trip: no ramp, just noise
     stubborn = ProbePolicy(probe_seconds=0.2)
     counted = [stubborn.take(LinkSample(0.05, 0.1 * 2 ** i, 1 << 20, 0.01, 0.0)) for i in range(START_PROBES)]
     assert counted == [False] * (START_PROBES - 1) + [True]  # a link that never settles still gets a figure

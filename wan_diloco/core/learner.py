@@ -96,6 +96,8 @@ class LearnerCore:
         self._step_began_s: float | None = None
         self.step_s = Ema()
         self.sync_s = Ema()
+        self.merge_lags = 0  # merges of our own Δ, and the steps they came after the send, summed
+        self.merge_lag_steps = 0
         self.bytes_sent = 0
 
     # ---- driver calls ---------------------------------------------------------------
@@ -197,6 +199,7 @@ class LearnerCore:
         return Metadata(
             learner=self.learner, step=self.step, c_steps=tuple(self.c_steps), c_tokens=tuple(self.c_tokens),
             clock=self.clock, step_s=self.step_s.value, sync_s=self.sync_s.value, region=self.region,
+            tau=self.cfg.tau,
         )
 
     def copy_state_from(self, peer: "LearnerCore") -> None:
@@ -238,6 +241,9 @@ class LearnerCore:
         sent = self.in_flight.pop(p, None)
         if sent is not None and self.learner in u.held_s:
             self.sync_s.add(max(0.0, arrived_s - sent.sent_at_s - u.held_s[self.learner]))
+        if sent is not None:  # steps trained between sending this fragment and merging the answer
+            self.merge_lags += 1
+            self.merge_lag_steps += self.step - sent.sent_at_step
         # Adopt the global step: a slow learner jumps forward so fragments stay due together.
         self.step = max(self.step, u.global_step)
         if sent is not None and self.learner not in u.contributors and u.due_step >= sent.due_step:

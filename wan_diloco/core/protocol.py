@@ -62,6 +62,7 @@ class Metadata:
     step_s: float | None = None  # learner's measured compute time per step
     sync_s: float | None = None  # learner's measured fragment sync time, syncer waits excluded
     region: str = ""
+    tau: int | None = None  # the learner's overlap now (it may re-plan it from its link); bounds the grace
 
 
 @dataclass(frozen=True)

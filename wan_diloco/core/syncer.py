@@ -34,6 +34,9 @@ from wan_diloco.merge import MergeMethod, merge_fragment, token_weights
 from wan_diloco.outer import OuterConfig, OuterOptimizer
 
 
+MAX_TAU = 1000  # a learner reporting a larger overlap is refused (τ < H, and H is steps between syncs)
+
+
 @dataclass(frozen=True)
 class SyncerConfig:
     num_learners: int = 4  # M
@@ -71,6 +74,7 @@ class _Learner:
     alive: bool = True
     step_s: float | None = None
     sync_s: float | None = None
+    tau: int | None = None
 
 
 @dataclass
@@ -135,10 +139,13 @@ class SyncerCore:
         self._check_learner(msg.learner)
         if len(msg.c_steps) != len(self.fragments) or len(msg.c_tokens) != len(self.fragments):
             raise ProtocolError(f"metadata from learner {msg.learner}: counters for {len(msg.c_steps)} fragments, expected {len(self.fragments)}")
+        if msg.tau is not None and not 0 <= msg.tau <= MAX_TAU:
+            raise ProtocolError(f"metadata from learner {msg.learner}: tau must be in [0, {MAX_TAU}], got {msg.tau}")
         info = self._seen(now_s, msg.learner)
         info.step = max(info.step, msg.step)
         info.step_s = msg.step_s if msg.step_s is not None else info.step_s
         info.sync_s = msg.sync_s if msg.sync_s is not None else info.sync_s
+        info.tau = msg.tau if msg.tau is not None else info.tau
         self.global_step = max(self.global_step, msg.step)
         self.clock = self.clock.merge(msg.clock)
         return []
@@ -192,8 +199,15 @@ class SyncerCore:
 
     # ---- estimates ------------------------------------------------------------------
 
+    def tau_now(self) -> int:
+        """The overlap the grace must respect: the smallest any live learner reported (learners that
+        re-plan τ from their links may differ; waiting past the smallest would make its learners
+        merge late), else the configured one."""
+        taus = [l.tau for l in self.learners.values() if l.alive and l.tau is not None]
+        return min(taus) if taus else self.cfg.tau
+
     def grace_window_s(self) -> float:
-        """ξ_grace = γ·max(0, τ·ξ_step − (ξ_quorum + ξ_sync)), all measured online."""
+        """ξ_grace = γ·max(0, τ·ξ_step − (ξ_quorum + ξ_sync)), all measured online (τ: ``tau_now``)."""
         if not self.cfg.grace:
             return 0.0
         steps = [l.step_s for l in self.learners.values() if l.alive and l.step_s is not None]
@@ -202,7 +216,7 @@ class SyncerCore:
         syncs = [l.sync_s for l in self.learners.values() if l.alive and l.sync_s is not None]
         step_s = float(np.mean(steps))
         sync_s = float(np.mean(syncs)) if syncs else 0.0
-        slack = self.cfg.tau * step_s - ((self.quorum_wait_s.value or 0.0) + sync_s)
+        slack = self.tau_now() * step_s - ((self.quorum_wait_s.value or 0.0) + sync_s)
         grace = self.cfg.grace_safety * max(0.0, slack)
         return grace if self.cfg.max_grace_s is None else min(grace, self.cfg.max_grace_s)
 

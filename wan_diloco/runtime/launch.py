@@ -231,6 +231,7 @@ def summarize(mon: RunState, wall_s: float) -> dict:
     raw = sum(f["raw_bytes"] for f in finals)
     payload = sum(f["payload_bytes"] for f in finals)
     digests = sf.get("digests")
+    lags = [f["merge_lag_steps"] for f in finals if f.get("merge_lag_steps") is not None]
     return {
         "learners_finished": len(finals), "learners": M,
         "initial_eval_loss": sum(s["eval_loss"] for s in mon.starts.values()) / max(1, len(mon.starts)),
@@ -242,6 +243,8 @@ def summarize(mon: RunState, wall_s: float) -> dict:
         "bytes_sent": sent, "dp_bytes": dp_bytes, "compression_ratio": raw / payload if payload else 1.0,
         "bit_identical": bool(digests) and all(f["digests"] == digests for f in finals),
         "params": params, "wall_s": wall_s,
+        # Steps a learner trained between sending a fragment and merging the answer (mean over learners).
+        "merge_lag_steps": sum(lags) / len(lags) if lags else None,
     }
 
 

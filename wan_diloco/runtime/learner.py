@@ -217,6 +217,8 @@ class Learner:
             train_s = time.monotonic() - t_start
             emit({"event": "finishing", "role": "learner", "learner": self.m, "step": self.core.step,
                   "train_s": train_s, "bytes_sent": self.net.bytes_sent, "bytes_received": self.net.bytes_received})
+            # Before the final sync, whose merges come back with no steps trained in between.
+            lag = self.core.merge_lag_steps / self.core.merge_lags if self.core.merge_lags else None
             report = self.final_sync()
             return {"event": "final", "role": "learner", "learner": self.m, "region": self.region,
                     "steps": self.core.step, "tokens": self.tokens, "train_s": train_s, "compute_s": self.compute_s,
@@ -224,6 +226,7 @@ class Learner:
                     "payload_bytes": self.payload_bytes, "bytes_sent": self.net.bytes_sent,
                     "bytes_received": self.net.bytes_received, "resyncs": self.resyncs,
                     "link": self.link.to_event() if self.link is not None else None, "tau": self.core.cfg.tau,
+                    "merge_lag_steps": lag,
                     **report}
         finally:
             self.net.stop()

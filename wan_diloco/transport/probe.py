@@ -32,6 +32,7 @@ MIN_PROBE_BYTES = 16 << 10  # a fifth of a second at 0.66 Mbit/s
 PROBE_CUTOFF = 5  # a probe transfer is cut short after this many times its target length
 PROBE_RTTS = 10  # a timed transfer spans at least this many round trips
 START_PROBES = 6  # at most this many probes at start before the first sample counts
+RAMP_RTT_S = 0.005  # below this round trip TCP ramps up in no time: a faster sample is noise, not a ramp
 RISING = 1.1  # a start-up sample this much faster than the one before: TCP is still ramping, probe again
 PROBE_MESSAGE_MIN_BYTES = 4 << 10
 MAX_CONCURRENT_PROBES = 8  # server side: probe streams served at once (several channels per learner)
@@ -107,14 +108,16 @@ class ProbePolicy:
 
     def take(self, sample: LinkSample) -> bool:
         """Record ``sample``; True if it counts. At start it does not while it is too short, or faster
-        than the one before by ``RISING`` (TCP still ramping on a fresh connection: the link is
-        probably faster than measured), for at most ``START_PROBES`` probes."""
+        than the one before by ``RISING`` on a link of ``RAMP_RTT_S`` or more (TCP still ramping on
+        a fresh connection: the link is probably faster than measured), for at most ``START_PROBES``
+        probes."""
         previous, self.last = self.last, sample
         if self.started:
             return True
         self.start_probes += 1
         short = self.too_short(sample)
-        rising = previous is not None and sample.rate_gbit_s > RISING * previous.rate_gbit_s
+        rising = (previous is not None and sample.rtt_s >= RAMP_RTT_S
+                  and sample.rate_gbit_s > RISING * previous.rate_gbit_s)
         if self.start_probes < START_PROBES and (short or rising):
             self.floor = 4 * sample.nbytes if short else 0
             return False
