@@ -16,7 +16,7 @@ import pytest
 
 from wan_diloco.regions import measure
 from wan_diloco.regions.emulator import (
-    Emulator, EmulatorError, forwarder_pids, list_namespaces, teardown_leftovers, unavailable_reason,
+    CC_ALLOWED, Emulator, EmulatorError, forwarder_pids, list_namespaces, teardown_leftovers, unavailable_reason,
 )
 from wan_diloco.regions.topology import regions_from_mapping
 
@@ -76,6 +76,25 @@ def test_rtt_to_the_syncer_region_is_the_configured_rtt(wan):
               f"max {r['rtt_ms_max']:.2f}; kernel TCP srtt {r['kernel_srtt_ms']:.2f}) for configured {RTT_MS} ms, backend {wan.backend}")
         assert r["rtt_ms_median"] == pytest.approx(RTT_MS, rel=0.05, abs=0.5)
         assert r["kernel_srtt_ms"] == pytest.approx(RTT_MS, rel=0.05, abs=0.5)
+
+
+def test_region_hosts_run_the_configured_congestion_control_and_the_host_list_comes_back(wan):
+    for region in ("hub", "east"):
+        assert wan.exec(region, ["sysctl", "-n", "net.ipv4.tcp_congestion_control"]).stdout.strip() == "cubic"
+    assert "cubic" in CC_ALLOWED.read_text().split()  # while up (added if the host did not allow it)
+
+
+def test_the_allowed_list_is_restored_and_an_unknown_congestion_control_is_refused():
+    before = CC_ALLOWED.read_text()
+    topo = regions_from_mapping({"names": ["hub", "far"], "link": {"rate_gbit_s": 0.1, "rtt_ms": 2.0}})
+    with Emulator(topo, prefix="wdlc"):
+        pass
+    assert CC_ALLOWED.read_text() == before
+    bad = regions_from_mapping({"names": ["hub", "far"], "congestion_control": "nosuchcc"})
+    with pytest.raises(EmulatorError, match="congestion_control: 'nosuchcc' is not available"):
+        with Emulator(bad, prefix="wdlc"):
+            pass
+    assert leftovers("wdlc") == NOTHING and CC_ALLOWED.read_text() == before
 
 
 def test_region_to_region_crosses_both_links(wan):

@@ -54,6 +54,7 @@ def test_learners_round_robin_by_default_or_as_listed():
     ({"names": ["-x"]}, "regions.names[0]"),
     ({"names": ["a"], "syncer": "b"}, "regions.syncer"),
     ({"names": ["a", "b"], "learners": ["a", "c"]}, "regions.learners[1]"),
+    ({"congestion_control": "cubic; rm -rf"}, "regions.congestion_control"),
     ({"names": ["a", "b"], "links": {"c": {}}}, "regions.links.c"),
     ({"names": ["a", "b"], "links": {"a": {}}}, "regions.links.a: the syncer's region"),
     ({"names": ["a", "b"], "links": {"b": {"speed": 1}}}, "regions.links.b.speed: unknown field"),

@@ -10,6 +10,10 @@ Layout (``prefix`` defaults to ``wdl``)::
 
 Every address is private to these namespaces; nothing is configured in the
 host's namespace, so deleting the namespaces removes every device as well.
+The one host-wide setting touched: a namespace may only pick a TCP congestion
+control on the host's allowed list, so ``[regions] congestion_control``
+(cubic, the usual Linux default) is added there while the emulator is up and
+the list restored on teardown.
 Rate is shaped with htb on the router: traffic towards a remote region on its
 own veth, traffic from it towards the syncer's region in a per-source class
 on the syncer region's veth. Delay, jitter and loss come from ``tc netem``
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import logging
 import os
 import shutil
 import signal
@@ -34,6 +39,8 @@ from pathlib import Path
 from typing import Literal, Sequence
 
 from wan_diloco.regions.topology import LinkConfig, RegionsConfig
+
+log = logging.getLogger(__name__)
 
 SUBNET = "10.77"  # 10.77.<i>.0/30 per region, only ever inside our namespaces
 MTU = 65000  # large frames cut per-packet cost, so Python can carry Gbit/s
@@ -49,6 +56,8 @@ def mtu_for(topology: RegionsConfig) -> int:
     real WAN does; so slow topologies get ordinary frames."""
     fastest = max((topology.link_of(r).rate_gbit_s for r in topology.remote), default=1.0)
     return int(min(MTU, max(MIN_MTU, fastest * 1e9 / 8 / PACKETS_PER_S)))
+CC_AVAILABLE = Path("/proc/sys/net/ipv4/tcp_available_congestion_control")
+CC_ALLOWED = Path("/proc/sys/net/ipv4/tcp_allowed_congestion_control")
 TCP_MEM = "4096 131072 268435456"  # 256 MB max: a 5 Gbit/s x 100 ms BDP is 62 MB
 FORWARDER_MODULE = "wan_diloco.regions.forwarder"
 ROUTER_TABLE = "100"
@@ -191,6 +200,7 @@ class Emulator:
         self._forwarder: subprocess.Popen | None = None
         self._old_handlers: dict[int, object] = {}
         self._up = False
+        self._allowed_cc: tuple[str, str] | None = None  # (host's allowed list before, what we wrote)
 
     # ---- public helpers -------------------------------------------------
     def namespace(self, region: str) -> str:
@@ -226,7 +236,8 @@ class Emulator:
 
     def describe(self) -> list[str]:
         """One line per region: namespace, address, link (for printing)."""
-        lines = [f"backend {self.backend}, router namespace {self.router}"]
+        cc = self.topology.congestion_control or "the host's"
+        lines = [f"backend {self.backend}, router namespace {self.router}, TCP congestion control {cc}"]
         for name in self.topology.names:
             if name == self.topology.syncer_region:
                 link = "syncer's region"
@@ -272,6 +283,7 @@ class Emulator:
                     except subprocess.TimeoutExpired:
                         pass
                 teardown_leftovers(self.prefix)
+                self._restore_allowed_cc()
                 self._up = False
         finally:
             self._restore_handlers()
@@ -298,8 +310,36 @@ class Emulator:
     def _ns(self, ns: str, *argv: str, check: bool = True) -> subprocess.CompletedProcess:
         return _run(["ip", "netns", "exec", ns, *argv], check=check)
 
+    def _allow_cc(self, cc: str) -> None:
+        """Let namespaces select ``cc``: a namespace other than the host's may only pick a congestion
+        control on the host's allowed list, so add it there for the emulator's lifetime."""
+        available = CC_AVAILABLE.read_text().split() if CC_AVAILABLE.exists() else []
+        if cc not in available:
+            raise EmulatorError(f"regions.congestion_control: {cc!r} is not available in this kernel "
+                                f"(available: {' '.join(available) or 'unknown'}); set it to one of those or \"\"")
+        before = CC_ALLOWED.read_text().strip()
+        if cc in before.split():
+            return
+        wrote = f"{before} {cc}".strip()
+        CC_ALLOWED.write_text(wrote)
+        self._allowed_cc = (before, CC_ALLOWED.read_text().strip())
+
+    def _restore_allowed_cc(self) -> None:
+        if self._allowed_cc is None:
+            return
+        before, wrote = self._allowed_cc
+        self._allowed_cc = None
+        try:
+            if CC_ALLOWED.read_text().strip() == wrote:  # unless someone changed it since
+                CC_ALLOWED.write_text(before)
+        except OSError as e:
+            log.warning("could not restore %s to %r: %s", CC_ALLOWED, before, e)
+
     def _build(self) -> None:
         topo = self.topology
+        cc = topo.congestion_control
+        if cc:
+            self._allow_cc(cc)
         _run(["ip", "netns", "add", self.router])
         r = self.router
         for k, v in (("net.ipv4.ip_forward", "1"), ("net.ipv4.conf.all.rp_filter", "0"),
@@ -314,6 +354,7 @@ class Emulator:
             # (docs/operations.md), so a sync after a quiet spell starts at full window.
             for k, v in (("net.ipv4.tcp_rmem", TCP_MEM), ("net.ipv4.tcp_wmem", TCP_MEM),
                          ("net.ipv4.tcp_slow_start_after_idle", "0"),
+                         *((("net.ipv4.tcp_congestion_control", cc),) if cc else ()),
                          ("net.ipv6.conf.all.disable_ipv6", "1"), ("net.ipv6.conf.default.disable_ipv6", "1")):
                 self._ns(ns, "sysctl", "-qw", f"{k}={v}")
             # Created straight inside the two namespaces: nothing ever exists in the host's.

@@ -65,9 +65,13 @@ class RegionsConfig:
     # Per-region overrides, keyed by region name. Filled by regions_from_mapping,
     # which merges each override onto `link`.
     links: Mapping[str, LinkConfig] = field(default_factory=dict)
+    # TCP congestion control of the emulated hosts (the region namespaces); "" keeps the host's.
+    congestion_control: str = "cubic"
 
     def validate(self) -> None:
         require(len(self.names) >= 1, "names", "need at least one region")
+        require(self.congestion_control == "" or bool(re.fullmatch(r"[a-z0-9_]{1,15}", self.congestion_control)),
+                "congestion_control", f"{self.congestion_control!r} is not a congestion control name (cubic, bbr, ...)")
         for i, n in enumerate(self.names):
             require(bool(_NAME.match(n)), f"names[{i}]",
                     f"{n!r} must be lowercase letters, digits and '-', at most 31 characters, not starting with '-'")
