@@ -272,7 +272,7 @@ def emulator_check(rate: float = 1.0, rtt_ms: float = 50.0) -> dict:
         pid = emu.forwarder_pid
         cpu0 = _cpu_s(pid) if pid else 0.0
         t0 = time.monotonic()
-        ip = measure.iperf3(emu, "hub", "far", seconds=4.0)
+        ip = measure.iperf3(emu, "hub", "far", seconds=6.0, omit_s=2)
         tp = ip if ip is not None else measure.throughput(emu, "hub", "far", seconds=4.0).gbit_s
         cpu = (_cpu_s(pid) - cpu0) / (time.monotonic() - t0) if pid else None
         return {"backend": emu.backend, "rtt_ms_configured": rtt_ms, "rtt_ms_measured": r["rtt_ms_median"],
@@ -286,19 +286,28 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-TRANSPORT_ROUNDS = 3  # the first on fresh connections (cold), the median of the others is the row's figure
+TRANSPORT_ROUNDS = 4  # the first on fresh connections (cold), the median of the others is the row's figure
+TUNED_HOST, DEFAULT_HOST = 256 << 20, 4 << 20  # TCP buffer maximum of the emulated hosts (tcp_rmem/tcp_wmem)
+SETTINGS_ARGS = {
+    "default": lambda rate, rtt_ms: [],
+    "tuned": lambda rate, rtt_ms: ["--tuned", f"{rate},{rtt_ms}"],  # transport.tune_for_link for the known link
+    "auto": lambda rate, rtt_ms: ["--auto-channels"],  # connections widened from probes, as learners do
+}
 
 
-def transport_rows(links: list[tuple[float, float]], workdir: Path) -> list[dict]:
+def transport_rows(cases: list[tuple[float, float, int, tuple[str, ...]]], workdir: Path) -> list[dict]:
+    """One row per (rate Gbit/s, RTT ms, host TCP buffer bytes) and setting of the case: a client in one
+    emulated region uploads 4 fragments at once to a server in the other, TRANSPORT_ROUNDS times."""
     rows = []
-    for rate, rtt_ms in links:
-        topo = regions_from_mapping({"names": ["hub", "far"], "link": {"rate_gbit_s": rate, "rtt_ms": rtt_ms}})
+    for rate, rtt_ms, host_buffer, settings in cases:
+        topo = regions_from_mapping({"names": ["hub", "far"], "link": {"rate_gbit_s": rate, "rtt_ms": rtt_ms},
+                                     "tcp_buffer_max_bytes": host_buffer})
         with Emulator(topo, prefix=PREFIX) as emu:
             host = emu.address_of("hub")
             tls = workdir / "tls"
             make_dev_certs(tls, hosts=(host,))
-            for tuned in (False, True):
-                extra = ["--tuned", f"{rate},{rtt_ms}"] if tuned else []
+            for name in settings:
+                extra = SETTINGS_ARGS[name](rate, rtt_ms)
                 srv = emu.popen("hub", [sys.executable, PEER, "server", "--host", host, "--tls", str(tls), *extra],
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                 try:
@@ -317,11 +326,11 @@ def transport_rows(links: list[tuple[float, float]], workdir: Path) -> list[dict
                 finally:
                     srv.stdin.close()
                     srv.wait(10)
-                row = {"rate_gbit_s": rate, "rtt_ms": rtt_ms, "settings": "tuned" if tuned else "default", **got,
-                       "fraction_of_link": got["gbit_s"] / rate}
-                print(f"  transport {rate:g} Gbit/s {rtt_ms:g} ms {row['settings']:<8} {got['gbit_s']:.3f} Gbit/s "
-                      f"({row['fraction_of_link']:.0%}; cold {got['cold_gbit_s']:.3f}), {got['channels']} channels",
-                      flush=True)
+                row = {"rate_gbit_s": rate, "rtt_ms": rtt_ms, "host_tcp_buffer_bytes": host_buffer,
+                       "settings": name, **got, "fraction_of_link": got["gbit_s"] / rate}
+                print(f"  transport {rate:g} Gbit/s {rtt_ms:g} ms, hosts {host_buffer >> 20} MiB, {name:<8} "
+                      f"{got['gbit_s']:.3f} Gbit/s ({row['fraction_of_link']:.0%}; cold {got['cold_gbit_s']:.3f}), "
+                      f"{got['channels']} channels", flush=True)
                 rows.append(row)
     return rows
 
@@ -364,11 +373,13 @@ def main(argv=None) -> int:
           f"({facts.params:,} params, step {STEP_S} s); planned tau {tau} (H {H}, P {P}, 4 bits)", flush=True)
     if args.quick:
         plan = [("dp", 16, 2), ("decoupled", 4, 2 * H)]
-        transport_links = [(1.0, 50.0)]
+        transport_cases = [(1.0, 50.0, TUNED_HOST, ("default", "auto")), (1.0, 50.0, DEFAULT_HOST, ("default", "auto"))]
     else:
         plan = [("dp", 16, 3), ("diloco", 16, 3 * H), ("streaming", 16, 3 * H),
                 ("decoupled", 16, 3 * H), ("decoupled", 8, 3 * H), ("decoupled", 4, 3 * H)]
-        transport_links = [(1.0, 50.0), (2.0, 50.0), (2.0, 100.0)]
+        every = ("default", "tuned", "auto")
+        transport_cases = [(rate, rtt, TUNED_HOST, every) for rate in (1.0, 2.0, 5.0) for rtt in (50.0, 100.0)]
+        transport_cases += [(2.0, 100.0, DEFAULT_HOST, every)]
     if args.events_only:
         out = json.loads(args.out.read_text())
         with tempfile.TemporaryDirectory(prefix="wan-bench-") as tmp:
@@ -380,11 +391,16 @@ def main(argv=None) -> int:
                                                 "calculator_layers": facts.layers}, "quick": args.quick, "machine": {"cpus": os.cpu_count(), "python": platform.python_version()}}
     print("emulator check", flush=True)
     out["emulator"] = emulator_check()
+    if not args.quick:  # the ceiling of this machine: iperf3 through 2 and 5 Gbit/s links too
+        out["emulator_rates"] = [out["emulator"]] + [emulator_check(rate) for rate in (2.0, 5.0)]
+        for e in out["emulator_rates"][1:]:
+            print(f"  emulator {e['rate_gbit_s_configured']:g} Gbit/s: {e['rate_tool']} {e['rate_gbit_s_measured']:.3f}, "
+                  f"forwarder {e['forwarder_cores']:.2f} cores", flush=True)
     print(f"  {out['emulator']}", flush=True)
     with tempfile.TemporaryDirectory(prefix="wan-bench-") as tmp:
         work = Path(tmp)
         print("transport through emulated links", flush=True)
-        out["transport"] = transport_rows(transport_links, work)
+        out["transport"] = transport_rows(transport_cases, work)
         print("training runs", flush=True)
         baseline: dict[str, dict] = {}
         rows = []

@@ -7,7 +7,7 @@ TLS, channels and HTTP/2 settings a run uses.
 
     wan_peer.py server --host H --tls DIR [--tuned RATE,RTT]      prints {"ready": port}, serves until stdin closes
     wan_peer.py probe  --target H:P --tls DIR --samples N           prints the link samples
-    wan_peer.py upload --target H:P --tls DIR --mib M --fragments F [--rounds R] [--tuned RATE,RTT]
+    wan_peer.py upload --target H:P --tls DIR --mib M --fragments F [--rounds R] [--tuned RATE,RTT] [--auto-channels]
 """
 from __future__ import annotations
 
@@ -22,7 +22,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from wan_diloco.transport import (  # noqa: E402
-    Ack, Frame, ProbePolicy, SyncerClient, TlsConfig, TransportConfig, TransportServer, run, tune_for_link,
+    Ack, Frame, ProbePolicy, SyncerClient, TlsConfig, TransportConfig, TransportServer, channels_for_link,
+    host_socket_buffer_bytes, run, tune_for_link,
 )
 
 TOKEN = "wan-bench-token-not-secret"
@@ -76,15 +77,33 @@ async def probe(args) -> None:
     print(json.dumps({"samples": out}), flush=True)
 
 
+async def widen_from_probes(client: SyncerClient) -> float:
+    """What a learner does with ``transport.auto_channels``: probe, open the connections the measured link
+    needs (``channels_for_link``), probe again, until no more are needed. Returns the last rate measured."""
+    pol, buf = ProbePolicy(duty=0.5, every_s=0), host_socket_buffer_bytes()
+    while True:
+        nbytes, max_s = pol.request()
+        s = await client.probe("learner-0", nbytes, max_s=max_s)
+        if not pol.take(s):
+            continue
+        want = channels_for_link(s.rate_gbit_s, s.rtt_s, buf, client.channels)
+        if want <= client.channels:
+            return s.rate_gbit_s
+        await client.widen(want)
+        pol.restart()
+
+
 async def upload(args) -> None:
     """``--rounds`` timed rounds of ``--fragments`` concurrent uploads on one client: the first on
     connections only just opened (cold: TCP and HTTP/2 windows still growing), the rest warm, as
     a run's connections are after its first fragments."""
     cfg = config(args)
     payload = bytes(args.mib << 20)
-    rounds = []
+    rounds, probed = [], None
     async with SyncerClient(args.target, TOKEN, cfg) as client:
         await client.upload_fragment(Frame("learner-0", 0, {}, payload[: 1 << 20]))  # connections up
+        if args.auto_channels:
+            probed = await widen_from_probes(client)
         cpu0, wall0 = time.process_time(), time.monotonic()
         for _ in range(args.rounds):
             t0 = time.monotonic()
@@ -92,10 +111,12 @@ async def upload(args) -> None:
                                    for i in range(args.fragments)))
             rounds.append(args.fragments * len(payload) * 8 / (time.monotonic() - t0) / 1e9)
         client_cores = (time.process_time() - cpu0) / (time.monotonic() - wall0)
+        channels = client.channels
     warm = sorted(rounds[1:]) or rounds
     print(json.dumps({"gbit_s": warm[len(warm) // 2], "cold_gbit_s": rounds[0], "rounds_gbit_s": rounds,
-                      "client_cores": client_cores,
-                      "bytes_per_round": args.fragments * len(payload), "channels": cfg.channels,
+                      "client_cores": client_cores, "probed_gbit_s": probed,
+                      "socket_buffer_bytes": host_socket_buffer_bytes(),
+                      "bytes_per_round": args.fragments * len(payload), "channels": channels,
                       "chunk_bytes": cfg.chunk_bytes, "lookahead_bytes": cfg.lookahead_bytes}), flush=True)
 
 
@@ -111,6 +132,8 @@ def main() -> int:
     p.add_argument("--mib", type=int, default=64)
     p.add_argument("--fragments", type=int, default=4)
     p.add_argument("--channels", type=int, default=0, help="HTTP/2 connections (default: the settings')")
+    p.add_argument("--auto-channels", action="store_true",
+                   help="upload: first widen the connections from link probes, as a learner does")
     p.add_argument("--rounds", type=int, default=1, help="upload: timed rounds on the same connections")
     args = p.parse_args()
     run({"server": serve, "probe": probe, "upload": upload}[args.mode](args))

@@ -1,7 +1,7 @@
 import pytest
 
 from wan_diloco.config import ConfigError, from_mapping
-from wan_diloco.transport import TlsConfig, TransportConfig, tune_for_link
+from wan_diloco.transport import TlsConfig, TransportConfig, channels_for_link, host_socket_buffer_bytes, tune_for_link
 from wan_diloco.transport.config import MAX_FRAME_BYTES
 
 
@@ -54,3 +54,24 @@ def test_tune_for_link_follows_the_bandwidth_delay_product():
     assert big.chunk_bytes == 16 << 20 and big.channels == 16
     with pytest.raises(ConfigError, match="rate_gbit_s"):
         tune_for_link(0, 0.1)
+
+
+def test_channels_for_a_probed_link():
+    mib4 = 4 << 20
+    assert channels_for_link(2.0, 0.1, mib4) == 6  # 25 MB BDP over 4 MiB connections
+    assert channels_for_link(2.0, 0.1, 256 << 20) == 2  # hosts tuned for long fat links
+    assert channels_for_link(40.0, 1e-4, mib4) == 2  # a LAN
+    # A probe over 2 connections of 4 MiB at 100 ms can see at most 0.67 Gbit/s; seeing 0.62 means the
+    # windows held it back, not the link: twice as many, whatever the BDP of 0.62 says.
+    assert channels_for_link(0.62, 0.1, mib4, channels_now=2) == 4
+    assert channels_for_link(0.30, 0.1, mib4, channels_now=2) == 2  # well under the ceiling: that is the link
+    assert channels_for_link(0.30, 0.1, mib4, channels_now=8) == 8  # never fewer
+    assert channels_for_link(100.0, 0.15, mib4, channels_now=12) == 16  # at most 16
+
+
+def test_host_socket_buffer_is_the_smaller_autotuning_maximum(tmp_path):
+    (tmp_path / "tcp_rmem").write_text("4096 131072 6291456\n")
+    (tmp_path / "tcp_wmem").write_text("4096 16384 4194304\n")
+    assert host_socket_buffer_bytes(tmp_path) == 4194304
+    (tmp_path / "tcp_wmem").write_text("garbage\n")
+    assert host_socket_buffer_bytes(tmp_path) == 4 << 20  # unreadable: Linux's usual default

@@ -50,6 +50,20 @@ def test_metadata_and_multi_chunk_upload_over_several_channels():
     arun(main())
 
 
+def test_widening_opens_connections_that_later_uploads_and_probes_use():
+    async def main():
+        async with syncer() as (server, handler), client_for(server) as client:
+            await client.upload_fragment(fragment(1000, 0))
+            assert await client.widen(4) == 2 and client.channels == 4
+            assert await client.widen(3) == 0 and client.channels == 4  # never closes any
+            sent = [fragment(300_000, i) for i in range(1, 5)]
+            await asyncio.gather(*(client.upload_fragment(f) for f in sent))
+            assert {m.fragment for m, _ in handler.fragments} == {0, 1, 2, 3, 4}
+            await client.probe("learner-0", 4 << 20)  # spread over every connection
+            assert [c.get_state() for c in client._channels] == [grpc.ChannelConnectivity.READY] * 4
+    arun(main())
+
+
 @pytest.mark.parametrize("token", ["wrong-token-xyz", None])
 def test_bad_token_is_unauthenticated_and_changes_nothing(token):
     async def main():

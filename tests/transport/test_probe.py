@@ -70,7 +70,7 @@ def test_rate_from_transfer_takes_one_rtt_off_the_wall_time():
 def test_policy_sizes_probes_from_the_last_rate_and_keeps_the_duty_cycle():
     pol = ProbePolicy(probe_seconds=0.2, duty=0.02, every_s=5.0)
     assert pol.request() == (1 << 20, PROBE_CUTOFF * 0.2)  # nothing measured yet
-    s = LinkSample(rtt_s=0.01, rate_gbit_s=2.0, nbytes=50_000_000, transfer_s=0.2, at_s=0.0)
+    s = LinkSample(rtt_s=0.001, rate_gbit_s=2.0, nbytes=50_000_000, transfer_s=0.2, at_s=0.0)
     assert pol.take(s)
     delay = pol.delay_s()
     assert delay == pytest.approx(0.2 / 0.02 - 0.2)  # 2 % of the time busy, longer than every_s
@@ -98,6 +98,13 @@ def test_start_up_probes_grow_until_long_enough_and_no_longer_rising():
     assert not pol.take(LinkSample(0.05, 1.2, 75_000_000, 0.5, 0.0))  # long enough but 2.4x faster: ramping
     assert pol.take(LinkSample(0.05, 1.25, 75_000_000, 0.48, 0.0))  # settled
     assert pol.take(LinkSample(0.05, 0.2, 1 << 20, 0.04, 0.0))  # once started, every sample counts
+    fresh = ProbePolicy(probe_seconds=0.2)
+    assert not fresh.take(LinkSample(0.1, 0.012, 1 << 20, 0.7, 0.0))  # long enough, but a fresh WAN connection
+    assert not fresh.take(LinkSample(0.1, 0.5, 1 << 26, 1.0, 0.0))  # 40x faster: still ramping
+    assert fresh.take(LinkSample(0.1, 0.52, 1 << 26, 1.0, 0.0))
+    fresh.restart()  # more connections opened: they ramp like the first ones
+    assert not fresh.take(LinkSample(0.1, 0.6, 1 << 26, 1.0, 0.0))
+    assert fresh.take(LinkSample(0.1, 0.62, 1 << 26, 1.0, 0.0))
     slow = ProbePolicy(probe_seconds=0.2)
     assert not slow.take(LinkSample(0.001, 0.01, 1 << 20, 0.002, 0.0))
     assert slow.next_bytes() == 4 << 20  # four times the last probe, more than its noisy rate asks for

@@ -58,7 +58,6 @@ def mtu_for(topology: RegionsConfig) -> int:
     return int(min(MTU, max(MIN_MTU, fastest * 1e9 / 8 / PACKETS_PER_S)))
 CC_AVAILABLE = Path("/proc/sys/net/ipv4/tcp_available_congestion_control")
 CC_ALLOWED = Path("/proc/sys/net/ipv4/tcp_allowed_congestion_control")
-TCP_MEM = "4096 131072 268435456"  # 256 MB max: a 5 Gbit/s x 100 ms BDP is 62 MB
 FORWARDER_MODULE = "wan_diloco.regions.forwarder"
 ROUTER_TABLE = "100"
 CLASSIFY_PRIO = 1  # u32 filters that pick a region's class
@@ -352,7 +351,8 @@ class Emulator:
             _run(["ip", "netns", "add", ns])
             # Slow start after idle off: what a host tuned for long fat links runs with
             # (docs/operations.md), so a sync after a quiet spell starts at full window.
-            for k, v in (("net.ipv4.tcp_rmem", TCP_MEM), ("net.ipv4.tcp_wmem", TCP_MEM),
+            mem = f"4096 {min(131072, topo.tcp_buffer_max_bytes)} {topo.tcp_buffer_max_bytes}"
+            for k, v in (("net.ipv4.tcp_rmem", mem), ("net.ipv4.tcp_wmem", mem),
                          ("net.ipv4.tcp_slow_start_after_idle", "0"),
                          *((("net.ipv4.tcp_congestion_control", cc),) if cc else ()),
                          ("net.ipv6.conf.all.disable_ipv6", "1"), ("net.ipv6.conf.default.disable_ipv6", "1")):

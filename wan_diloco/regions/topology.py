@@ -67,11 +67,16 @@ class RegionsConfig:
     links: Mapping[str, LinkConfig] = field(default_factory=dict)
     # TCP congestion control of the emulated hosts (the region namespaces); "" keeps the host's.
     congestion_control: str = "cubic"
+    # Most a TCP connection of an emulated host may buffer (tcp_rmem/tcp_wmem max): 256 MB is a host
+    # tuned for long fat links (5 Gbit/s x 100 ms is 62.5 MB); 4194304 is Linux's usual default.
+    tcp_buffer_max_bytes: int = 256 << 20
 
     def validate(self) -> None:
         require(len(self.names) >= 1, "names", "need at least one region")
         require(self.congestion_control == "" or bool(re.fullmatch(r"[a-z0-9_]{1,15}", self.congestion_control)),
                 "congestion_control", f"{self.congestion_control!r} is not a congestion control name (cubic, bbr, ...)")
+        require(64 << 10 <= self.tcp_buffer_max_bytes <= 1 << 30, "tcp_buffer_max_bytes",
+                f"must be in [65536, 1073741824], got {self.tcp_buffer_max_bytes}")
         for i, n in enumerate(self.names):
             require(bool(_NAME.match(n)), f"names[{i}]",
                     f"{n!r} must be lowercase letters, digits and '-', at most 31 characters, not starting with '-'")

@@ -104,6 +104,9 @@ class Learner:
                 self._handle(self.core.on_update(arrived_s, update))
             elif kind == "link":
                 self._on_link(item)
+            elif kind == "channels":
+                emit({"event": "transport", "role": "learner", "learner": self.m, "region": self.region,
+                      "step": self.core.step, **item})
             else:
                 raise RuntimeError(f"learner {self.m}: {item}")
         for p, fut in list(self.pending_resync.items()):

@@ -22,7 +22,7 @@ from wan_diloco.core import FragmentUpload, Metadata, ProtocolError
 from wan_diloco.runtime import serde
 from wan_diloco.transport import (
     BulkRequest, Frame, MessageError, ProbePolicy, SyncerClient, TransportConfig, TransportError, TransportMetrics,
-    new_event_loop,
+    channels_for_link, host_socket_buffer_bytes, new_event_loop,
 )
 
 log = logging.getLogger(__name__)
@@ -46,6 +46,8 @@ class NetThread:
         self.client = SyncerClient(target, token, transport_cfg, self.metrics)
         self.probe_policy = ProbePolicy(transport_cfg.probe_seconds, transport_cfg.probe_duty,
                                         transport_cfg.probe_every_s)
+        self.auto_channels = transport_cfg.auto_channels
+        self.socket_buffer_bytes = host_socket_buffer_bytes()
         self._thread = threading.Thread(target=self._main, name=f"{node}-net", daemon=True)
         self._ready = threading.Event()
         self._md: Frame | None = None
@@ -129,9 +131,27 @@ class NetThread:
             if not pol.take(sample):
                 continue
             self.inbox.put(("link", sample))
+            if await self._widen_for(sample):
+                continue  # measure again at once, over the new connections
             if pol.every_s == 0:
                 return
             await asyncio.sleep(pol.delay_s())
+
+    async def _widen_for(self, sample) -> bool:
+        """Open the connections the measured link needs (``transport.channels_for_link``); True if any."""
+        if not self.auto_channels:
+            return False
+        before = self.client.channels
+        want = channels_for_link(sample.rate_gbit_s, sample.rtt_s, self.socket_buffer_bytes, before)
+        if want <= before:
+            return False
+        await self.client.widen(want)
+        self.probe_policy.restart()
+        self.inbox.put(("channels", {
+            "channels_old": before, "channels_new": self.client.channels,
+            "why": (f"{sample.rate_gbit_s:.3g} Gbit/s x {sample.rtt_s * 1e3:.0f} ms over {before} connections of "
+                    f"at most {self.socket_buffer_bytes / 2**20:.0f} MiB each")}))
+        return self.client.channels > before
 
     # ---- upstream (called from the training thread) ---------------------------------
 

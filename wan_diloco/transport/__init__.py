@@ -9,7 +9,7 @@ fan-out keeps the newest frame per fragment per subscriber (``fanout``).
 ``StatusServer`` serves /healthz, /status and /metrics over aiohttp.
 """
 from .client import Backoff, SyncerClient, TransportError
-from .config import TlsConfig, TransportConfig, tune_for_link
+from .config import TlsConfig, TransportConfig, channels_for_link, host_socket_buffer_bytes, tune_for_link
 from .fanout import LatestMailbox, UpdateHub
 from .framing import BufferPool, MessageReader, Prepared, encode_chunks
 from .loop import new_event_loop, run
@@ -28,5 +28,5 @@ __all__ = [
     "MessageReader", "OversizedError", "Prepared", "Rejected", "StatusServer", "Subscribe", "SyncerClient",
     "TlsConfig", "TransportConfig", "TransportError", "TransportMetrics", "TransportServer", "UpdateHub",
     "WIRE_VERSION", "decode_message", "encode_chunks", "encode_message", "new_event_loop", "run",
-    "tune_for_link",
+    "channels_for_link", "host_socket_buffer_bytes", "tune_for_link",
 ]

@@ -16,7 +16,7 @@ from typing import AsyncIterator
 
 import grpc
 
-from .config import TransportConfig
+from .config import MAX_CHANNELS, TransportConfig
 from .framing import BufferPool, MessageReader, iter_chunks
 from .messages import (
     Ack, BulkChunk, BulkRequest, Frame, MessageError, Subscribe, TRAILER_BYTES, decode_message,
@@ -93,6 +93,19 @@ class SyncerClient:
         if not self._channels:
             self._channels = [self._open_channel() for _ in range(self.config.channels)]
         return self
+
+    @property
+    def channels(self) -> int:
+        return len(self._channels)
+
+    async def widen(self, channels: int) -> int:
+        """Open connections until there are ``channels`` (never closes any); returns how many were added.
+        New uploads and probes spread over all of them; calls in flight stay where they are."""
+        if not self._channels:
+            raise RuntimeError("SyncerClient is not connected (use `async with` or connect())")
+        add = max(0, min(channels, MAX_CHANNELS) - len(self._channels))
+        self._channels += [self._open_channel() for _ in range(add)]
+        return add
 
     async def close(self) -> None:
         self._closed = True

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from pathlib import Path
 
 from ..config import require
 from .messages import MAX_HEADER_BYTES, PRELUDE_BYTES
@@ -60,6 +61,7 @@ class TransportConfig:
     probe_every_s: float = 30.0  # learners measure their link at start, then at most this often (0: start only)
     probe_duty: float = 0.02  # largest share of time link probes may keep the link busy
     probe_seconds: float = 0.2  # target length of one timed probe transfer
+    auto_channels: bool = True  # learners open more connections when a probe finds the link needs them
     allow_insecure_remote: bool = False  # cleartext to a non-loopback address
     tls: TlsConfig | None = None
 
@@ -140,6 +142,37 @@ class TransportConfig:
         ]
 
 
+MAX_CHANNELS = 16
+WINDOW_BOUND = 0.8  # a probe this close to its connections' window ceiling may not have seen the link
+
+
+def host_socket_buffer_bytes(proc: Path = Path("/proc/sys/net/ipv4")) -> int:
+    """The most one TCP connection of this host may buffer: the smaller of tcp_rmem's and tcp_wmem's
+    maximum (Linux autotuning stops there); 4 MiB where they cannot be read."""
+    try:
+        return min(int((proc / name).read_text().split()[2]) for name in ("tcp_rmem", "tcp_wmem"))
+    except (OSError, ValueError, IndexError):
+        return 4 * MiB
+
+
+def channels_for_link(rate_gbit_s: float, rtt_s: float, socket_buffer_bytes: int, channels_now: int = 0) -> int:
+    """Connections to one peer for a link of ``rate_gbit_s`` and ``rtt_s`` (at least 2, at most 16).
+
+    One connection carries at most socket_buffer / rtt, so the bandwidth-delay
+    product needs ceil(BDP / socket_buffer) of them. When the rate is a probe's,
+    measured over ``channels_now`` connections that were at WINDOW_BOUND of their
+    ceiling or closer, the link may be faster than the probe could see: twice as many.
+    Never fewer than ``channels_now``.
+    """
+    bdp_bytes = rate_gbit_s * 1e9 / 8 * rtt_s
+    need = max(2, channels_now, math.ceil(bdp_bytes / socket_buffer_bytes))
+    if channels_now and rtt_s > 0:
+        ceiling_gbit_s = channels_now * socket_buffer_bytes * 8 / rtt_s / 1e9
+        if rate_gbit_s >= WINDOW_BOUND * ceiling_gbit_s:
+            need = max(need, 2 * channels_now)
+    return min(MAX_CHANNELS, need)
+
+
 def tune_for_link(
     rate_gbit_s: float,
     rtt_s: float,
@@ -172,7 +205,7 @@ def tune_for_link(
     require(socket_buffer_bytes > 0, "socket_buffer_bytes", "must be > 0")
     base = base or TransportConfig()
     bdp_bytes = rate_gbit_s * 1e9 / 8 * rtt_s
-    channels = min(16, max(2, math.ceil(bdp_bytes / socket_buffer_bytes)))
+    channels = channels_for_link(rate_gbit_s, rtt_s, socket_buffer_bytes)
     chunk_bytes = min(16 * MiB, max(4 * MiB, 1 << max(0, int(bdp_bytes / 16)).bit_length() - 1))
     lookahead_bytes = int(min(1 << 30, max(4 * chunk_bytes, 2 * bdp_bytes / channels)))
     cfg = dataclasses.replace(

@@ -83,6 +83,7 @@ class ProbePolicy:
         self.last: LinkSample | None = None
         self.start_probes = 0  # probes made before the first that counted
         self.started = False
+        self.previous: LinkSample | None = None  # the start-up sample before this one
         self.floor = 0  # at start: at least this many bytes next (the last probe was too short)
 
     def target_s(self, rtt_s: float | None = None) -> float:
@@ -107,22 +108,28 @@ class ProbePolicy:
         return sample.transfer_s < self.target_s(sample.rtt_s) / 4 and sample.nbytes < MAX_PROBE_BYTES
 
     def take(self, sample: LinkSample) -> bool:
-        """Record ``sample``; True if it counts. At start it does not while it is too short, or faster
-        than the one before by ``RISING`` on a link of ``RAMP_RTT_S`` or more (TCP still ramping on
-        a fresh connection: the link is probably faster than measured), for at most ``START_PROBES``
-        probes."""
-        previous, self.last = self.last, sample
+        """Record ``sample``; True if it counts. At start it does not while it is too short, or, on a
+        link of ``RAMP_RTT_S`` or more, while it is the first or faster than the one before by
+        ``RISING`` (TCP and HTTP/2 windows still ramping on a fresh connection: the link is
+        probably faster than measured), for at most ``START_PROBES`` probes."""
+        previous, self.last = self.previous, sample
         if self.started:
             return True
+        self.previous = sample
         self.start_probes += 1
         short = self.too_short(sample)
-        rising = (previous is not None and sample.rtt_s >= RAMP_RTT_S
-                  and sample.rate_gbit_s > RISING * previous.rate_gbit_s)
+        wan = sample.rtt_s >= RAMP_RTT_S
+        # On a WAN the first transfer of a fresh connection measures TCP's and HTTP/2's ramp, never the link.
+        rising = wan and (previous is None or sample.rate_gbit_s > RISING * previous.rate_gbit_s)
         if self.start_probes < START_PROBES and (short or rising):
             self.floor = 4 * sample.nbytes if short else 0
             return False
         self.started, self.floor = True, 0
         return True
+
+    def restart(self) -> None:
+        """New connections were opened: measure them as at start (they ramp up like the first ones)."""
+        self.started, self.start_probes, self.previous, self.floor = False, 0, None, 0
 
     def delay_s(self) -> float:
         """Seconds to wait after a counted sample: the duty cycle or ``every_s``, whichever is longer."""
