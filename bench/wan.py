@@ -28,12 +28,22 @@ training loop; ``cu_ratio`` divides by the same method's CU on loopback
 calculator (``planning.bandwidth.schedule_for(..., via_hub=True)``) for the
 same settings, step time and link.
 
-Also measured: the emulator itself (RTT and iperf3 through a 1 Gbit/s link)
-and the production transport's upload rate through emulated Gbit/s links with
-default settings and with ``transport.tune_for_link``.
+``merge_lag_steps`` is what a learner that does not wait pays instead: steps
+trained between sending a fragment and merging the answer, beside
+``merge_lag_predicted`` (``planning.round_trip_s`` over the step time).
+
+Also measured: the emulator itself (RTT, and iperf3 through 1, 2 and 5 Gbit/s
+links) and the production transport's upload rate through emulated links of
+1, 2 and 5 Gbit/s at 50 and 100 ms, on hosts with TCP buffers tuned for long
+fat links (256 MB) and with Linux's default (4 MiB): default settings,
+``transport.tune_for_link`` for the known link, and connections widened from
+link probes as learners do (``auto``). Each is ``TRANSPORT_ROUNDS`` rounds of
+4 concurrent uploads of about a second of link each; the first round is on
+fresh connections (``cold_gbit_s``), the row's figure is the median of the rest.
 
     python -m bench.wan --quick     # ~6 min: dp and decoupled int4 + transport at 1 Gbit/s
-    python -m bench.wan             # every method, every bit width, more transport links, the link events
+    python -m bench.wan             # every method, every bit width, every transport link, the link events
+    python -m bench.wan --transport-only   # rerun the transport rows into an existing wan.json
 Needs root (network namespaces). Writes bench/results/wan.json (+ wan.png).
 """
 from __future__ import annotations
@@ -359,6 +369,8 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="fewer rows and steps (about 10 minutes)")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "wan.json")
     ap.add_argument("--events-only", action="store_true", help="rerun only the link events into an existing --out")
+    ap.add_argument("--transport-only", action="store_true",
+                    help="rerun only the transport rows (full list) into an existing --out")
     args = ap.parse_args(argv)
     if (why := unavailable_reason()) is not None:
         print(f"bench/wan.py: the emulated WAN {why}", file=sys.stderr)
@@ -384,6 +396,12 @@ def main(argv=None) -> int:
         out = json.loads(args.out.read_text())
         with tempfile.TemporaryDirectory(prefix="wan-bench-") as tmp:
             out["events"] = run_events(link, Path(tmp), tau)
+        save(out, args.out)
+        return 0
+    if args.transport_only:
+        out = json.loads(args.out.read_text())
+        with tempfile.TemporaryDirectory(prefix="wan-bench-") as tmp:
+            out["transport"] = transport_rows(transport_cases, Path(tmp))
         save(out, args.out)
         return 0
     t_start = time.monotonic()

@@ -51,8 +51,8 @@ def config(args) -> TransportConfig:
     base = TransportConfig(tls=tls, max_message_bytes=1 << 30, call_timeout_s=120.0)
     if args.tuned:
         rate, rtt_ms = (float(x) for x in args.tuned.split(","))
-        # The emulator raises tcp_rmem/tcp_wmem to 256 MB in every namespace: few connections suffice.
-        base = tune_for_link(rate, rtt_ms / 1e3, base, socket_buffer_bytes=64 << 20)
+        # For this host's TCP buffers (the emulator's [regions] tcp_buffer_max_bytes in its namespaces).
+        base = tune_for_link(rate, rtt_ms / 1e3, base, socket_buffer_bytes=host_socket_buffer_bytes())
     return dataclasses.replace(base, channels=args.channels) if args.channels else base
 
 

@@ -24,8 +24,8 @@ RATE_GBIT_S, RTT_MS = 0.4, 60.0
 
 
 def test_probe_measures_the_emulated_link_within_10_percent(tmp_path):
-    # Probes of a second: 0.2 s probes (the run's default) on a fresh 60 ms connection measured
-    # 0.13-0.23 Gbit/s of 0.4 in one CI run (TCP still ramping); see the note on issue #12.
+    # The run's default probe length (0.2 s, so ten round trips here): the start-up probes must
+    # grow past the fresh connection's ramp on their own (0.2 s probes used to read 0.13-0.23 of 0.4).
     topo = regions_from_mapping({"names": ["hub", "far"], "link": {"rate_gbit_s": RATE_GBIT_S, "rtt_ms": RTT_MS}})
     with Emulator(topo, prefix="wdlp") as emu:
         host = emu.address_of("hub")
@@ -35,12 +35,12 @@ def test_probe_measures_the_emulated_link_within_10_percent(tmp_path):
         try:
             port = json.loads(srv.stdout.readline())["ready"]
             res = emu.exec("far", [sys.executable, PEER, "probe", "--target", f"{host}:{port}",
-                                   "--tls", str(tmp_path), "--samples", "3", "--probe-seconds", "1.0"], timeout=120)
+                                   "--tls", str(tmp_path), "--samples", "3"], timeout=120)
         finally:
             srv.stdin.close()
             srv.wait(10)
     samples = json.loads(res.stdout.strip().splitlines()[-1])["samples"][-3:]
     rtt_ms = min(s["rtt_ms"] for s in samples)
-    rate = max(s["rate_gbit_s"] for s in samples)
+    rate = sorted(s["rate_gbit_s"] for s in samples)[1]  # the median of the three a learner would report
     assert rtt_ms == pytest.approx(RTT_MS, rel=0.10), samples
     assert rate == pytest.approx(RATE_GBIT_S, rel=0.10), samples
