@@ -8,7 +8,7 @@ down from a 10B-parameter run, so that the methods differ in time as they would
 in a real run. Writes bench/results/quality.json and bench/results/quality.png
 (eval loss against tokens).
 
-    python bench/quality.py            # tiny preset, ~30 min on 2 CPU cores (2 runs at a time)
+    python bench/quality.py            # tiny preset, ~95 min on 2 CPU cores (15 runs, 2 at a time)
     python bench/quality.py --quick    # same runs, fewer tokens, ~5 min
     python bench/quality.py --only dp decoupled --tokens 4e6
 """
