@@ -66,6 +66,7 @@ def test_channels_for_a_probed_link():
     assert channels_for_link(0.62, 0.1, mib4, channels_now=2) == 4
     assert channels_for_link(0.30, 0.1, mib4, channels_now=2) == 2  # well under the ceiling: that is the link
     assert channels_for_link(0.30, 0.1, mib4, channels_now=8) == 8  # never fewer
+    assert channels_for_link(0.30, 0.001, mib4, channels_now=1) == 1  # a user's single connection is enough here
     assert channels_for_link(100.0, 0.15, mib4, channels_now=12) == 16  # at most 16
 
 

@@ -28,7 +28,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="plan H, P, tau, bits and the grace cap from the links first (as `wan-diloco plan`), "
                         "print the plan and run with it")
     p.add_argument("--measured", type=Path, metavar="PATH",
-                   help="with --plan: a previous run's metrics.jsonl, whose measured links replace [regions]'")
+                   help="with --plan: a previous run's metrics.jsonl, whose measured links replace [regions]'s")
     p.add_argument("--step-time", type=float, metavar="S", help="with --plan: seconds per step (default: timed here)")
     add_common(p)
 

@@ -156,7 +156,8 @@ def host_socket_buffer_bytes(proc: Path = Path("/proc/sys/net/ipv4")) -> int:
 
 
 def channels_for_link(rate_gbit_s: float, rtt_s: float, socket_buffer_bytes: int, channels_now: int = 0) -> int:
-    """Connections to one peer for a link of ``rate_gbit_s`` and ``rtt_s`` (at least 2, at most 16).
+    """Connections to one peer for a link of ``rate_gbit_s`` and ``rtt_s`` (at most 16; without
+    ``channels_now``, at least 2).
 
     One connection carries at most socket_buffer / rtt, so the bandwidth-delay
     product needs ceil(BDP / socket_buffer) of them. When the rate is a probe's,
@@ -165,7 +166,7 @@ def channels_for_link(rate_gbit_s: float, rtt_s: float, socket_buffer_bytes: int
     Never fewer than ``channels_now``.
     """
     bdp_bytes = rate_gbit_s * 1e9 / 8 * rtt_s
-    need = max(2, channels_now, math.ceil(bdp_bytes / socket_buffer_bytes))
+    need = max(channels_now or 2, math.ceil(bdp_bytes / socket_buffer_bytes))
     if channels_now and rtt_s > 0:
         ceiling_gbit_s = channels_now * socket_buffer_bytes * 8 / rtt_s / 1e9
         if rate_gbit_s >= WINDOW_BOUND * ceiling_gbit_s:

@@ -15,7 +15,7 @@ can get (window limits included), not what a raw socket could.
   round trips (a transfer of a few RTTs on a long link measures TCP's ramp,
   not the link), and spaces probes so that they keep the link busy at most
   ``probe_duty`` of the time. At start a learner probes again, bigger, while
-  the samples are too short or still rising (``ProbePolicy.unsettled``).
+  the samples are too short or still rising (``ProbePolicy.take``).
 
 The request is a ``Frame`` whose meta carries the bytes wanted and, so the
 syncer can show every learner's link on /status and /metrics, the sender's
