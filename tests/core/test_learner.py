@@ -75,6 +75,18 @@ def test_a_learner_whose_delta_missed_its_round_steps_back_into_phase(contributo
     assert lc.step == expected
 
 
+def test_merge_lag_counts_steps_trained_between_sending_and_merging_the_answer():
+    lc = make()
+    for t in range(4):
+        step(lc, float(t))
+    lc.snapshot(4.0, 0, 4, {"block_0/w": PARAMS["block_0/w"]})  # sent after step 4
+    for t in range(4, 7):
+        step(lc, float(t))
+    lc.on_update(8.0, update(0, 0, 1, {"block_0/w": np.zeros(3, np.float32)}))
+    lc.on_update(9.0, update(1, 0, 1, {"embed/embedding": np.zeros((1, 2), np.float32)}))  # none of ours in flight
+    assert (lc.merge_lags, lc.merge_lag_steps) == (1, 3)
+
+
 def test_keep_local_keeps_the_steps_taken_while_the_fragment_travelled():
     lc = make(keep_local=True)
     for t in range(4):
