@@ -15,7 +15,7 @@ LAYERS: list[tuple[set[str], bool]] = [  # (units, may units of this layer impor
     ({"config", "tree", "clock"}, True),
     ({"model", "data", "train"}, True),
     ({"fragments", "merge", "outer", "feedback"}, True),
-    ({"core", "compression", "transport", "planning", "regions"}, False),
+    ({"core", "compression", "transport", "planning", "regions", "checkpoint"}, False),
     ({"spec"}, False),
     ({"assemble"}, False),
     ({"sim", "runtime"}, False),

@@ -1,0 +1,97 @@
+import json
+
+import numpy as np
+import pytest
+
+from wan_diloco.checkpoint import CheckpointError, SnapshotStore, load_params, restore_tree, save_params, tree_tensors
+
+
+def _snapshot(store, s, value, complete=True):
+    store.save_part(s, "syncer", {"theta": np.full(4, value, np.float32)}, {"merges": s}, "syncer")
+    if complete:
+        store.mark_complete(s, {"parts": ["syncer"], "run_id": "r"})
+
+
+def test_newest_complete_snapshot_wins_and_incomplete_ones_are_ignored(tmp_path):
+    st = SnapshotStore(tmp_path)
+    _snapshot(st, 1, 1.0)
+    _snapshot(st, 2, 2.0)
+    _snapshot(st, 3, 3.0, complete=False)
+    assert st.ids() == [1, 2, 3] and st.complete_ids() == [1, 2] and st.next_id() == 4
+    s, tensors, info, manifest = st.newest("syncer", "syncer")
+    assert (s, float(tensors["theta"][0]), info, manifest["run_id"]) == (2, 2.0, {"merges": 2}, "r")
+    with pytest.raises(CheckpointError, match="incomplete"):
+        st.manifest(3)
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "delete"])
+def test_a_corrupt_part_falls_back_to_the_previous_complete_snapshot(tmp_path, damage):
+    st = SnapshotStore(tmp_path)
+    _snapshot(st, 1, 1.0)
+    _snapshot(st, 2, 2.0)
+    part = st.part(2, "syncer")
+    data = part.read_bytes()
+    if damage == "truncate":
+        part.write_bytes(data[: len(data) - 5])
+    elif damage == "flip":
+        part.write_bytes(data[:-1] + bytes([data[-1] ^ 0x10]))
+    else:
+        part.unlink()
+    s, tensors, _, _ = st.newest("syncer", "syncer")
+    assert s == 1 and float(tensors["theta"][0]) == 1.0
+    assert st.skipped and st.skipped[0][0] == 2
+
+
+def test_a_corrupt_manifest_makes_the_snapshot_incomplete(tmp_path):
+    st = SnapshotStore(tmp_path)
+    _snapshot(st, 1, 1.0)
+    _snapshot(st, 2, 2.0)
+    path = st.dir(2) / "COMPLETE.json"
+    doc = json.loads(path.read_text())
+    doc["run_id"] = "other"
+    path.write_text(json.dumps(doc))
+    assert st.complete_ids() == [1]
+    assert st.newest("syncer", "syncer")[0] == 1
+
+
+def test_no_snapshot_gives_none(tmp_path):
+    assert SnapshotStore(tmp_path / "nothing").newest("syncer", "syncer") is None
+
+
+def test_gc_keeps_the_newest_complete_and_anything_newer(tmp_path):
+    st = SnapshotStore(tmp_path)
+    for s in (1, 2, 3, 4):
+        _snapshot(st, s, float(s), complete=s != 2)
+    _snapshot(st, 5, 5.0, complete=False)  # in progress
+    assert st.gc(keep=2) == [1, 2]
+    assert st.ids() == [3, 4, 5]
+
+
+def test_params_roundtrip_flat_and_into_a_template(tmp_path):
+    like = {"block_0": {"kernel": np.zeros((2, 3), np.float32)}, "bias": np.zeros(3, np.float32)}
+    values = {"block_0": {"kernel": np.ones((2, 3), np.float32)}, "bias": np.arange(3, dtype=np.float32)}
+    save_params(tmp_path / "p.safetensors", values, {"run_id": "r"})
+    flat, info = load_params(tmp_path / "p.safetensors")
+    assert set(flat) == {"block_0/kernel", "bias"} and info == {"run_id": "r"}
+    tree, _ = load_params(tmp_path / "p.safetensors", like=like)
+    assert np.array_equal(tree["block_0"]["kernel"], values["block_0"]["kernel"])
+    with pytest.raises(CheckpointError, match="shape"):
+        load_params(tmp_path / "p.safetensors", like={**like, "bias": np.zeros(4, np.float32)})
+    with pytest.raises(CheckpointError, match="missing"):
+        load_params(tmp_path / "p.safetensors", like={**like, "other": np.zeros(1, np.float32)})
+
+
+def test_restore_tree_checks_names_shapes_and_dtypes():
+    import optax
+
+    params = {"w": np.ones((2, 2), np.float32)}
+    opt = optax.adam(1e-3).init(params)
+    tensors = tree_tensors(opt, "opt")
+    back = restore_tree(tensors, "opt", opt, "learner part")
+    assert np.array_equal(np.asarray(back[0].mu["w"]), np.asarray(opt[0].mu["w"]))
+    bad = dict(tensors)
+    bad["opt/0/count"] = bad["opt/0/count"].astype(np.int64)
+    with pytest.raises(CheckpointError, match="opt/0/count"):
+        restore_tree(bad, "opt", opt, "learner part")
+    with pytest.raises(CheckpointError, match="unexpected"):
+        restore_tree({**tensors, "opt/x": np.zeros(1)}, "opt", opt, "learner part")

@@ -1,0 +1,19 @@
+"""``[checkpoint]``: where snapshots and the final parameters go, and how often."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from wan_diloco.config import require
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    # Snapshots (one folder each) and the final parameters; relative to the working directory.
+    # `wan-diloco launch` puts it in the run folder. Empty: nothing is written.
+    dir: str = "checkpoints"
+    every_merges: int = 64  # a consistent snapshot every C fragment merges of the syncer; 0: only on demand
+    keep: int = 3  # complete snapshots kept; older ones are deleted once a newer one is complete
+
+    def validate(self) -> None:
+        require(self.every_merges >= 0, "every_merges", f"must be >= 0 (0: only on demand), got {self.every_merges}")
+        require(self.keep >= 1, "keep", f"must be >= 1, got {self.keep}")
