@@ -55,3 +55,11 @@ def test_load_toml_errors(tmp_path):
     bad.write_bytes(b"\xff\xfe not text")
     with pytest.raises(ConfigError, match="invalid TOML"):
         load_toml(bad)
+
+
+@pytest.mark.parametrize("text", ["nan", "inf", "-inf"])
+def test_nan_and_inf_in_a_config_file_are_refused_naming_the_field(text):
+    from wan_diloco import spec
+
+    with pytest.raises(ConfigError, match=r"syncer\.outer\.lr: must be a finite number"):
+        spec.from_document({"syncer": {"outer": {"lr": float(text)}}})

@@ -6,6 +6,8 @@ fragments and codec as a real one.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import hashlib
 from functools import cached_property
 from typing import Mapping
@@ -86,8 +88,14 @@ class Assembly:
         return LearnerCore(self.spec.learner, m, self.layout.fragments, self.flat0, self.codec,
                            region=self.spec.region(m))
 
-    def syncer_core(self) -> SyncerCore:
-        return SyncerCore(self.spec.syncer, self.layout.fragments, self.flat0, model_lib.is_embedding, self.codec)
+    def syncer_core(self, bounded: bool = False) -> SyncerCore:
+        """``bounded``: refuse learner steps past the run's budget (a networked run, where learners stop
+        there; the simulator's live learners may take more steps when others drop out)."""
+        cfg = self.spec.syncer
+        if bounded:
+            # A learner may adopt the global step + 1 after a late merge: one sync period of slack.
+            cfg = dataclasses.replace(cfg, max_step=self.spec.run.steps + self.spec.learner.sync_every)
+        return SyncerCore(cfg, self.layout.fragments, self.flat0, model_lib.is_embedding, self.codec)
 
     # ---- training -----------------------------------------------------------------------
 

@@ -7,6 +7,7 @@ keys and wrong types with a :class:`ConfigError` that names the field.
 from __future__ import annotations
 
 import dataclasses
+import math
 import tomllib
 import types
 import typing
@@ -58,6 +59,8 @@ def _coerce(value: Any, typ: Any, field: str) -> Any:
     if typ is float:
         ok = isinstance(value, (int, float)) and not isinstance(value, bool)
         require(ok, field, f"must be a number, got {value!r}")
+        # TOML spells nan and inf; no setting means either (an "off" value is spelled out per field).
+        require(math.isfinite(value), field, f"must be a finite number, got {value!r}")
         return float(value)
     if typ is int:
         require(isinstance(value, int) and not isinstance(value, bool), field, f"must be an integer, got {value!r}")

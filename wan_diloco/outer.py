@@ -23,7 +23,7 @@ class OuterConfig:
     nesterov: bool = True
 
     def validate(self) -> None:
-        require(self.lr > 0, "lr", f"must be > 0, got {self.lr}")
+        require(0 < self.lr < float("inf"), "lr", f"must be a finite number > 0, got {self.lr}")
         require(0 <= self.momentum < 1, "momentum", f"must be in [0, 1), got {self.momentum}")
 
 

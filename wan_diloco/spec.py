@@ -12,6 +12,7 @@ Tables (every key optional; each default is stated once, in the dataclass named)
 - ``[transport]`` ``transport.TransportConfig`` (and ``[transport.tls]``)
 - ``[codec]`` ``compression.CodecConfig``: bits of outer gradients and updates on the wire
 - ``[plan]`` :class:`PlanConfig`: CU target and margin of plans; per-learner τ from measured links
+- ``[checkpoint]`` ``checkpoint.CheckpointConfig``: where snapshots and the final parameters go, how often
 - ``[simulate]`` :class:`SimulateConfig`: only the simulator's time and link model and baseline;
   real runs ignore it, so one file goes from ``simulate`` to ``launch`` and back.
 
@@ -32,6 +33,7 @@ from typing import Any, Literal, Mapping
 import tomli_w
 
 from wan_diloco import model as model_lib
+from wan_diloco.checkpoint import CheckpointConfig
 from wan_diloco.compression.config import CodecConfig
 from wan_diloco.config import ConfigError, from_mapping, load_toml, require
 from wan_diloco.core import LearnerConfig, SyncerConfig
@@ -66,6 +68,9 @@ class RunConfig:
     report_every_s: float = 0.5  # progress lines on stdout at most this often
     min_step_s: float = 0.0  # learners pace their steps to at least this long (emulates slower chips)
     run_dir: str = "runs"  # launcher: where metrics.jsonl and logs go
+    # The run's identity in every message; empty: the syncer makes one at a fresh start (a resume keeps
+    # the snapshot's). A learner given one refuses a syncer serving another.
+    run_id: str = ""
 
     def validate(self) -> None:
         require(self.learners >= 1, "learners", f"must be >= 1, got {self.learners}")
@@ -79,6 +84,8 @@ class RunConfig:
         require(self.min_step_s >= 0, "min_step_s", f"must be >= 0, got {self.min_step_s}")
         require(self.tick_s > 0, "tick_s", f"must be > 0, got {self.tick_s}")
         require(self.report_every_s > 0, "report_every_s", f"must be > 0, got {self.report_every_s}")
+        require(len(self.run_id) <= 64 and all(c.isascii() and (c.isalnum() or c in "._-") for c in self.run_id),
+                "run_id", f"must be at most 64 of A-Z a-z 0-9 . _ -, got {self.run_id[:70]!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,6 +160,7 @@ class RunSpec:
     simulate: SimulateConfig
     regions: RegionsConfig
     plan: PlanConfig
+    checkpoint: CheckpointConfig
     preset: str  # the [model] preset the dimensions started from (for reports)
 
     def region(self, learner: int) -> str:
@@ -175,7 +183,8 @@ class RunSpec:
         return from_document(doc)
 
 
-TABLES = ("run", "model", "data", "learner", "syncer", "train", "transport", "codec", "simulate", "regions", "plan")
+TABLES = ("run", "model", "data", "learner", "syncer", "train", "transport", "codec", "simulate", "regions", "plan",
+          "checkpoint")
 
 
 def _table(doc: Mapping[str, Any], name: str) -> dict[str, Any]:
@@ -232,7 +241,9 @@ def from_document(doc: Mapping[str, Any]) -> RunSpec:
     require(not regions.learners or len(regions.learners) == run.learners, "regions.learners",
             f"names the region of {len(regions.learners)} learners, run.learners = {run.learners}")
     plan = from_mapping(PlanConfig, _table(doc, "plan"), prefix="plan.")
-    return RunSpec(run, model, data, learner, syncer, train, transport, codec, simulate, regions, plan, preset)
+    checkpoint = from_mapping(CheckpointConfig, _table(doc, "checkpoint"), prefix="checkpoint.")
+    return RunSpec(run, model, data, learner, syncer, train, transport, codec, simulate, regions, plan, checkpoint,
+                   preset)
 
 
 def inner_steps(run: RunConfig, model: ModelConfig, simulate: SimulateConfig) -> int:

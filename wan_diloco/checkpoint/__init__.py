@@ -11,9 +11,8 @@ from .config import CheckpointConfig
 from .format import CheckpointError, decode_state, encode_state, load_state, save_state, write_atomic
 from .params import load_params, save_params
 from .store import SnapshotStore
-from .trees import restore_tree, tree_tensors
 
 __all__ = [
     "CheckpointConfig", "CheckpointError", "SnapshotStore", "decode_state", "encode_state", "load_params",
-    "load_state", "restore_tree", "save_params", "save_state", "tree_tensors", "write_atomic",
+    "load_state", "save_params", "save_state", "write_atomic",
 ]

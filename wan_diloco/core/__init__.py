@@ -5,13 +5,14 @@
 """
 from wan_diloco.core.learner import LearnerConfig, LearnerCore
 from wan_diloco.core.protocol import (
-    FINAL_TIMER, ApplyGlobal, Broadcast, Codec, FragmentUpload, GlobalUpdate, Metadata, ProtocolError, Resync,
-    SendFragment, SendMetadata, SetTimer, Snapshot, learner_node,
+    FINAL_TIMER, ApplyGlobal, Broadcast, Codec, FragmentUpload, GlobalUpdate, IncarnationError, Metadata,
+    ProtocolError, Rejoin, Resync, SaveState, SendFragment, SendMetadata, SetTimer, Snapshot, learner_node,
 )
 from wan_diloco.core.syncer import SyncerConfig, SyncerCore
 
 __all__ = [
-    "FINAL_TIMER", "ApplyGlobal", "Broadcast", "Codec", "FragmentUpload", "GlobalUpdate", "LearnerConfig",
-    "LearnerCore", "Metadata", "ProtocolError", "Resync", "SendFragment", "SendMetadata", "SetTimer", "Snapshot",
+    "FINAL_TIMER", "ApplyGlobal", "Broadcast", "Codec", "FragmentUpload", "GlobalUpdate", "IncarnationError",
+    "LearnerConfig", "LearnerCore", "Metadata", "ProtocolError", "Rejoin", "Resync", "SaveState", "SendFragment",
+    "SendMetadata", "SetTimer", "Snapshot",
     "SyncerConfig", "SyncerCore", "learner_node",
 ]

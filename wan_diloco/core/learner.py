@@ -7,6 +7,7 @@ current parameters, and applies ``ApplyGlobal`` actions to its parameters.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 
@@ -18,9 +19,12 @@ from wan_diloco.core.protocol import (
     Ema,
     FragmentUpload,
     GlobalUpdate,
+    IncarnationError,
     Metadata,
     ProtocolError,
+    Rejoin,
     Resync,
+    SaveState,
     SendFragment,
     SendMetadata,
     Snapshot,
@@ -99,6 +103,14 @@ class LearnerCore:
         self.merge_lags = 0  # merges of our own Δ, and the steps they came after the send, summed
         self.merge_lag_steps = 0
         self.bytes_sent = 0
+        # Identity of the syncer this learner follows (learnt at join, or from the first update).
+        self.run_id = ""
+        self.epoch = 0
+        self.resumed_from = 0
+        self.rejoining = 0  # the incarnation a Rejoin was asked for and not yet done
+        self.stale_updates = 0  # updates of an earlier incarnation, dropped
+        self.snapshot_seen = 0  # the newest snapshot the syncer announced
+        self.snapshot_saved = 0  # the newest one whose part this learner wrote (reported in metadata)
 
     # ---- driver calls ---------------------------------------------------------------
 
@@ -153,6 +165,7 @@ class LearnerCore:
             learner=self.learner, fragment=fragment, due_step=due_step, base_version=self.version[fragment],
             c_steps=self.c_steps[fragment], c_tokens=self.c_tokens[fragment], clock=self.clock,
             delta=enc.values, nbytes=enc.nbytes, payload=enc.payload, region=self.region, final=final,
+            epoch=self.epoch,
         )
         return [SendFragment(msg)]
 
@@ -160,10 +173,81 @@ class LearnerCore:
         """A global fragment arrived; merged now if between steps, else after the current step."""
         if not 0 <= update.fragment < self.cfg.num_fragments:
             raise ProtocolError(f"global update for fragment {update.fragment}: only {self.cfg.num_fragments} fragments")
+        which = self.identity(update.run_id, update.epoch, update.resumed_from)
+        if which == "stale":
+            self.stale_updates += 1
+            return []
+        if which == "new":
+            if self.rejoining == update.epoch:
+                return []
+            self.rejoining = update.epoch
+            return [Rejoin(update.epoch, update.resumed_from)]
         if self.in_step:
             self.buffer.append((now_s, update))
             return []
         return self._apply(now_s, update)
+
+    def identity(self, run_id: str, epoch: int, resumed_from: int) -> str:
+        """How a message of (run, incarnation) relates to what this learner follows: "same", "stale" (an
+        earlier incarnation) or "new" (the syncer resumed from a snapshot: rejoin). IncarnationError if
+        following it would mix models: another run, or a syncer restarted without a snapshot."""
+        if self.run_id and run_id and run_id != self.run_id:
+            raise IncarnationError(f"the syncer serves run {run_id!r}; this learner belongs to run {self.run_id!r}")
+        if not self.epoch or not epoch or epoch == self.epoch:
+            if epoch and not self.epoch:  # a learner that never joined (the simulator's) adopts the first
+                self.epoch, self.run_id, self.resumed_from = epoch, run_id or self.run_id, resumed_from
+            return "same"
+        if epoch < self.epoch:
+            return "stale"
+        if not resumed_from:
+            raise IncarnationError(
+                f"the syncer restarted from scratch (incarnation {epoch}, resumed from no snapshot) while this "
+                f"learner follows incarnation {self.epoch}: the run's global model is gone, and continuing would mix "
+                f"two models. Restart the syncer with --resume (or the run with `wan-diloco launch --resume RUN_DIR`)")
+        return "new"
+
+    def join(self, run_id: str, epoch: int, resumed_from: int, fragments: list[tuple[Tensors, int]],
+             global_step: int) -> list:
+        """Take up the syncer's global state: at start, at a rejoin, and after the syncer resumed from a
+        snapshot. ``fragments`` is (values, version) per fragment; what was in flight or buffered is
+        dropped (it belongs to a model the syncer no longer has), the counters restart at zero."""
+        if len(fragments) != self.cfg.num_fragments:
+            raise ProtocolError(f"join: {len(fragments)} fragments, expected {self.cfg.num_fragments}")
+        for p, (values, _) in enumerate(fragments):
+            missing = set(self.fragments[p]) - set(values)
+            if missing:
+                raise ProtocolError(f"join: fragment {p} lacks tensors {sorted(missing)[:2]}")
+        if self.run_id and run_id and run_id != self.run_id:
+            raise IncarnationError(f"the syncer serves run {run_id!r}; this learner belongs to run {self.run_id!r}")
+        self.run_id, self.epoch, self.resumed_from, self.rejoining = run_id, epoch, resumed_from, 0
+        self.base = [{n: np.array(v[n], dtype=np.float32) for n in self.fragments[p]} for p, (v, _) in enumerate(fragments)]
+        self.version = [int(version) for _, version in fragments]
+        self.in_flight.clear()
+        self.buffer.clear()
+        self.c_steps = [0] * self.cfg.num_fragments
+        self.c_tokens = [0] * self.cfg.num_fragments
+        self.feedback.reset()
+        self.step = max(self.step, global_step)
+        self.clock = self.clock.tick(self.node)
+        return [ApplyGlobal(p, self.base[p], 0.0) for p in range(self.cfg.num_fragments)]
+
+    def saved(self, snapshot: int) -> None:
+        """The driver wrote this learner's part of ``snapshot`` durably; metadata reports it from now on."""
+        self.snapshot_saved = max(self.snapshot_saved, snapshot)
+
+    def export(self) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+        """(tensors, info) of the protocol state a learner's snapshot part holds (the driver adds its
+        train state and data position): bases, error-feedback residuals, versions, counters, clock."""
+        tensors = {f"base/{p}/{n}": a for p, b in enumerate(self.base) for n, a in b.items()}
+        tensors.update({f"feedback/{k}": v for k, v in self.feedback.state_dict().items()})
+        info = {"learner": self.learner, "run_id": self.run_id, "epoch": self.epoch, "step": self.step,
+                "versions": list(self.version), "c_steps": list(self.c_steps), "c_tokens": list(self.c_tokens),
+                "clock": self.clock.to_dict()}
+        return tensors, info
+
+    def restore_feedback(self, tensors: Tensors) -> None:
+        """Error-feedback residuals from a snapshot part (``export``); ValueError if they do not fit."""
+        self.feedback.load_state_dict({k[len("feedback/"):]: v for k, v in tensors.items() if k.startswith("feedback/")})
 
     def resync(self, fragment: int, values: Tensors, version: int, global_step: int = 0) -> list:
         """Install the current global fragment after a version gap, on (re)join or after the final sync.
@@ -199,7 +283,7 @@ class LearnerCore:
         return Metadata(
             learner=self.learner, step=self.step, c_steps=tuple(self.c_steps), c_tokens=tuple(self.c_tokens),
             clock=self.clock, step_s=self.step_s.value, sync_s=self.sync_s.value, region=self.region,
-            tau=self.cfg.tau,
+            tau=self.cfg.tau, epoch=self.epoch, snapshot=self.snapshot_saved,
         )
 
     def copy_state_from(self, peer: "LearnerCore") -> None:
@@ -259,6 +343,14 @@ class LearnerCore:
             # The steps since the snapshot stay in θ_p, so they stay on the counters of the next Δ.
             self.c_steps[p] -= sent.c_steps
             self.c_tokens[p] -= sent.c_tokens
-            return [ApplyGlobal(p, {n: self.base[p][n] - sent.theta[n] for n in base}, 0.0, shift=True)]
+            return [ApplyGlobal(p, {n: self.base[p][n] - sent.theta[n] for n in base}, 0.0, shift=True),
+                    *self._snapshot_due(u)]
         self.c_steps[p] = self.c_tokens[p] = 0
-        return [ApplyGlobal(p, self.base[p], self.cfg.alpha)]
+        return [ApplyGlobal(p, self.base[p], self.cfg.alpha), *self._snapshot_due(u)]
+
+    def _snapshot_due(self, u: GlobalUpdate) -> list:
+        """The syncer cut a snapshot newer than we saw: our part is due, written after this update."""
+        if u.snapshot <= self.snapshot_seen:
+            return []
+        self.snapshot_seen = u.snapshot
+        return [SaveState(u.snapshot)]

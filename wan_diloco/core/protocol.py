@@ -28,6 +28,11 @@ class ProtocolError(ValueError):
     """A message that breaks the protocol (wrong fragment, shapes, NaN...): rejected, no state changed."""
 
 
+class IncarnationError(RuntimeError):
+    """The syncer this learner talks to is not the one its model came from (another run, or a syncer
+    restarted without a snapshot): continuing would mix two models, so the learner stops."""
+
+
 class Codec(Protocol):
     """What the cores need of a codec (``compression.FragmentCodec`` is the one implementation)."""
 
@@ -63,6 +68,8 @@ class Metadata:
     sync_s: float | None = None  # learner's measured fragment sync time, syncer waits excluded
     region: str = ""
     tau: int | None = None  # the learner's overlap now (it may re-plan it from its link); bounds the grace
+    epoch: int = 0  # the syncer incarnation the learner follows (0: not joined yet)
+    snapshot: int = 0  # the newest snapshot whose part this learner has written durably
 
 
 @dataclass(frozen=True)
@@ -81,6 +88,7 @@ class FragmentUpload:
     payload: bytes | None = None
     region: str = ""
     final: bool = False  # part of the end-of-run sync: merged with every learner's, quorum and grace aside
+    epoch: int = 0  # the syncer incarnation its base version belongs to (0: not joined yet)
 
 
 @dataclass(frozen=True)
@@ -99,6 +107,12 @@ class GlobalUpdate:
     held_s: Mapping[int, float] = field(default_factory=dict)  # per contributor: time the syncer held its Δ
     payload: bytes | None = None
     final: bool = False  # the result of the end-of-run sync
+    # Identity: which run, which syncer incarnation (1 at a fresh start, +1 at each resume), and the
+    # snapshot this incarnation resumed from (0: a fresh start).
+    run_id: str = ""
+    epoch: int = 0
+    resumed_from: int = 0
+    snapshot: int = 0  # the newest snapshot the syncer has cut: learners write their part when it grows
 
 
 # ---- actions --------------------------------------------------------------------------
@@ -148,6 +162,22 @@ class Resync:
     fragment: int
     have_version: int
     want_version: int
+
+
+@dataclass(frozen=True)
+class Rejoin:
+    """Driver: the syncer resumed from a snapshot (a new incarnation): fetch every global fragment and
+    hand them to ``LearnerCore.join``; what was in flight belongs to the old incarnation."""
+
+    epoch: int
+    resumed_from: int
+
+
+@dataclass(frozen=True)
+class SaveState:
+    """Driver: write this learner's part of snapshot ``snapshot``, then call ``LearnerCore.saved``."""
+
+    snapshot: int
 
 
 @dataclass(frozen=True)

@@ -8,12 +8,14 @@ first), then every fragment is merged from all of them at once.
 """
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass, field, replace
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 
+from wan_diloco import tree
 from wan_diloco.clock import VectorClock
 from wan_diloco.config import require
 from wan_diloco.core.protocol import (
@@ -29,6 +31,7 @@ from wan_diloco.core.protocol import (
     SetTimer,
     Tensors,
     encode_or_refuse,
+    learner_node,
 )
 from wan_diloco.merge import MergeMethod, merge_fragment, token_weights
 from wan_diloco.outer import OuterConfig, OuterOptimizer
@@ -53,6 +56,11 @@ class SyncerConfig:
     liveness_timeout_s: float = 30.0
     final_timeout_s: float = 60.0  # the end-of-run sync goes ahead without learners this late
     outer: OuterConfig = OuterConfig()
+    max_step: int | None = None  # the run's step budget: a learner claiming a later step is refused (None: no cap)
+    # An outer gradient with ||Δ_p|| > ratio * max(||Θ_p||, 1) is absurd (a diverged or hostile learner):
+    # refused, and its learner quarantined for quarantine_s, so one learner cannot wreck Θ or the syncer.
+    max_delta_ratio: float = 10.0
+    quarantine_s: float = 60.0
 
     def validate(self) -> None:
         require(self.num_learners >= 1, "num_learners", f"must be >= 1, got {self.num_learners}")
@@ -64,6 +72,11 @@ class SyncerConfig:
         require(self.max_staleness >= 0, "max_staleness", "must be >= 0")
         require(self.liveness_timeout_s > 0, "liveness_timeout_s", "must be > 0")
         require(self.final_timeout_s > 0, "final_timeout_s", "must be > 0")
+        require(self.max_step is None or self.max_step >= 1, "max_step", f"must be >= 1, got {self.max_step}")
+        require(self.max_delta_ratio > 0 and math.isfinite(self.max_delta_ratio), "max_delta_ratio",
+                f"must be a finite number > 0, got {self.max_delta_ratio}")
+        require(self.quarantine_s >= 0 and math.isfinite(self.quarantine_s), "quarantine_s",
+                f"must be a finite number >= 0, got {self.quarantine_s}")
         self.outer.validate()
 
 
@@ -97,6 +110,10 @@ class SyncerStats:
     late_dropped: int = 0
     late_carried: int = 0  # late Δs merged into the fragment's next round instead
     stale_dropped: int = 0
+    duplicate_dropped: int = 0  # Δs whose base predates the learner's own last merged Δ: their steps counted already
+    stale_epoch: int = 0  # uploads based on an earlier syncer incarnation (before a resume)
+    quarantines: int = 0
+    refused_rounds: int = 0  # merges whose outer step came out non-finite: Θ kept as it was
     bytes_in: int = 0
     bytes_out: int = 0  # one copy per broadcast; the driver multiplies by recipients
     # Recent rounds: (closed at s, fragment, due step, contributors), for status pages and tests.
@@ -132,11 +149,25 @@ class SyncerCore:
         self.finals: dict[tuple[int, int], FragmentUpload] = {}  # (learner, fragment) -> final upload
         self.final_started = False
         self.final_done = False
+        # Identity, set by the driver: the run, this incarnation (1 fresh, +1 per resume), its snapshot.
+        self.run_id = ""
+        self.epoch = 1
+        self.resumed_from = 0
+        self.snapshot_id = 0  # the newest snapshot cut: every update carries it, learners save their part
+        self.merged_at: dict[tuple[int, int], int] = {}  # (learner, fragment) -> version its last Δ went into
+        self.quarantined: dict[int, tuple[float, str]] = {}  # learner -> (until, why)
+        self.notices: deque[str] = deque(maxlen=1000)  # what the driver should log: quarantines, refused merges
+        self.nodes = {learner_node(m) for m in range(cfg.num_learners)} | {SYNCER}
 
     # ---- events ---------------------------------------------------------------------
 
     def on_metadata(self, now_s: float, msg: Metadata) -> list:
         self._check_learner(msg.learner)
+        self._check_quarantine(now_s, msg.learner)
+        self._check_clock(msg.learner, msg.clock)
+        if self.cfg.max_step is not None and msg.step > self.cfg.max_step:
+            raise ProtocolError(f"metadata from learner {msg.learner}: step {msg.step} beyond the run's "
+                                f"{self.cfg.max_step} steps")
         if len(msg.c_steps) != len(self.fragments) or len(msg.c_tokens) != len(self.fragments):
             raise ProtocolError(f"metadata from learner {msg.learner}: counters for {len(msg.c_steps)} fragments, expected {len(self.fragments)}")
         if msg.tau is not None and not 0 <= msg.tau <= MAX_TAU:
@@ -152,15 +183,24 @@ class SyncerCore:
 
     def on_fragment(self, now_s: float, msg: FragmentUpload) -> list:
         """A learner's Δ for fragment p. Validated before any state changes."""
+        self._check_quarantine(now_s, msg.learner)
         self._validate_upload(msg)
+        self._check_norm(now_s, msg)
         self._seen(now_s, msg.learner)
         self.clock = self.clock.merge(msg.clock)
         self.stats.bytes_in += msg.nbytes
+        if msg.epoch and msg.epoch != self.epoch:
+            self.stats.stale_epoch += 1  # its base version means another Θ: the learner rejoins first
+            return []
         if msg.final:
             return self._final_upload(now_s, msg)
         p = msg.fragment
         if msg.base_version < self.version[p] - self.cfg.max_staleness:
             self.stats.stale_dropped += 1
+            return []
+        if msg.base_version < self.merged_at.get((msg.learner, p), 0):
+            # Sent before the learner saw the merge of its previous Δ: it repeats those steps.
+            self.stats.duplicate_dropped += 1
             return []
         if msg.due_step <= self.last_closed_due[p]:
             self._late([msg])  # its round closed without it; the learner gets Θ anyway
@@ -242,8 +282,45 @@ class SyncerCore:
         if not isinstance(learner, int) or not 0 <= learner < self.cfg.num_learners:
             raise ProtocolError(f"learner id {learner!r} out of range 0..{self.cfg.num_learners - 1}")
 
+    def _check_quarantine(self, now_s: float, learner: int) -> None:
+        until, why = self.quarantined.get(learner, (0.0, ""))
+        if now_s < until:
+            raise ProtocolError(f"learner {learner} is quarantined for another {until - now_s:.0f} s: {why}")
+
+    def _check_clock(self, learner: int, clock: VectorClock) -> None:
+        """Only this run's nodes: a clock naming others would ride on every later message."""
+        unknown = sorted(set(clock.entries) - self.nodes)
+        if unknown:
+            raise ProtocolError(f"vector clock from learner {learner}: {len(unknown)} unknown node(s), e.g. "
+                                f"{unknown[0][:40]!r}; this run has learner-0..learner-{self.cfg.num_learners - 1} "
+                                f"and {SYNCER!r}")
+
+    def _check_norm(self, now_s: float, msg: FragmentUpload) -> None:
+        """Refuse an absurd Δ (see ``max_delta_ratio``) and quarantine the learner that sent it."""
+        delta = math.sqrt(sum(float(np.sum(np.square(d, dtype=np.float64))) for d in msg.delta.values()))
+        theta = math.sqrt(sum(float(np.sum(np.square(t, dtype=np.float64))) for t in self.theta[msg.fragment].values()))
+        limit = self.cfg.max_delta_ratio * max(theta, 1.0)
+        if delta > limit:
+            why = (f"outer gradient of fragment {msg.fragment} has norm {delta:.3g}, over {self.cfg.max_delta_ratio:g}"
+                   f" x max(|Theta|, 1) = {limit:.3g}")
+            self.quarantine(now_s, msg.learner, why)
+            raise ProtocolError(f"learner {msg.learner}: {why}; quarantined for {self.cfg.quarantine_s:g} s")
+
+    def quarantine(self, now_s: float, learner: int, why: str) -> None:
+        """Ignore ``learner`` for ``quarantine_s``: its messages are refused, and from the next ``tick``
+        on no round waits for it."""
+        self._check_learner(learner)
+        self.quarantined[learner] = (now_s + self.cfg.quarantine_s, why)
+        self.stats.quarantines += 1
+        self.notices.append(f"learner {learner} quarantined for {self.cfg.quarantine_s:g} s: {why}")
+        self._lose(learner, now_s)
+
     def _validate_upload(self, msg: FragmentUpload) -> None:
         self._check_learner(msg.learner)
+        self._check_clock(msg.learner, msg.clock)
+        if self.cfg.max_step is not None and msg.due_step > self.cfg.max_step:
+            raise ProtocolError(f"fragment upload from learner {msg.learner}: due step {msg.due_step} beyond the "
+                                f"run's {self.cfg.max_step} steps")
         if not 0 <= msg.fragment < len(self.fragments):
             raise ProtocolError(f"fragment {msg.fragment} out of range 0..{len(self.fragments) - 1}")
         if msg.c_steps < 0 or msg.c_tokens < 0 or msg.due_step < 1 or msg.base_version < 0:
@@ -332,15 +409,29 @@ class SyncerCore:
             weights = np.ones(len(ups))
         delta = merge_fragment([u.delta for u in ups], weights, self.cfg.merge, self.is_embedding)
         theta = self.theta[p]
-        new = self.outer.step(p, theta, delta)
-        # Everyone, the syncer included, applies the same decoded update: all copies stay bit-identical.
-        enc = encode_or_refuse(self.codec, {n: new[n] - theta[n] for n in theta}, f"update of fragment {p}")
+        momentum = self.outer.states[p]
+        try:
+            with np.errstate(over="ignore", invalid="ignore"):
+                new = self.outer.step(p, theta, delta)
+                change = {n: new[n] - theta[n] for n in theta}
+            if not all(np.all(np.isfinite(c)) for c in change.values()):
+                raise ProtocolError("the outer step overflowed (non-finite result)")
+            # Everyone, the syncer included, applies the same decoded update: all copies stay bit-identical.
+            enc = encode_or_refuse(self.codec, change, f"update of fragment {p}")
+        except ProtocolError as e:
+            # Θ_p and its momentum stay as they were; the learners keep their Δs' steps in θ and send again.
+            self.outer.states[p] = momentum
+            self.stats.refused_rounds += 1
+            self.notices.append(f"merge of fragment {p} (due step {due}, learners {learners}) refused: {e}")
+            return []
         self.theta[p] = {n: theta[n] + enc.values[n] for n in theta}
         from_version = self.version[p]
         self.version[p] += 1
         self.last_closed_due[p] = max(self.last_closed_due[p], due)
         self.clock = self.clock.tick(SYNCER)
         self.stats.fragment_syncs[p] += 1
+        for m in learners:
+            self.merged_at[(m, p)] = self.version[p]
         self.stats.quorum_sizes.append(len(ups))
         self.stats.grace_s.append(rnd.grace_s)
         self.stats.history.append((now_s, p, due, tuple(learners)))
@@ -349,7 +440,8 @@ class SyncerCore:
             fragment=p, from_version=from_version, to_version=self.version[p], due_step=due,
             global_step=self.global_step, clock=self.clock, update=enc.values, nbytes=enc.nbytes,
             contributors=tuple(learners), held_s={m: now_s - t for m, t in rnd.received_s.items()},
-            payload=enc.payload, final=final,
+            payload=enc.payload, final=final, run_id=self.run_id, epoch=self.epoch, resumed_from=self.resumed_from,
+            snapshot=self.snapshot_id,
         )
         return [Broadcast(msg)]
 
@@ -393,6 +485,56 @@ class SyncerCore:
 
     def global_params(self) -> dict[str, np.ndarray]:
         return {n: a for frag in self.theta for n, a in frag.items()}
+
+    # ---- snapshots ----------------------------------------------------------------
+
+    def export(self) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+        """(tensors, info) of the state a resume needs: Θ and outer momentum per fragment, versions,
+        counters, identity. Θ arrays are shared, not copied: the core replaces them, never writes into them."""
+        tensors: dict[str, np.ndarray] = {}
+        for p, theta in enumerate(self.theta):
+            tensors.update({f"theta/{p}/{n}": a for n, a in theta.items()})
+            tensors.update(tree.to_named(self.outer.states[p], f"outer/{p}"))
+        info = {
+            "run_id": self.run_id, "epoch": self.epoch, "snapshot": self.snapshot_id, "versions": list(self.version),
+            "global_step": self.global_step, "last_closed_due": list(self.last_closed_due),
+            "clock": self.clock.to_dict(), "fragment_syncs": list(self.stats.fragment_syncs),
+            "merged_at": [[m, p, v] for (m, p), v in sorted(self.merged_at.items())],
+            "fragments": [list(f) for f in self.fragments],
+        }
+        return tensors, info
+
+    def restore(self, tensors: Tensors, info: dict[str, Any]) -> None:
+        """Take the state of ``export`` (a snapshot); ValueError names what does not fit this run,
+        and nothing changes then."""
+        P = len(self.fragments)
+        if info.get("fragments") != [list(f) for f in self.fragments]:
+            raise ValueError("snapshot: its fragments differ from this run's (another model or num_fragments?)")
+        theta = []
+        for p, names in enumerate(self.fragments):
+            frag = {}
+            for n in names:
+                a = tensors.get(f"theta/{p}/{n}")
+                if a is None or a.shape != self.theta[p][n].shape or a.dtype != np.float32:
+                    raise ValueError(f"snapshot: tensor theta/{p}/{n} missing or of the wrong shape or dtype")
+                if not np.all(np.isfinite(a)):
+                    raise ValueError(f"snapshot: tensor theta/{p}/{n} is not finite")
+                frag[n] = np.array(a)
+            theta.append(frag)
+        outer = {p: tree.from_named(tensors, f"outer/{p}", self.outer.states[p], "snapshot") for p in range(P)}
+        ints = lambda key: [int(x) for x in info[key]]  # noqa: E731
+        versions, last_due, syncs = ints("versions"), ints("last_closed_due"), ints("fragment_syncs")
+        if not len(versions) == len(last_due) == len(syncs) == P:
+            raise ValueError(f"snapshot: counters for {len(versions)} fragments, expected {P}")
+        clock = VectorClock.from_dict(info["clock"])
+        merged = {(int(m), int(p)): int(v) for m, p, v in info["merged_at"]}
+        self.theta, self.version, self.last_closed_due = theta, versions, last_due
+        self.outer.states.update(outer)
+        self.stats.fragment_syncs = syncs
+        self.global_step, self.clock, self.merged_at = int(info["global_step"]), clock, merged
+        self.run_id, self.epoch, self.snapshot_id = str(info["run_id"]), int(info["epoch"]), int(info["snapshot"])
+        self.rounds.clear()
+        self.carried = [{} for _ in self.fragments]
 
 
 def _combine(a: FragmentUpload, b: FragmentUpload) -> FragmentUpload:

@@ -36,7 +36,7 @@ class SyncerService:
         self.cfg, self.metrics = cfg, metrics
         parts = parts or Assembly(cfg)
         self.layout, self.codec, self.bulk_codec = parts.layout, parts.codec, parts.bulk_codec
-        self.core = parts.syncer_core()
+        self.core = parts.syncer_core(bounded=True)
         # Compiling on the first merge would stall the event loop while uploads and metadata wait.
         self.core.warm_up()
         self.hub = UpdateHub(cfg.transport.chunk_bytes)
