@@ -76,3 +76,31 @@ def test_host_socket_buffer_is_the_smaller_autotuning_maximum(tmp_path):
     assert host_socket_buffer_bytes(tmp_path) == 4194304
     (tmp_path / "tcp_wmem").write_text("garbage\n")
     assert host_socket_buffer_bytes(tmp_path) == 4 << 20  # unreadable: Linux's usual default
+
+
+@pytest.mark.parametrize("table, message", [
+    ({"stream_idle_timeout_s": 0}, "stream_idle_timeout_s: must be > 0"),
+    ({"max_uploads_per_sender": 0}, "max_uploads_per_sender: must be >= 1"),
+    ({"max_concurrent_streams": 0}, "max_concurrent_streams: must be >= 1"),
+])
+def test_server_limits_are_validated(table, message):
+    with pytest.raises(ConfigError, match=f"^{message}"):
+        from_mapping(TransportConfig, table)
+
+
+def test_server_options_limit_streams_and_refuse_a_shared_port():
+    cfg = TransportConfig()
+    assert (cfg.stream_idle_timeout_s, cfg.max_uploads_per_sender, cfg.max_concurrent_streams) == (30.0, 4, 64)
+    server = dict(from_mapping(TransportConfig, {"max_concurrent_streams": 32}).server_options())
+    assert server["grpc.max_concurrent_streams"] == 32
+    assert server["grpc.so_reuseport"] == 0
+    assert "grpc.max_concurrent_streams" not in dict(cfg.client_options())
+
+
+def test_tune_for_link_lets_one_sender_use_every_connection():
+    wan = tune_for_link(rate_gbit_s=5, rtt_s=0.1)
+    assert wan.max_uploads_per_sender == wan.channels == 15
+    assert tune_for_link(rate_gbit_s=100, rtt_s=0.15).max_uploads_per_sender == 16  # the server's slots
+    assert tune_for_link(rate_gbit_s=40, rtt_s=1e-4).max_uploads_per_sender == 4
+    slow = tune_for_link(rate_gbit_s=0.01, rtt_s=0.1)  # a 4 MiB chunk takes 13 s at a quarter of 10 Mbit/s
+    assert slow.stream_idle_timeout_s >= 4 * slow.chunk_bytes * 8 / (slow.min_upload_rate_gbit_s * 1e9)

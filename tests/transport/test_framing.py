@@ -107,3 +107,38 @@ def test_buffers_are_reused_only_after_the_payload_views_are_gone():
     del first
     third = receive()
     assert third.payload.obj is held and third == MSG
+
+
+def test_an_announced_payload_is_allocated_as_it_arrives_not_up_front():
+    import json
+    import tracemalloc
+
+    import xxhash
+
+    from wan_diloco.transport.messages import MESSAGE_MAGIC, PRELUDE, TRAILER, WIRE_VERSION, Kind
+
+    body = json.dumps({"sender": "x", "fragment": 0, "meta": {}}).encode()
+    announced = 500 << 20
+    head = PRELUDE.pack(MESSAGE_MAGIC, WIRE_VERSION, Kind.FRAME, 0, len(body), announced) + body
+    reader = MessageReader(max_bytes=1 << 30)
+    tracemalloc.start()
+    try:
+        assert reader.feed(head + b"x") == []
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20  # was 500 MiB for one byte
+    assert len(reader._buf) == 1
+    arrived, piece = 1, bytes(range(256)) * 400
+    for _ in range(40):
+        reader.feed(piece)
+        arrived += len(piece)
+        assert len(reader._buf) <= 2 * arrived + len(piece)  # at most twice what came, plus a chunk
+    # and a message that does complete is intact, however its buffer grew
+    payload = bytes(range(256)) * 3000
+    msg = Frame("x", 0, {}, payload)
+    head = PRELUDE.pack(MESSAGE_MAGIC, WIRE_VERSION, Kind.FRAME, 0, len(body), len(payload)) + body
+    digest = TRAILER.pack(xxhash.xxh3_64_intdigest(head + payload))
+    reader = MessageReader(max_bytes=1 << 30)
+    got = [m for i in range(0, len(payload), 1000) for m in reader.feed((head if i == 0 else b"") + payload[i : i + 1000])]
+    assert got == [] and reader.feed(digest) == [msg]

@@ -2,16 +2,17 @@
 import asyncio
 import contextlib
 import dataclasses
-
+import errno
 import json
+import socket
 
 import grpc
 import pytest
 import xxhash
 
 from wan_diloco.transport import (
-    BulkRequest, BulkSource, Frame, MessageError, Subscribe, SyncerClient, TransportError, TransportServer,
-    encode_message,
+    BulkRequest, BulkSource, Frame, ListenError, MessageError, Subscribe, SyncerClient, TransportError,
+    TransportServer, encode_message,
 )
 from wan_diloco.transport.messages import MESSAGE_MAGIC, PRELUDE, TRAILER, WIRE_VERSION, Kind
 from wan_diloco.transport.security import bearer_metadata
@@ -114,7 +115,7 @@ def test_malformed_bodies_get_clear_errors_and_the_server_keeps_serving():
         ("Metadata", b"hello", False, grpc.StatusCode.INVALID_ARGUMENT, "truncated"),
         ("Metadata", wrong_version, False, grpc.StatusCode.INVALID_ARGUMENT, "unsupported wire version 9"),
         ("Metadata", good[:-1] + b"!", False, grpc.StatusCode.INVALID_ARGUMENT, "checksum mismatch"),
-        ("Metadata", encode_message(Subscribe("learner-0", "us")), False, grpc.StatusCode.INVALID_ARGUMENT,
+        ("Metadata", encode_message(Subscribe("learner-0", "us", "i")), False, grpc.StatusCode.INVALID_ARGUMENT,
          "expected Frame, got Subscribe"),
         ("Metadata", forged_frame({"sender": "learner-0", "fragment": 0, "meta": [1]}), False,
          grpc.StatusCode.INVALID_ARGUMENT, "Frame.meta: must be a JSON object"),
@@ -142,7 +143,7 @@ def test_malformed_bodies_get_clear_errors_and_the_server_keeps_serving():
             with pytest.raises(MessageError, match="exceeds one gRPC message"):
                 await client.send_metadata(fragment(SMALL.chunk_bytes + (2 << 20)))
             with pytest.raises(MessageError, match="takes a Frame"):
-                await client.send_metadata(Subscribe("learner-0", "us"))
+                await client.send_metadata(Subscribe("learner-0", "us", "i"))
             with pytest.raises(MessageError, match="Frame.meta"):
                 await client.upload_fragment(Frame("learner-0", 0, {"x": float("nan")}))
             assert handler.fragments == [] and len(handler.metadata) == len(cases)
@@ -303,4 +304,31 @@ def test_subscribe_renews_its_call_at_the_deadline_without_losing_updates():
                 got = await asyncio.wait_for(first, 5)
                 assert (got.fragment, got.meta["to_version"]) == (2, 4)
             assert server.metrics.messages.labels("Subscribe", "in")._value.get() >= 3
+    arun(main())
+
+
+def test_a_port_outside_the_tcp_range_is_refused_with_the_range():
+    with pytest.raises(ValueError, match=r"port 99999 is outside the valid range 0\.\.65535"):
+        TransportServer(RecordingHandler(), TOKEN, SMALL, "127.0.0.1:99999")
+    with pytest.raises(ValueError, match=r"port 65536 is outside"):
+        SyncerClient("127.0.0.1:65536", TOKEN)
+
+
+def test_a_busy_port_is_a_clear_listen_error():
+    async def main():
+        async with syncer() as (first, _):
+            second = TransportServer(RecordingHandler(), TOKEN, SMALL, f"127.0.0.1:{first.port}")
+            with pytest.raises(ListenError) as err:
+                await second.start()  # gRPC's SO_REUSEPORT used to let it bind (and take half the connections)
+            assert str(err.value) == f"cannot listen on 127.0.0.1:{first.port}: address already in use"
+            assert isinstance(err.value, OSError) and err.value.errno == errno.EADDRINUSE
+            assert second.port == 0
+            async with client_for(first) as client:  # the first server is untouched
+                assert (await client.send_metadata(META)).global_step == 1
+        with socket.socket() as holder:  # a port held by some other program
+            holder.bind(("127.0.0.1", 0))
+            holder.listen()
+            port = holder.getsockname()[1]
+            with pytest.raises(ListenError, match=f"^cannot listen on 127.0.0.1:{port}: address already in use$"):
+                await TransportServer(RecordingHandler(), TOKEN, SMALL, f"127.0.0.1:{port}").start()
     arun(main())

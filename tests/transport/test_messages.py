@@ -17,7 +17,7 @@ EXAMPLES = [
     Frame("learner-0", 0, META),
     Frame("learner-0", 2, META, bytes(range(256)) * 3),
     Frame("syncer", 2, {}, b"\x00\xff" * 500),
-    Subscribe("learner-1", "eu-west"),
+    Subscribe("learner-1", "eu-west", "0123abcd"),
     BulkRequest("learner-1", "global", CLOCK),
     BulkChunk("syncer", "global", 3, 3 << 20, 10 << 20, b"x" * 1000),
     Ack("syncer", 40, "merged"),
@@ -61,7 +61,7 @@ def _with_header(msg, header: dict, payload: bytes = b"") -> bytes:
     (lambda d: d[:10], "truncated"),
     (lambda d: b"XXXX" + d[4:], "bad magic"),
     (lambda d: _rebuild(d, version=WIRE_VERSION + 1), f"unsupported wire version {WIRE_VERSION + 1}"),
-    (lambda d: _rebuild(d, version=1), "unsupported wire version 1; this build speaks version 2"),
+    (lambda d: _rebuild(d, version=1), "unsupported wire version 1; this build speaks version 3"),
     (lambda d: _rebuild(d, kind=99), "unknown message kind 99"),
     (lambda d: _rebuild(d, flags=1), "unknown flags"),
     (lambda d: d + b"\x00", "length mismatch"),
@@ -181,13 +181,28 @@ def test_refuses_non_json_header_and_stray_payload():
         decode_message(_with_header(EXAMPLES[3], header, payload=b"abc"))
 
 
+def test_subscribe_must_name_its_instance_and_version_2_is_refused():
+    data = encode_message(EXAMPLES[3])
+    header = json.loads(data[PRELUDE.size : -8])
+    assert header == {"sender": "learner-1", "region": "eu-west", "instance": "0123abcd"}
+    version_2 = {"sender": "learner-1", "region": "eu-west"}  # what a build before the instance id sends
+    with pytest.raises(MessageError, match=r"Subscribe: header fields missing \['instance'\]"):
+        decode_message(_with_header(EXAMPLES[3], version_2))
+    with pytest.raises(MessageError, match="unsupported wire version 2; this build speaks version 3"):
+        decode_message(_rebuild(_with_header(EXAMPLES[3], version_2), version=2))
+    with pytest.raises(MessageError, match="Subscribe.instance: must not be empty"):
+        decode_message(_with_header(EXAMPLES[3], {**header, "instance": ""}))
+    with pytest.raises(MessageError, match="Subscribe.instance: must not be empty"):
+        encode_message(Subscribe("learner-1", "eu-west", ""))
+
+
 def test_encode_refuses_invalid_fields():
     with pytest.raises(MessageError, match="Frame.fragment: must be an integer"):
         encode_message(Frame("a", "1", {}, b""))
     with pytest.raises(MessageError, match="Frame.payload: must be bytes-like"):
         encode_message(Frame("a", 1, {}, "text"))
     with pytest.raises(MessageError, match="Subscribe.sender: must not be empty"):
-        encode_message(Subscribe("", "r"))
+        encode_message(Subscribe("", "r", "i"))
     with pytest.raises(MessageError, match="not a message type"):
         encode_message({"sender": "a"})
 
@@ -202,7 +217,7 @@ metas = st.dictionaries(st.text(max_size=20), st.recursive(
     max_leaves=20), max_size=6)
 messages = st.one_of(
     st.builds(Frame, names, ints, metas, st.binary(max_size=300)),
-    st.builds(Subscribe, names, names),
+    st.builds(Subscribe, names, names, names),
     st.builds(BulkRequest, names, names, clocks),
     st.builds(BulkChunk, names, names, ints, ints, ints, st.binary(max_size=300)),
     st.builds(Ack, names, ints, st.text(max_size=30)),

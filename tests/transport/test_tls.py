@@ -1,11 +1,13 @@
 """TLS and mutual TLS on loopback with throwaway certificates."""
 import dataclasses
+import ssl
 
+import aiohttp
 import grpc
 import pytest
 
 from wan_diloco.config import ConfigError
-from wan_diloco.transport import Frame, TlsConfig, TransportError, TransportServer
+from wan_diloco.transport import Frame, StatusServer, TlsConfig, TransportError, TransportMetrics, TransportServer
 from wan_diloco.transport.dev_certs import make_dev_certs
 
 from .conftest import SMALL, TOKEN, arun, client_for, syncer
@@ -60,3 +62,26 @@ def test_tls_refuses_unverified_peers(certs, tmp_path, client_tls):
 def test_missing_certificate_files_are_named():
     with pytest.raises(ConfigError, match="tls.cert_file: file .*nope.pem not found"):
         arun(TransportServer(object(), TOKEN, with_tls(TlsConfig(cert_file="nope.pem", key_file="nope.key"))).start())
+
+
+def test_status_page_over_https_with_the_grpc_certificate(certs):
+    async def main():
+        async with StatusServer(lambda: {"ok": True}, TransportMetrics(), token=TOKEN, tls=certs["server_mutual"]) as page:
+            assert page.url.startswith("https://127.0.0.1:")
+            trust = ssl.create_default_context(cafile=certs["client"].ca_file)
+            async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {TOKEN}"}) as http:
+                # no client certificate needed over HTTP: the token is the credential
+                async with http.get(page.url + "/status", ssl=trust) as r:
+                    assert r.status == 200 and await r.json() == {"ok": True}
+                with pytest.raises(aiohttp.ClientSSLError):  # a certificate we do not trust
+                    await http.get(page.url + "/status", ssl=ssl.create_default_context())
+                with pytest.raises(aiohttp.ClientError):  # cleartext to the TLS port
+                    await http.get(page.url.replace("https", "http") + "/status")
+    arun(main())
+
+
+def test_status_tls_needs_a_certificate():
+    with pytest.raises(ConfigError, match="^tls.cert_file: a TLS status server needs cert_file"):
+        StatusServer(dict, TransportMetrics(), token=TOKEN, tls=TlsConfig(ca_file="ca.pem"))
+    with pytest.raises(ConfigError, match="^tls.cert_file: file .*nope.pem not found"):
+        StatusServer(dict, TransportMetrics(), token=TOKEN, tls=TlsConfig(cert_file="nope.pem", key_file="k"))

@@ -6,7 +6,8 @@ caller-owned JSON ``meta``, opaque payload) in our own versioned binary schema
 (``messages``), large ones chunked (``framing``). The syncer plugs a ``Handler``
 into ``TransportServer``; learners talk to it with ``SyncerClient``. Downstream
 fan-out keeps the newest frame per fragment per subscriber (``fanout``).
-``StatusServer`` serves /healthz, /status and /metrics over aiohttp.
+``StatusServer`` serves /healthz, /status and /metrics over aiohttp (the last two
+behind the bearer token). A server that cannot bind its address raises ``ListenError``.
 """
 from .client import Backoff, SyncerClient, TransportError
 from .config import TlsConfig, TransportConfig, channels_for_link, host_socket_buffer_bytes, tune_for_link
@@ -19,12 +20,13 @@ from .messages import (
 )
 from .metrics import TransportMetrics
 from .probe import LinkSample, ProbePolicy
+from .security import ListenError
 from .server import BulkSource, Handler, Rejected, TransportServer
 from .status import StatusServer
 
 __all__ = [
     "Ack", "Backoff", "LinkSample", "ProbePolicy", "BufferPool", "BulkChunk", "BulkRequest", "BulkSource", "Frame", "Handler", "Kind",
-    "LatestMailbox", "MAX_HEADER_BYTES", "MAX_MESSAGE_BYTES", "MESSAGE_MAGIC", "Message", "MessageError",
+    "LatestMailbox", "ListenError", "MAX_HEADER_BYTES", "MAX_MESSAGE_BYTES", "MESSAGE_MAGIC", "Message", "MessageError",
     "MessageReader", "OversizedError", "Prepared", "Rejected", "StatusServer", "Subscribe", "SyncerClient",
     "TlsConfig", "TransportConfig", "TransportError", "TransportMetrics", "TransportServer", "UpdateHub",
     "WIRE_VERSION", "decode_message", "encode_chunks", "encode_message", "new_event_loop", "run",

@@ -3,7 +3,9 @@
 Several channels (TCP connections) per peer; uploads go round-robin over them.
 Every call has a deadline and the bearer token; calls that fail with UNAVAILABLE
 are retried with exponential backoff and jitter for up to ``retry_budget_s``
-(gRPC itself reconnects the channel with the same backoff settings).
+(gRPC itself reconnects the channel with the same backoff settings). Every other
+status (e.g. ALREADY_EXISTS: another process subscribed with our sender name) is
+final and raised as ``TransportError``.
 """
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import asyncio
 import itertools
 import math
 import random
+import secrets
 import time
 from typing import AsyncIterator
 
@@ -25,7 +28,7 @@ from .messages import (
 from .metrics import TransportMetrics
 from .probe import LinkSample, rate_from_transfer
 from .security import bearer_metadata, channel_credentials, check_token, require_secure_or_loopback
-from .server import SERVICE
+from .server import SERVICE, sender_metadata
 
 RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE})
 
@@ -74,9 +77,15 @@ class SyncerClient:
         self.target = target
         self.metrics = metrics or TransportMetrics()
         self._call_metadata = bearer_metadata(check_token(token))
+        # Names this process in Subscribe: the syncer refuses a second process subscribing
+        # as the same sender instead of letting it take over the first one's stream.
+        self.instance = secrets.token_hex(8)
         self._channels: list[grpc.aio.Channel] = []
         self._next_channel = itertools.count()
-        self._upload_slots = asyncio.Semaphore(self.config.max_inflight_uploads)
+        # The syncer refuses a sender's uploads beyond max_uploads_per_sender (same [transport]
+        # table on both sides), so more in flight would only fail.
+        self._upload_slots = asyncio.Semaphore(min(self.config.max_inflight_uploads,
+                                                   self.config.max_uploads_per_sender))
         self._closed = False
 
     def _open_channel(self) -> grpc.aio.Channel:
@@ -165,8 +174,9 @@ class SyncerClient:
     async def upload_fragment(self, frame: Frame) -> Ack:
         """Stream one Frame in chunks of ``chunk_bytes`` over the next channel (the Upload RPC).
 
-        At most ``max_inflight_uploads`` run at once; more callers wait here, so a
-        learner never queues more than that many fragments in memory.
+        At most ``max_inflight_uploads`` (and ``max_uploads_per_sender``) run at once;
+        more callers wait here, so a learner never queues more than that many
+        fragments in memory.
         """
         if not isinstance(frame, Frame):
             raise MessageError(f"upload_fragment takes a Frame, got {type(frame).__name__}")
@@ -175,11 +185,13 @@ class SyncerClient:
         if size > self.config.max_message_bytes:
             raise MessageError(f"fragment of {size} bytes exceeds max_message_bytes {self.config.max_message_bytes}")
 
+        metadata = self._call_metadata + (sender_metadata(frame.sender),)
+
         async def attempt():
             call = self._channel().stream_unary(f"/{SERVICE}/Upload")
             reply = await call(iter_chunks(head, payload, self.config.chunk_bytes),
                                timeout=self.config.upload_deadline_s(size),
-                               metadata=self._call_metadata, wait_for_ready=True)
+                               metadata=metadata, wait_for_ready=True)
             self.metrics.sent("Upload", size)
             return reply
 
@@ -194,9 +206,11 @@ class SyncerClient:
         dropped connection is retried with backoff; TransportError is raised for
         other errors (e.g. UNAUTHENTICATED) or after ``retry_budget_s`` of failed
         retries. The iteration ends when the server ends the stream (e.g. a newer
-        subscription for the same sender replaced this one).
+        subscription for the same sender from this client replaced this one). A
+        subscription for ``sender`` from another process (another ``instance``)
+        while this one is open is refused: TransportError ALREADY_EXISTS, not retried.
         """
-        request = encode_message(Subscribe(sender=sender, region=region))
+        request = encode_message(Subscribe(sender=sender, region=region, instance=self.instance))
         backoff, pool = Backoff(self.config), BufferPool(keep=2)
         while not self._closed:
             call = self._channel(0).unary_stream(f"/{SERVICE}/Subscribe")(

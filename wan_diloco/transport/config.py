@@ -43,8 +43,11 @@ class TransportConfig:
     chunk_bytes: int = 4 * MiB  # gRPC message size for fragment/update/bulk streams
     max_message_bytes: int = 512 * MiB  # largest encoded message accepted (one fragment)
     channels: int = 2  # HTTP/2 connections per peer; uploads round-robin over them
-    max_inflight_uploads: int = 8  # client: fragment uploads in flight at once
+    max_inflight_uploads: int = 8  # client: fragment uploads in flight at once (capped by max_uploads_per_sender)
     max_concurrent_uploads: int = 16  # server: uploads reassembled at once (memory bound)
+    max_uploads_per_sender: int = 4  # server: open uploads of one sender; more are refused (RESOURCE_EXHAUSTED)
+    stream_idle_timeout_s: float = 30.0  # server: an upload whose next chunk takes longer is aborted
+    max_concurrent_streams: int = 64  # server: HTTP/2 streams one connection may have open
     bdp_probe: bool = True  # let gRPC grow flow-control windows from measured BDP
     lookahead_bytes: int = 0  # initial per-stream HTTP/2 window target
     max_frame_bytes: int = 0  # HTTP/2 SETTINGS_MAX_FRAME_SIZE we accept
@@ -76,6 +79,8 @@ class TransportConfig:
         require(1 <= self.channels <= 64, "channels", f"must be in [1, 64], got {self.channels}")
         require(self.max_inflight_uploads >= 1, "max_inflight_uploads", "must be >= 1")
         require(self.max_concurrent_uploads >= 1, "max_concurrent_uploads", "must be >= 1")
+        for name in ("max_uploads_per_sender", "max_concurrent_streams"):
+            require(getattr(self, name) >= 1, name, f"must be >= 1, got {getattr(self, name)}")
         require(self.lookahead_bytes >= 0, "lookahead_bytes", "must be >= 0 (0 = gRPC default)")
         require(
             self.max_frame_bytes == 0 or MIN_FRAME_BYTES <= self.max_frame_bytes <= MAX_FRAME_BYTES,
@@ -84,7 +89,7 @@ class TransportConfig:
         )
         require(self.read_chunk_bytes >= 0, "read_chunk_bytes", "must be >= 0 (0 = gRPC default)")
         for name in ("keepalive_time_s", "keepalive_timeout_s", "call_timeout_s", "subscribe_renew_s",
-                     "backoff_initial_s", "min_upload_rate_gbit_s", "retry_budget_s"):
+                     "backoff_initial_s", "min_upload_rate_gbit_s", "retry_budget_s", "stream_idle_timeout_s"):
             require(getattr(self, name) > 0, name, f"must be > 0, got {getattr(self, name)}")
         require(self.probe_every_s >= 0, "probe_every_s", f"must be >= 0 (0: probe at start only), got {self.probe_every_s}")
         require(0 < self.probe_duty <= 0.5, "probe_duty", f"must be in (0, 0.5], got {self.probe_duty}")
@@ -127,7 +132,14 @@ class TransportConfig:
         # Clients ping every keepalive_time_s even when idle; without this the server
         # counts those pings as abuse and sends GOAWAY("too_many_pings").
         ping_ms = max(1000, int(self.keepalive_time_s * 1000) // 2)
-        return self._http2_options() + [("grpc.http2.min_ping_interval_without_data_ms", ping_ms)]
+        return self._http2_options() + [
+            ("grpc.http2.min_ping_interval_without_data_ms", ping_ms),
+            # Bounds the streams (each a handler task) one connection can open at once.
+            ("grpc.max_concurrent_streams", self.max_concurrent_streams),
+            # gRPC sets SO_REUSEPORT by default: a second syncer on a busy port would then
+            # bind without error and take half the connections. Fail the bind instead.
+            ("grpc.so_reuseport", 0),
+        ]
 
     def client_options(self) -> list[tuple[str, int]]:
         """gRPC channel arguments for one client channel."""
@@ -199,7 +211,10 @@ def tune_for_link(
       loopback), at most 16 MiB to bound buffering per stream.
     - Frames: the largest HTTP/2 frame (16 MiB) so fewer frame headers and
       syscalls are spent per byte at multi-Gbit/s.
-    - Deadlines: an upload must be allowed to run at a quarter of the link rate.
+    - Deadlines: an upload must be allowed to run at a quarter of the link rate,
+      and a chunk at that rate must arrive well within the idle timeout.
+    - Uploads: one sender may keep one upload per connection open (within the
+      server's slots), so its uploads can use every connection.
     """
     require(rate_gbit_s > 0, "rate_gbit_s", f"must be > 0, got {rate_gbit_s}")
     require(rtt_s >= 0, "rtt_s", f"must be >= 0, got {rtt_s}")
@@ -215,12 +230,15 @@ def tune_for_link(
         chunk_bytes=chunk_bytes,
         max_message_bytes=max(base.max_message_bytes, chunk_bytes),
         max_inflight_uploads=max(base.max_inflight_uploads, 2 * channels),
+        # One upload per connection keeps every connection busy; the server's slots stay the cap.
+        max_uploads_per_sender=min(base.max_concurrent_uploads, max(base.max_uploads_per_sender, channels)),
         bdp_probe=True,
         lookahead_bytes=lookahead_bytes,
         max_frame_bytes=MAX_FRAME_BYTES,
         read_chunk_bytes=min(chunk_bytes, 4 * MiB),
         keepalive_timeout_s=max(base.keepalive_timeout_s, 4 * rtt_s),
         min_upload_rate_gbit_s=rate_gbit_s / 4,
+        stream_idle_timeout_s=max(base.stream_idle_timeout_s, 4 * chunk_bytes * 8 / (rate_gbit_s / 4 * 1e9)),
     )
     cfg.validate()
     return cfg

@@ -69,7 +69,8 @@ class UpdateHub:
 
     A subscriber's mailbox outlives its stream: frames published while it is
     reconnecting wait for it (newest per fragment). A second subscription with
-    the same id ends the first stream.
+    the same id ends the first stream (``TransportServer`` lets only the same
+    client process do that: another process with the same id is refused).
     """
 
     def __init__(self, chunk_bytes: int) -> None:

@@ -97,12 +97,17 @@ class BufferPool:
         del buf[-1]
         return True
 
-    def get(self, size: int) -> bytearray:
-        """A buffer of at least ``size`` bytes (at most twice that), not shared."""
+    def take(self, size: int) -> bytearray | None:
+        """A kept buffer of at least ``size`` bytes (at most twice that) that nothing uses, else None."""
         for i, buf in enumerate(self._buffers):
             if size <= len(buf) <= 2 * size and self._unused(buf):
                 return self._buffers.pop(i)
-        return bytearray(size)
+        return None
+
+    def get(self, size: int) -> bytearray:
+        """A buffer of at least ``size`` bytes (at most twice that), not shared."""
+        buf = self.take(size)
+        return buf if buf is not None else bytearray(size)
 
     def put(self, buf: bytearray) -> None:
         """Offer ``buf`` back; it is handed out again only once its views are gone."""
@@ -116,7 +121,8 @@ class MessageReader:
 
     Memory per stream stays below ``max_bytes``: a larger message is refused as
     soon as its prelude arrives. A payload that arrives inside one chunk is used
-    in place; one spread over chunks is copied once into a pooled buffer.
+    in place; one spread over chunks is copied into a pooled buffer when one is
+    free, else into a buffer that grows with what arrived (see ``_room``).
     """
 
     def __init__(self, max_bytes: int, pool: BufferPool | None = None) -> None:
@@ -160,9 +166,8 @@ class MessageReader:
             self._payload = view[:need]
             self._digest.update(self._payload)
             return view[need:]
-        if self._buf is None:
-            self._buf = self.pool.get(need)
         take = min(need - self._filled, len(view))
+        self._room(self._filled + take)
         part = view[:take]
         self._buf[self._filled : self._filled + take] = part
         self._digest.update(part)
@@ -170,6 +175,27 @@ class MessageReader:
         if self._filled == need:
             self._payload = memoryview(self._buf)[:need]
         return view[take:]
+
+    def _room(self, end: int) -> None:
+        """Make ``self._buf`` hold at least ``end`` payload bytes.
+
+        The prelude's length is only a claim: a peer may announce the limit and
+        send one byte. So a fresh buffer never exceeds twice what has arrived
+        (plus the piece in hand); growing by doubling copies each byte at most
+        once more on average. A free pooled buffer costs nothing new, so the
+        usual case (messages of similar sizes) still gets one at once.
+        """
+        need = self._payload_bytes
+        if self._buf is None:
+            self._buf = self.pool.take(need)
+            if self._buf is not None:
+                return
+        elif end <= len(self._buf):
+            return
+        old, size = self._buf, min(need, max(end, 2 * self._filled))
+        self._buf = bytearray(size)
+        if old is not None and self._filled:
+            self._buf[: self._filled] = memoryview(old)[: self._filled]
 
     def feed(self, chunk: Payload) -> list[Message]:
         out: list[Message] = []

@@ -43,7 +43,9 @@ from typing import Any, ClassVar, Mapping, Union
 
 import xxhash
 
-WIRE_VERSION = 2  # 2: one generic Frame replaced the protocol-specific kinds of version 1
+# 2: one generic Frame replaced the protocol-specific kinds of version 1
+# 3: Subscribe names the subscribing process (``instance``)
+WIRE_VERSION = 3
 MESSAGE_MAGIC = b"WDLC"
 PRELUDE = struct.Struct("<4sBBHIQ")
 PRELUDE_BYTES = PRELUDE.size  # 20
@@ -99,11 +101,18 @@ class Frame:
 
 @dataclasses.dataclass(frozen=True)
 class Subscribe:
-    """Open the downstream stream of Frames for ``sender``."""
+    """Open the downstream stream of Frames for ``sender``.
+
+    ``instance`` is random per client process: the server tells a reconnect of
+    the same process (same instance) from a second process claiming the same
+    ``sender`` (a learner started twice), which it refuses.
+    """
 
     KIND: ClassVar[Kind] = Kind.SUBSCRIBE
+    NON_EMPTY: ClassVar[tuple[str, ...]] = ("sender", "instance")
     sender: str
     region: str
+    instance: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,11 +215,16 @@ def _check_value(kind_name: str, name: str, typ: Any, value: Any) -> Any:
     raise AssertionError(f"unsupported field type {typ!r}")  # schema bug, not input
 
 
+def _check_non_empty(cls: type, fields: Mapping[str, Any]) -> None:
+    for name in getattr(cls, "NON_EMPTY", ("sender",)):
+        if not fields[name]:
+            raise MessageError(f"{cls.__name__}.{name}: must not be empty")
+
+
 def _header_of(msg: Message) -> dict[str, Any]:
     name = type(msg).__name__
     header = {f.name: _check_value(name, f.name, f.type, getattr(msg, f.name)) for f in _fields(type(msg))}
-    if not header["sender"]:
-        raise MessageError(f"{name}.sender: must not be empty")
+    _check_non_empty(type(msg), header)
     return header
 
 
@@ -322,8 +336,7 @@ def decode_parts(head: Payload, payload: memoryview, digest: int, trailer: Paylo
         missing, unknown = sorted(expected - set(fields)), sorted(set(fields) - expected)
         raise MessageError(f"{cls.__name__}: header fields missing {missing}, unknown {unknown}")
     kwargs = {f.name: _check_value(cls.__name__, f.name, f.type, fields[f.name]) for f in _fields(cls)}
-    if not kwargs["sender"]:
-        raise MessageError(f"{cls.__name__}.sender: must not be empty")
+    _check_non_empty(cls, kwargs)
     if "payload" in {f.name for f in dataclasses.fields(cls)}:
         kwargs["payload"] = payload.toreadonly()
     elif plen:

@@ -1,8 +1,10 @@
-"""Credentials: bearer tokens on every call, TLS / mutual TLS, cleartext only on loopback."""
+"""Credentials (bearer tokens, TLS / mutual TLS, cleartext only on loopback) and listen addresses."""
 from __future__ import annotations
 
 import hmac
 import ipaddress
+import os
+import socket
 from pathlib import Path
 from typing import Sequence
 
@@ -19,13 +21,22 @@ def bearer_metadata(token: str) -> tuple[tuple[str, str], ...]:
     return ((AUTH_HEADER, f"Bearer {token}"),)
 
 
+def bearer_matches(value: str | bytes | None, token: str) -> bool:
+    """True if an authorization value is exactly ``Bearer <token>`` (constant-time compare)."""
+    if value is None:
+        return False
+    try:
+        got = value.encode() if isinstance(value, str) else bytes(value)
+    except UnicodeEncodeError:  # lone surrogates: not our token either
+        return False
+    return hmac.compare_digest(got, f"Bearer {token}".encode())
+
+
 def token_matches(metadata: Sequence[tuple[str, str | bytes]] | None, token: str) -> bool:
     """True if the call metadata holds exactly our bearer token (constant-time compare)."""
-    expected = f"Bearer {token}".encode()
     for key, value in metadata or ():
         if key == AUTH_HEADER:
-            got = value.encode() if isinstance(value, str) else bytes(value)
-            return hmac.compare_digest(got, expected)
+            return bearer_matches(value, token)
     return False
 
 
@@ -35,12 +46,24 @@ def check_token(token: str) -> str:
     return token
 
 
+MAX_PORT = 65535
+
+
+def check_port(port: int, where: str) -> int:
+    """``port`` if it is a TCP port (0: any free one); else a ConfigError (a ValueError) naming it.
+
+    gRPC would silently listen on ``port % 65536`` instead, asyncio raise OverflowError."""
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= MAX_PORT:
+        raise ConfigError(f"{where}: port {port!r} is outside the valid range 0..{MAX_PORT} (0: any free port)")
+    return port
+
+
 def split_host_port(address: str) -> tuple[str, int]:
     """``host:port`` or ``[v6]:port`` -> (host, port); a bad address is a ConfigError."""
     host, sep, port = address.rpartition(":")
-    if not sep or not port.isdigit() or not host:
+    if not sep or not (port.isascii() and port.isdigit()) or not host:
         raise ConfigError(f"address {address!r}: expected host:port")
-    return host.strip("[]"), int(port)
+    return host.strip("[]"), check_port(int(port), f"address {address!r}")
 
 
 def is_loopback(host: str) -> bool:
@@ -87,3 +110,38 @@ def channel_credentials(tls: TlsConfig) -> grpc.ChannelCredentials:
     key = _read(tls.key_file, "key_file") if tls.mutual else None
     chain = _read(tls.cert_file, "cert_file") if tls.mutual else None
     return grpc.ssl_channel_credentials(root_certificates=roots, private_key=key, certificate_chain=chain)
+
+
+class ListenError(OSError):
+    """A server cannot listen on its address; the one-line text says where and why."""
+
+    def __init__(self, address: str, reason: str, errno: int | None = None):
+        super().__init__(f"cannot listen on {address}: {reason}")
+        self.address = address
+        self.errno = errno  # strerror stays unset, so str() is the line above, without "[Errno n]"
+
+
+def listen_error(address: str, error: OSError) -> ListenError:
+    """``error`` from binding ``address`` as a ListenError (``asyncio`` words it for its own sockaddr)."""
+    if isinstance(error, socket.gaierror):
+        return ListenError(address, f"cannot resolve the host: {error.strerror}", error.errno)
+    if error.errno:
+        return ListenError(address, os.strerror(error.errno).lower(), error.errno)
+    return ListenError(address, str(error))
+
+
+def why_not_listening(address: str) -> ListenError:
+    """Why binding ``address`` fails, found by trying it: gRPC only says that it failed."""
+    host, port = split_host_port(address)
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except OSError as e:
+        return listen_error(address, e)
+    for family, kind, proto, _, sockaddr in infos:
+        try:
+            with socket.socket(family, kind, proto) as sock:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC does: TIME_WAIT is no conflict
+                sock.bind(sockaddr)
+        except OSError as e:
+            return listen_error(address, e)
+    return ListenError(address, "gRPC could not bind it (set GRPC_VERBOSITY=debug for its reason)")

@@ -4,34 +4,49 @@ No protobuf: every RPC carries our own messages (``messages.py``), chunked where
 large (``framing.py``). Application messages are generic ``Frame``s: what they
 mean is the handler's business. The server checks the bearer token on every call before
 reading anything, validates every message, maps problems to clear status codes
-(UNAUTHENTICATED, INVALID_ARGUMENT, RESOURCE_EXHAUSTED, FAILED_PRECONDITION)
-and keeps serving other calls.
+(UNAUTHENTICATED, INVALID_ARGUMENT, RESOURCE_EXHAUSTED, FAILED_PRECONDITION,
+ALREADY_EXISTS, DEADLINE_EXCEEDED) and keeps serving other calls.
+
+Uploads hold one of ``max_concurrent_uploads`` reassembly slots; one sender may
+have ``max_uploads_per_sender`` open, and an upload that stops sending for
+``stream_idle_timeout_s`` is aborted, so idle streams cannot keep the slots.
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import time
 from typing import AsyncIterator, Iterable, Protocol, Union
+from urllib.parse import quote, unquote
 
 import grpc
 
 from .config import TransportConfig
 from .framing import BufferPool, MessageReader, Prepared, encode_chunks
 from .messages import (
-    Ack, BulkChunk, BulkRequest, Frame, Message, MessageError, OversizedError, Payload, Subscribe,
+    MAX_NAME_CHARS, Ack, BulkChunk, BulkRequest, Frame, Message, MessageError, OversizedError, Payload, Subscribe,
     decode_message, encode_message,
 )
 from .metrics import TransportMetrics
 from .probe import MAX_CONCURRENT_PROBES, MAX_PROBE_BYTES, PROBE_MESSAGE_MIN_BYTES, finite_positive
-from .security import check_token, require_secure_or_loopback, server_credentials, token_matches
+from .security import (
+    check_token, require_secure_or_loopback, server_credentials, token_matches, why_not_listening,
+)
 
 log = logging.getLogger(__name__)
 
 SERVICE = "wan_diloco.Syncer"
 METHODS = ("Metadata", "Upload", "Subscribe", "Bulk", "Probe")
 MAX_PEER_LINKS = 4096
+SENDER_HEADER = "x-wdl-sender"  # Upload call metadata: whose upload it is, before any byte is read
+SLOTS_BUSY_WARN_S = 5.0  # uploads waiting this long for a slot get one warning per episode
+
+
+def sender_metadata(sender: str) -> tuple[str, str]:
+    """Upload call metadata naming ``sender`` (quoted: metadata values are printable ASCII)."""
+    return SENDER_HEADER, quote(sender[:MAX_NAME_CHARS], safe="")
 
 
 class Rejected(Exception):
@@ -94,6 +109,10 @@ class TransportServer:
         self.port = 0
         self._server: grpc.aio.Server | None = None
         self._upload_slots = asyncio.Semaphore(self.config.max_concurrent_uploads)
+        self._uploads_by: dict[str, int] = {}  # sender (or "peer HOST") -> its open Upload calls
+        self._slots_busy_warned = False  # this episode of busy slots was reported
+        # sender -> [instance, open Subscribe calls of that instance]
+        self._subscribers: dict[str, list] = {}
         # Idle receive buffers kept for reuse: never more than the uploads in flight.
         self._pool = BufferPool(keep=self.config.max_concurrent_uploads)
         self._probes = 0
@@ -113,10 +132,13 @@ class TransportServer:
         server = grpc.aio.server(options=self.config.server_options())
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
         try:
-            if credentials is not None:
-                port = server.add_secure_port(self.address, credentials)
-            else:
-                port = server.add_insecure_port(self.address)
+            try:
+                if credentials is not None:
+                    port = server.add_secure_port(self.address, credentials)
+                else:
+                    port = server.add_insecure_port(self.address)
+            except RuntimeError:  # gRPC's "Failed to bind to address ...", without the reason
+                raise why_not_listening(self.address) from None
             await server.start()
         except BaseException:
             await server.stop(None)
@@ -187,52 +209,146 @@ class TransportServer:
         except BaseException as e:
             await self._guard(context, "Metadata", e)
 
+    @staticmethod
+    def _uploader(context) -> str:
+        """Who an upload counts against: the sender it names, else the peer's host."""
+        for key, value in context.invocation_metadata() or ():
+            if key == SENDER_HEADER:
+                return unquote(value if isinstance(value, str) else bytes(value).decode("ascii", "replace"))
+        peer = context.peer() or "unknown"
+        # "ipv4:10.0.0.1:5555" -> "10.0.0.1": all connections of a host count together.
+        _, _, address = peer.partition(":")
+        return "peer " + (address.rpartition(":")[0] or address or peer)
+
+    @contextlib.asynccontextmanager
+    async def _upload_slot(self):
+        """Hold one of ``max_concurrent_uploads`` slots; warn once per episode of waiting long for one."""
+        waiting = self._upload_slots.locked()
+        if not waiting:
+            self._slots_busy_warned = False  # a slot was free: any busy episode is over
+        warn = asyncio.get_running_loop().call_later(SLOTS_BUSY_WARN_S, self._warn_slots_busy) if waiting else None
+        try:
+            await self._upload_slots.acquire()
+        finally:
+            if warn is not None:
+                warn.cancel()
+        try:
+            yield
+        finally:
+            self._upload_slots.release()
+
+    def _warn_slots_busy(self) -> None:
+        if self._slots_busy_warned:
+            return
+        self._slots_busy_warned = True
+        top = sorted(self._uploads_by.items(), key=lambda kv: -kv[1])[:8]
+        log.warning("all %d upload slots (transport.max_concurrent_uploads) have been busy for over %.0f s: "
+                    "uploads wait and merges are delayed; open uploads by sender: %s",
+                    self.config.max_concurrent_uploads, SLOTS_BUSY_WARN_S,
+                    ", ".join(f"{who!r} x{n}" for who, n in top))  # repr: names are the callers' text
+
     async def _upload(self, request_iterator, context) -> bytes:
         await self._auth(context, "Upload")
-        # The slot bounds memory (max_concurrent_uploads x max_message_bytes); while a
-        # call waits for one, HTTP/2 flow control holds its sender back.
-        async with self._upload_slots:
-            try:
-                reader, done, nbytes = MessageReader(self.config.max_message_bytes, self._pool), [], 0
+        who, limit = self._uploader(context), self.config.max_uploads_per_sender
+        if self._uploads_by.get(who, 0) >= limit:
+            await self._fail(context, "Upload", grpc.StatusCode.RESOURCE_EXHAUSTED,
+                             f"{who} has {limit} uploads open already, the limit (max_uploads_per_sender); "
+                             "wait for one to finish")
+        self._uploads_by[who] = self._uploads_by.get(who, 0) + 1
+        try:
+            # The slot bounds memory (max_concurrent_uploads x max_message_bytes); while a
+            # call waits for one, HTTP/2 flow control holds its sender back.
+            async with self._upload_slot():
+                return await self._receive_upload(request_iterator, context)
+        finally:
+            self._uploads_by[who] -= 1
+            if not self._uploads_by[who]:
+                del self._uploads_by[who]
+
+    async def _receive_upload(self, request_iterator, context) -> bytes:
+        idle_s, quiet, nbytes = self.config.stream_idle_timeout_s, None, 0
+        try:
+            reader, done = MessageReader(self.config.max_message_bytes, self._pool), []
+            # A sender that stops mid-upload would keep its slot until the call's deadline
+            # (minutes for a large fragment): each chunk must come within idle_s.
+            async with asyncio.timeout(idle_s) as quiet:
                 async for chunk in request_iterator:
+                    quiet.reschedule(asyncio.get_running_loop().time() + idle_s)
                     nbytes += len(chunk)
                     done += reader.feed(chunk)
                     if len(done) > 1:
                         raise MessageError("an upload carries exactly one message, got more")
-                if not done or not reader.idle:
-                    raise MessageError(f"upload ended mid-message after {nbytes} bytes")
-                msg = done[0]
-                if not isinstance(msg, Frame):
-                    raise MessageError(f"expected Frame, got {type(msg).__name__}")
-                self.metrics.received("Upload", nbytes, 1)
-                return self._ack("Upload", await self.handler.on_fragment(msg))
-            except BaseException as e:
-                await self._guard(context, "Upload", e)
+            if not done or not reader.idle:
+                raise MessageError(f"upload ended mid-message after {nbytes} bytes")
+            msg = done[0]
+            if not isinstance(msg, Frame):
+                raise MessageError(f"expected Frame, got {type(msg).__name__}")
+            self.metrics.received("Upload", nbytes, 1)
+            return self._ack("Upload", await self.handler.on_fragment(msg))
+        except BaseException as e:
+            if isinstance(e, TimeoutError) and quiet is not None and quiet.expired():
+                await self._fail(context, "Upload", grpc.StatusCode.DEADLINE_EXCEEDED,
+                                 f"no data for {idle_s:g} s (stream_idle_timeout_s) after {nbytes} bytes; "
+                                 "aborted to free its upload slot")
+            await self._guard(context, "Upload", e)
+
+    def _claim_subscription(self, msg: Subscribe) -> None:
+        """Count an open Subscribe call of ``msg.sender``; Rejected if another process holds one.
+
+        The same instance again is a reconnect of the same process (its old call may
+        not have ended yet here): let through, the handler replaces the old stream.
+        A different instance while a call is open is a second process with the same
+        id: taking over would kill the first one's stream, so it is refused instead.
+        A dead process's call ends by TCP reset or keepalive, then a new one gets in.
+        """
+        held = self._subscribers.get(msg.sender)
+        if held is None:
+            self._subscribers[msg.sender] = [msg.instance, 1]
+        elif held[0] == msg.instance:
+            held[1] += 1
+        else:
+            raise Rejected(f"{msg.sender} is already subscribed from another process (instance {held[0]}); "
+                           "is the same --id running twice?", grpc.StatusCode.ALREADY_EXISTS)
+
+    def _release_subscription(self, msg: Subscribe) -> None:
+        held = self._subscribers.get(msg.sender)
+        if held is not None and held[0] == msg.instance:
+            held[1] -= 1
+            if not held[1]:
+                del self._subscribers[msg.sender]
 
     async def _subscribe(self, request: bytes, context):
         await self._auth(context, "Subscribe")
         try:
             msg = self._decode(request, Subscribe, self.config.grpc_message_bytes)
-            updates = self.handler.subscribe(msg)
+            self._claim_subscription(msg)  # before the handler: it would end the other stream
         except BaseException as e:
             await self._guard(context, "Subscribe", e)
             return
-        self.metrics.received("Subscribe", len(request))
         try:
-            async for item in updates:
-                if not isinstance(item, Prepared):
-                    if not isinstance(item, Frame):
-                        raise TypeError(f"subscribe() yielded {type(item).__name__}, not Frame or Prepared")
-                    item = Prepared(item, tuple(encode_chunks(item, self.config.chunk_bytes)))
-                for chunk in item.chunks:
-                    yield chunk
-                self.metrics.sent("Subscribe", item.nbytes)
-        except BaseException as e:
-            await self._guard(context, "Subscribe", e)
+            try:
+                updates = self.handler.subscribe(msg)
+            except BaseException as e:
+                await self._guard(context, "Subscribe", e)
+                return
+            self.metrics.received("Subscribe", len(request))
+            try:
+                async for item in updates:
+                    if not isinstance(item, Prepared):
+                        if not isinstance(item, Frame):
+                            raise TypeError(f"subscribe() yielded {type(item).__name__}, not Frame or Prepared")
+                        item = Prepared(item, tuple(encode_chunks(item, self.config.chunk_bytes)))
+                    for chunk in item.chunks:
+                        yield chunk
+                    self.metrics.sent("Subscribe", item.nbytes)
+            except BaseException as e:
+                await self._guard(context, "Subscribe", e)
+            finally:
+                aclose = getattr(updates, "aclose", None)
+                if aclose is not None:
+                    await aclose()
         finally:
-            aclose = getattr(updates, "aclose", None)
-            if aclose is not None:
-                await aclose()
+            self._release_subscription(msg)
 
     async def _bulk(self, request: bytes, context):
         await self._auth(context, "Bulk")

@@ -1,16 +1,61 @@
-"""HTTP/1.1 status server (aiohttp): /healthz, /status (JSON), /metrics (Prometheus)."""
+"""HTTP/1.1 status server (aiohttp): /healthz, /status (JSON), /metrics (Prometheus).
+
+/status and /metrics need the run's bearer token (``Authorization: Bearer
+<token>``) and are served over HTTPS when given the gRPC port's ``TlsConfig``.
+"""
 from __future__ import annotations
 
 import inspect
 import json
+import logging
+import ssl
+from pathlib import Path
 from typing import Any, Awaitable, Callable, Mapping, Union
 
-from aiohttp import web
+from aiohttp import hdrs, web
+from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.log import server_logger
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from ..config import ConfigError, require
+from .config import TlsConfig
 from .metrics import TransportMetrics
+from .security import bearer_matches, check_port, check_token, is_loopback, listen_error
+
+log = logging.getLogger(__name__)
 
 StatusFn = Callable[[], Union[Mapping[str, Any], Awaitable[Mapping[str, Any]]]]
+
+
+class _QuietBadRequests(logging.LoggerAdapter):
+    """aiohttp's server logger, except that a malformed request is not our error.
+
+    aiohttp logs each unparseable request as an ERROR with a traceback; anything
+    that can reach the port (scanners, a TLS client on a cleartext port) could
+    fill the log that way. They still get their 400; we log them at DEBUG.
+    """
+
+    def exception(self, msg, *args, exc_info=True, **kwargs):
+        if isinstance(exc_info, HttpProcessingError):
+            self.debug(msg + ": %s", *args, exc_info, **kwargs)
+        else:
+            super().exception(msg, *args, exc_info=exc_info, **kwargs)
+
+
+def _ssl_context(tls: TlsConfig) -> ssl.SSLContext:
+    """Server-side TLS from the gRPC port's files. Client certificates are not asked for:
+    over HTTP the bearer token is the credential (and browsers or curl rarely hold one)."""
+    tls.validate()
+    require(bool(tls.cert_file), "tls.cert_file", "a TLS status server needs cert_file and key_file")
+    for what in ("cert_file", "key_file"):
+        path = Path(getattr(tls, what))
+        require(path.is_file(), f"tls.{what}", f"file {path} not found")
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    try:
+        context.load_cert_chain(tls.cert_file, tls.key_file)
+    except ssl.SSLError as e:
+        raise ConfigError(f"tls.cert_file: cannot use {tls.cert_file} with {tls.key_file}: {e}") from None
+    return context
 
 
 class StatusServer:
@@ -19,10 +64,35 @@ class StatusServer:
     ``status`` returns a JSON-serializable mapping (learners, regions, versions per
     fragment, ...); it may be a coroutine function. Bind to loopback unless the
     status page should be reachable from elsewhere.
+
+    ``token``: the run's bearer token, required on /status and /metrics. Without
+    one (``None``) they are open, which is only allowed on a loopback host.
+    ``tls``: serve HTTPS with the gRPC server's certificate and key.
+    ``idle_timeout_s``: a connection is closed when no complete request arrived
+    for this long (idle keep-alive, or a request that is sent too slowly).
     """
 
-    def __init__(self, status: StatusFn, metrics: TransportMetrics, host: str = "127.0.0.1", port: int = 0):
+    def __init__(
+        self,
+        status: StatusFn,
+        metrics: TransportMetrics,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        token: str | None = None,
+        tls: TlsConfig | None = None,
+        idle_timeout_s: float = 15.0,
+    ):
+        check_port(port, "status port")
+        if token is None:
+            require(is_loopback(host), "token",
+                    f"a status server on {host!r} (not loopback) needs the run's bearer token")
+        else:
+            check_token(token)
+        require(idle_timeout_s > 0, "idle_timeout_s", f"must be > 0, got {idle_timeout_s}")
         self._status, self.metrics, self.host, self.port = status, metrics, host, port
+        self._token, self.idle_timeout_s = token, idle_timeout_s
+        self._ssl = _ssl_context(tls) if tls is not None else None
         self._runner: web.AppRunner | None = None
 
     async def start(self) -> int:
@@ -31,11 +101,23 @@ class StatusServer:
         app.router.add_get("/healthz", self._healthz)
         app.router.add_get("/status", self._status_handler)
         app.router.add_get("/metrics", self._metrics)
-        self._runner = web.AppRunner(app, access_log=None)
+        self._runner = web.AppRunner(
+            app,
+            access_log=None,
+            logger=_QuietBadRequests(server_logger, {}),
+            # Also the longest a connection may take to send a whole request: aiohttp
+            # closes one that has no complete request pending when it runs out.
+            keepalive_timeout=self.idle_timeout_s,
+            # A few small JSON pages: nothing long-running to wait for on stop.
+            shutdown_timeout=2.0,
+        )
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, self.port)
+        site = web.TCPSite(self._runner, self.host, self.port, ssl_context=self._ssl)
         try:
             await site.start()
+        except OSError as e:
+            await self.stop()
+            raise listen_error(f"{self.host}:{self.port}", e) from None
         except BaseException:
             await self.stop()
             raise
@@ -44,7 +126,12 @@ class StatusServer:
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        return f"{'https' if self._ssl is not None else 'http'}://{self.host}:{self.port}"
+
+    @property
+    def auth_headers(self) -> dict[str, str]:
+        """Headers that authorize a request to /status and /metrics (for tools and tests)."""
+        return {hdrs.AUTHORIZATION: f"Bearer {self._token}"} if self._token is not None else {}
 
     async def stop(self) -> None:
         if self._runner is not None:
@@ -58,10 +145,21 @@ class StatusServer:
     async def __aexit__(self, *exc: object) -> None:
         await self.stop()
 
+    def _refuse(self, request: web.Request) -> web.Response | None:
+        """401 unless the request carries the bearer token (when one is set)."""
+        if self._token is None or bearer_matches(request.headers.get(hdrs.AUTHORIZATION), self._token):
+            return None
+        return web.json_response({"error": "missing or wrong bearer token (Authorization: Bearer <run token>)"},
+                                 status=401, headers={hdrs.WWW_AUTHENTICATE: "Bearer"})
+
     async def _healthz(self, request: web.Request) -> web.Response:
+        # Open on purpose: load balancers and orchestration probes cannot hold the run's
+        # secret, and the answer reveals nothing but that the process is alive.
         return web.Response(text="ok\n")
 
     async def _status_handler(self, request: web.Request) -> web.Response:
+        if (refused := self._refuse(request)) is not None:
+            return refused
         try:
             result = self._status()
             if inspect.isawaitable(result):
@@ -72,4 +170,6 @@ class StatusServer:
         return web.Response(text=body, content_type="application/json")
 
     async def _metrics(self, request: web.Request) -> web.Response:
+        if (refused := self._refuse(request)) is not None:
+            return refused
         return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
