@@ -222,6 +222,21 @@ class FailoverBatches:
         self.batch_size, self.seq_len = batch_size, seq_len
         self._rng = np.random.default_rng(seed)
 
+    def position(self) -> dict:
+        """Where the stream is (JSON-able): with ``restore`` the next batches are the same again."""
+        return {"learner": self.learner_id, "rng": self._rng.bit_generator.state}
+
+    def restore(self, position: dict) -> None:
+        """Continue from a ``position`` of this learner's stream; ValueError if it is not one."""
+        if not isinstance(position, dict) or position.get("learner") != self.learner_id:
+            raise ValueError(f"data position: not one of learner {self.learner_id}'s streams")
+        rng = np.random.default_rng()
+        try:
+            rng.bit_generator.state = position.get("rng")
+        except (TypeError, ValueError, KeyError) as e:
+            raise ValueError(f"data position: {e}") from None
+        self._rng = rng
+
     def next(self, down: frozenset[int] = frozenset()) -> Batch:
         """The next batch, given which learners are down now (this learner is never down to itself)."""
         b, L, M = self.batch_size, self.seq_len, len(self.shards)

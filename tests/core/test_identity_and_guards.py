@@ -7,7 +7,7 @@ import pytest
 
 from wan_diloco.clock import VectorClock
 from wan_diloco.core import (
-    ApplyGlobal, Broadcast, IncarnationError, LearnerConfig, LearnerCore, ProtocolError, Rejoin, SaveState,
+    ApplyGlobal, IncarnationError, LearnerConfig, LearnerCore, ProtocolError, Rejoin, SaveState,
     SyncerConfig, SyncerCore,
 )
 from wan_diloco.outer import OuterConfig

@@ -1,5 +1,6 @@
 """SIGKILL a learner mid-run: the others keep stepping, the syncer keeps merging (K = 1); restarted, it
-rejoins from the syncer's global parameters, contributes again, and ends bit-identical."""
+rejoins from the syncer's global parameters and a healthy peer's state, contributes again, and ends
+bit-identical."""
 import json
 import time
 import urllib.request
@@ -11,7 +12,9 @@ from .conftest import micro_config
 
 
 def status(cluster):
-    with urllib.request.urlopen(f"http://127.0.0.1:{cluster.status_port}/status", timeout=5) as r:
+    req = urllib.request.Request(f"http://127.0.0.1:{cluster.status_port}/status",
+                                 headers={"Authorization": f"Bearer {cluster.token}"})
+    with urllib.request.urlopen(req, timeout=5) as r:
         return json.loads(r.read())
 
 
@@ -53,6 +56,11 @@ def test_killed_learner_rejoins_and_contributes_again(tmp_path):
         rejoined = cluster.start_learner(2)
         start = wait_for("the rejoin", lambda: next((e for e in rejoined.events if e.get("event") == "start"), None))
         assert start["step"] > 0  # took up the global step from the syncer instead of starting at 0
+        # Peer recovery: a healthy learner gave it parameters, inner optimizer and residuals (#13).
+        recovered = next(e for e in rejoined.events if e.get("event") == "recovered")
+        assert recovered["from_peer"] and recovered["donor"] in (0, 1) and recovered["bytes"] > 0
+        wait_for("the donor's report", lambda: any(e.get("event") == "donated" and e["recipient"] == 2
+                                                   for e in learners[recovered["donor"]].events))
         wait_for("a merge with learner 2 after its restart", lambda: any(
             2 in h["contributors"] and h["closed_s"] > restarted_s for h in status(cluster)["history"]))
         wait_for("the end of the run", lambda: all(c.exit_code is not None for c in cluster.children.values()),

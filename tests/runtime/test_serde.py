@@ -246,11 +246,13 @@ def test_fuzz_any_meta_value_gives_a_message_or_a_protocol_error(case, data):
 
 def test_bulk_fragment_round_trip_gives_owned_writable_copies():
     v = values(3)
-    data = bytearray(serde.fragment_to_bulk(0, 7, 99, v, BULK))
+    data = bytearray(serde.fragment_to_bulk(0, 7, 99, v, BULK, run_id="run-a", epoch=2, resumed_from=5))
     msg = transport.decode_message(data)  # one transport message: one header, one checksum
-    assert isinstance(msg, transport.Frame) and msg.meta == {"version": 7, "global_step": 99}
-    p, version, step, out = serde.fragment_from_bulk(data, BULK)
-    assert (p, version, step) == (0, 7, 99)
+    assert isinstance(msg, transport.Frame) and msg.meta == {
+        "version": 7, "global_step": 99, "run_id": "run-a", "epoch": 2, "resumed_from": 5}
+    got = serde.fragment_from_bulk(data, BULK)
+    p, version, step, out = got[:4]
+    assert (p, version, step) == (0, 7, 99) and (got.run_id, got.epoch, got.resumed_from) == ("run-a", 2, 5)
     assert all(out[n].tobytes() == v[n].tobytes() and out[n].shape == v[n].shape for n in v)
     data[:] = bytes(len(data))  # the transport buffer is reused: the values must not change
     assert all(out[n].tobytes() == v[n].tobytes() for n in v)
@@ -268,7 +270,8 @@ def test_bulk_refuses_bad_objects():
     forged = transport.Frame("syncer", 1, {"version": 2}, b"")
     with pytest.raises(ProtocolError, match="Bulk.global_step: missing"):
         serde.fragment_from_bulk(transport.encode_message(forged), BULK)
-    forged = transport.Frame("syncer", 0, {"version": 2, "global_step": 3}, transport.decode_message(data).payload)
+    ident = {"run_id": "", "epoch": 0, "resumed_from": 0}
+    forged = transport.Frame("syncer", 0, {"version": 2, "global_step": 3, **ident}, transport.decode_message(data).payload)
     with pytest.raises(ProtocolError, match="^fragment 0: "):
         serde.fragment_from_bulk(transport.encode_message(forged), BULK)
     with pytest.raises(ProtocolError, match="bulk fragment 0: "):
@@ -339,7 +342,7 @@ def test_netthread_speaks_core_messages_over_loopback():
         assert_same(got, g, "update")
         assert net.bad_updates == 1 and net.inbox.empty()
 
-        p, version, step, out = net.fetch_fragment("fragment/0").result(10)
+        p, version, step, out = net.fetch_fragment("fragment/0").result(10)[:4]
         assert (p, version, step) == (0, 5, 40) and all(out[n].tobytes() == values(4)[n].tobytes() for n in out)
         with pytest.raises(ProtocolError, match="FragmentUpload.payload"):
             net.upload(upload(learner=1, payload=None))  # refused on the caller's thread, nothing sent
@@ -349,3 +352,29 @@ def test_netthread_speaks_core_messages_over_loopback():
         net.stop()
         on_loop(server.stop(0))
         loop.call_soon_threadsafe(loop.stop)
+
+
+def test_control_frames_round_trip_and_updates_are_not_control_frames():
+    for msg in (serde.Identity("run-a", 3, 7), serde.Donate(2, (4, 5))):
+        frame = transport.decode_message(transport.encode_message(serde.control_to_frame(msg)))
+        assert serde.control_from_frame(frame) == msg
+    assert serde.control_to_frame(serde.Donate(2, (4, 5))).fragment == serde.DONATE_KEY + 2
+    assert serde.control_from_frame(serde.to_frame(update())) is None
+    ident = serde.Identity("run-a", 3, 7)
+    for bad in (transport.Frame("learner-0", 0, {"identity": serde._meta_of(ident)}),
+                transport.Frame("syncer", 0, {"identity": {"run_id": "a", "epoch": -1, "resumed_from": 0}}),
+                transport.Frame("syncer", 0, {"identity": serde._meta_of(ident), "more": 1})):
+        with pytest.raises(ProtocolError, match="Identity"):
+            serde.control_from_frame(bad)
+
+
+def test_donation_frames_name_donor_and_recipient_and_refuse_nonsense():
+    frame = serde.donation_to_frame(1, serde.Donation(2, (3, 4)), b"state")
+    frame = transport.decode_message(transport.encode_message(frame))
+    donor, msg = serde.donation_from_frame(frame, 4)
+    assert (donor, msg, bytes(frame.payload)) == (1, serde.Donation(2, (3, 4)), b"state")
+    assert serde.donation_from_frame(serde.to_frame(upload()), 4) is None
+    with pytest.raises(ProtocolError, match="recipient: 1 is not another learner"):
+        serde.donation_from_frame(serde.donation_to_frame(1, serde.Donation(1, (0,)), b""), 4)
+    with pytest.raises(ProtocolError, match="recipient: 9"):
+        serde.donation_from_frame(serde.donation_to_frame(1, serde.Donation(9, (0,)), b""), 4)

@@ -3,6 +3,7 @@ keeps serving, /metrics is Prometheus text."""
 import asyncio
 import dataclasses
 import json
+import urllib.error
 import urllib.request
 
 import grpc
@@ -23,7 +24,9 @@ from .conftest import TOKEN, micro_config
 
 
 def get(cluster, page):
-    with urllib.request.urlopen(f"http://127.0.0.1:{cluster.status_port}/{page}", timeout=5) as r:
+    req = urllib.request.Request(f"http://127.0.0.1:{cluster.status_port}/{page}",
+                                 headers={"Authorization": f"Bearer {cluster.token}"})
+    with urllib.request.urlopen(req, timeout=5) as r:
         return r.read().decode()
 
 
@@ -106,3 +109,38 @@ def test_metrics_parse_as_prometheus_text(syncer):
     versions = [s for s in families["wan_diloco_fragment_version"].samples]
     assert sorted(s.labels["fragment"] for s in versions) == ["0", "1"]
     assert get(syncer, "healthz").strip() == "ok"
+
+
+def test_status_and_metrics_need_the_token_health_does_not(syncer):
+    for page in ("status", "metrics"):
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(f"http://127.0.0.1:{syncer.status_port}/{page}", timeout=5)
+        assert err.value.code == 401
+    with urllib.request.urlopen(f"http://127.0.0.1:{syncer.status_port}/healthz", timeout=5) as r:
+        assert r.read().strip() == b"ok"
+
+
+def test_hostile_token_holder_cannot_end_the_run_stall_it_or_crash_the_syncer(syncer):
+    """A forged step past the budget, a clock of 25,000 entries and a finite but huge Δ (#13): each is
+    refused with a clear error, the syncer keeps serving and its state stays as it was."""
+    status = json.loads(get(syncer, "status"))
+    layout = syncer.layout
+    huge = {n: np.full(layout.shapes[n], 3.3e38, np.float32) for n in layout.fragments[0]}
+    raw = FragmentCodec(CodecConfig(bits=32, zstd=False), layout).encode(huge)
+    fat = metadata(1, 5)
+    fat = dataclasses.replace(fat, meta={**fat.meta, "clock": {f"node-{i}": 1 for i in range(25_000)}})
+
+    async def main():
+        async with SyncerClient(syncer.syncer_target, TOKEN, rt.load(None).transport) as client:
+            for call, text in ((client.send_metadata(metadata(1, 10**9)), "beyond the run's"),
+                               (client.send_metadata(fat), "unknown node"),
+                               (client.upload_fragment(upload(0, raw)), "quarantined")):
+                with pytest.raises(TransportError) as err:
+                    await call
+                assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and text in err.value.details, err.value
+            assert (await client.send_metadata(metadata(1, 2))).sender == "syncer"  # still serving
+
+    run(asyncio.wait_for(main(), 60))
+    after = json.loads(get(syncer, "status"))
+    assert after["global_step"] == max(2, status["global_step"]) and after["versions"] == status["versions"]
+    assert after["quarantines"] == status["quarantines"] + 1

@@ -8,9 +8,10 @@ from wan_diloco.config import require
 
 @dataclass(frozen=True)
 class CheckpointConfig:
-    # Snapshots (one folder each) and the final parameters; relative to the working directory.
-    # `wan-diloco launch` puts it in the run folder. Empty: nothing is written.
-    dir: str = "checkpoints"
+    # Snapshots (one folder each) and the final parameters. Empty: nothing is written (a standalone
+    # syncer warns); `wan-diloco launch` then uses RUN_DIR/checkpoints, and takes a relative path
+    # relative to the run folder.
+    dir: str = ""
     every_merges: int = 64  # a consistent snapshot every C fragment merges of the syncer; 0: only on demand
     keep: int = 3  # complete snapshots kept; older ones are deleted once a newer one is complete
 

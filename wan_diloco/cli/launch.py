@@ -20,7 +20,9 @@ from wan_diloco.runtime.launch import RunState, launch
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", metavar="TOML", required=True, help="run config (see examples/local.toml)")
+    p.add_argument("--config", metavar="TOML", help="run config (see examples/local.toml)")
+    p.add_argument("--resume", metavar="RUN_DIR", type=Path,
+                   help="restart a run from the newest complete snapshot in RUN_DIR (its config.toml is used)")
     p.add_argument("--emulate", action="store_true",
                    help="run every process in its region's namespace of an emulated WAN built from [regions] "
                         "(needs root; TLS with a CA made for the run)")
@@ -70,6 +72,8 @@ def print_summary(s: dict) -> None:
         ("data parallel, same steps", f"{human_bytes(s['dp_bytes'])} ({s['dp_bytes'] / max(1, s['bytes_sent']):.0f}x more)"),
         ("compression ratio", f"{s['compression_ratio']:.2f}x"),
         ("final fragments bit-identical", "yes" if s["bit_identical"] else "NO"),
+        ("snapshots (run id)", f"{s.get('snapshots', 0)} ({s.get('run_id')})"),
+        ("final parameters", s.get("params_path") or "not written (checkpoint.dir is empty)"),
         ("wall time", f"{s['wall_s']:.1f} s"),
     ]
     for k, v in rows:
@@ -79,14 +83,14 @@ def print_summary(s: dict) -> None:
 
 
 def launch_and_show(cfg: spec_lib.RunSpec, config_text: str, run_dir: str | None, quiet: bool,
-                    emulate: bool = False) -> tuple[int, dict]:
+                    emulate: bool = False, resume: bool = False) -> tuple[int, dict]:
     """``runtime.launch`` with a live table (unless quiet) and its warnings and errors printed."""
     if quiet:
-        code, summary = launch(cfg, config_text, run_dir, emulate=emulate)
+        code, summary = launch(cfg, config_text, run_dir, emulate=emulate, resume=resume)
     else:
         with Live(table(RunState(cfg)), console=console, refresh_per_second=4, transient=False) as live:
             code, summary = launch(cfg, config_text, run_dir, watch=lambda mon: live.update(table(mon)),
-                                   emulate=emulate)
+                                   emulate=emulate, resume=resume)
     for line in summary.get("emulator", {}).get("namespaces", []):
         console.print(f"emulated WAN: {line}")
     for name, (exit_code, log) in summary.get("failed_learners", {}).items():
@@ -115,6 +119,11 @@ def planned(cfg: spec_lib.RunSpec, args: argparse.Namespace) -> spec_lib.RunSpec
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.resume is not None:
+        return resume(args)
+    if args.config is None:
+        console.print("[red]wan-diloco launch: give --config TOML (or --resume RUN_DIR)[/red]")
+        return 2
     cfg = spec_lib.load(args.config)
     text = Path(args.config).read_text()
     if args.plan:
@@ -124,4 +133,20 @@ def run(args: argparse.Namespace) -> int:
         console.print("[red]wan-diloco: --measured and --step-time go with --plan[/red]")
         return 2
     code, summary = launch_and_show(cfg, text, args.run_dir, args.quiet, args.emulate)
+    return finish(code, summary, args)
+
+
+def resume(args: argparse.Namespace) -> int:
+    """``--resume RUN_DIR``: the same run, every process from the newest complete snapshot."""
+    rdir, path = args.resume, args.resume / "config.toml"
+    conflicting = [f for f, v in (("--config", args.config), ("--plan", args.plan), ("--run-dir", args.run_dir),
+                                  ("--emulate", args.emulate)) if v]
+    if conflicting:
+        console.print(f"[red]wan-diloco launch: --resume takes the run's own config; drop {', '.join(conflicting)}[/red]")
+        return 2
+    if not path.is_file():
+        console.print(f"[red]wan-diloco launch: {path} not found: is {rdir} a run folder of `wan-diloco launch`?[/red]")
+        return 2
+    cfg = spec_lib.load(path)
+    code, summary = launch_and_show(cfg, path.read_text(), str(rdir), args.quiet, resume=True)
     return finish(code, summary, args)

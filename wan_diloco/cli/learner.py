@@ -1,4 +1,4 @@
-"""`wan-diloco learner --config F --id N --syncer HOST:PORT`: one learner process of a run."""
+"""`wan-diloco learner --config F --id N --syncer HOST:PORT [--resume]`: one learner process of a run."""
 from __future__ import annotations
 
 import argparse
@@ -12,6 +12,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", metavar="TOML", help="run config (default: the embedded local default)")
     p.add_argument("--id", type=int, required=True, help="learner index, 0..run.learners-1")
     p.add_argument("--syncer", required=True, metavar="HOST:PORT", help="the syncer's gRPC address")
+    p.add_argument("--resume", action="store_true",
+                   help="take up this learner's part of the snapshot the syncer resumed from (checkpoint.dir)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -21,4 +23,4 @@ def run(args: argparse.Namespace) -> int:
     target = args.syncer.removeprefix("http://").removeprefix("https://")
     from wan_diloco.runtime.learner import run_learner
 
-    return run_learner(cfg, args.id, target, cfg.token())
+    return run_learner(cfg, args.id, target, cfg.token(), resume=args.resume)

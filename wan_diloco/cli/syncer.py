@@ -1,43 +1,61 @@
-"""`wan-diloco syncer --config F`: serve one run's syncer until its final sync is done (or SIGTERM)."""
+"""`wan-diloco syncer --config F [--resume]`: serve one run's syncer until its final sync is done (or SIGTERM).
+
+SIGUSR1 cuts a snapshot now (besides every ``checkpoint.every_merges`` merges).
+"""
 from __future__ import annotations
 
 import argparse
 import asyncio
 import logging
 import signal
+import sys
 import time
 
 from wan_diloco import spec as spec_lib
 from wan_diloco.runtime.events import emit
 from wan_diloco.transport import StatusServer, TransportMetrics, TransportServer, run as run_loop
 
+log = logging.getLogger(__name__)
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", metavar="TOML", help="run config (default: the embedded local default)")
     p.add_argument("--port", type=int, default=None, help="override run.port (0: any free port)")
+    p.add_argument("--resume", action="store_true",
+                   help="resume from the newest complete snapshot in checkpoint.dir; running learners rejoin")
 
 
-async def serve(cfg: spec_lib.RunSpec, token: str, port: int | None = None) -> int:
+async def serve(cfg: spec_lib.RunSpec, token: str, port: int | None = None, resume: bool = False) -> int:
     """Run the syncer; returns 0 after a completed final sync, 143 when stopped by a signal."""
     from wan_diloco.runtime.syncer import SyncerService
 
     metrics = TransportMetrics()
-    service = SyncerService(cfg, metrics)
+    service = SyncerService(cfg, metrics, resume=resume)
+    if not cfg.checkpoint.dir:
+        log.warning("checkpoint.dir is empty: no snapshots and no final parameters will be written")
     host = cfg.run.host
     server = TransportServer(service, token, cfg.transport, f"{host}:{cfg.run.port if port is None else port}",
                              metrics, name="syncer")
     service.peer_links = server.peer_links  # one dict: the server records, /status shows
-    status = StatusServer(service.status, metrics, host, cfg.run.status_port) if cfg.run.status_port >= 0 else None
+    # The run's token guards /status and /metrics; HTTPS with the gRPC port's certificate when it has one.
+    status = (StatusServer(service.status, metrics, host, cfg.run.status_port, token=token, tls=cfg.transport.tls)
+              if cfg.run.status_port >= 0 else None)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+    def on_stop() -> None:
+        service.stopping = True  # from now on learners going away is the shutdown, not a failure
+        stop.set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_stop)
+    loop.add_signal_handler(signal.SIGUSR1, service.snapshot_now)
     await server.start()
     try:
         status_port = await status.start() if status is not None else None
         service.refresh_gauges()
         emit({"event": "listening", "role": "syncer", "port": server.port, "status_port": status_port,
-              "fragments": len(service.layout.fragments), "params": sum(service.layout.nbytes) // 4})
+              "fragments": len(service.layout.fragments), "params": sum(service.layout.nbytes) // 4,
+              "run_id": service.core.run_id, "epoch": service.core.epoch, "resumed": service.resumed})
         last_report = 0.0
         while not service.finished.is_set() and not stop.is_set():
             try:
@@ -64,5 +82,21 @@ async def serve(cfg: spec_lib.RunSpec, token: str, port: int | None = None) -> i
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.WARNING, format="syncer %(levelname)s %(name)s: %(message)s")
+    from wan_diloco.runtime.syncer import ResumeError
+    from wan_diloco.transport import ListenError
+    from wan_diloco.transport.security import check_port
+
+    if args.port is not None:
+        # Before the config and the model: a mistyped port should not cost the seconds of JAX start-up.
+        check_port(args.port, "--port")  # ConfigError: one line from cli.main, exit code 2
     cfg = spec_lib.load(args.config)
-    return run_loop(serve(cfg, cfg.token(), args.port))
+    try:
+        return run_loop(serve(cfg, cfg.token(), args.port, args.resume))
+    except ResumeError as e:
+        print(f"wan-diloco syncer: cannot resume: {e}", file=sys.stderr)
+        return 2
+    except ListenError as e:
+        # A port in use (say a syncer still running) is the operator's to fix, not a crash:
+        # one line naming the address and the reason, no traceback; 2 like other usage errors.
+        print(f"wan-diloco syncer: {e}", file=sys.stderr)
+        return 2

@@ -47,6 +47,9 @@ class LearnerConfig:
     keep_local: bool = False
     blocking: bool = False  # wait for fragment p's update τ steps after sending it (synchronous baselines)
     error_feedback: bool = False
+    # A networked learner that (re)joins with no state of its own takes a healthy peer's parameters,
+    # inner optimizer and residuals (core.recovery) instead of starting a cold optimizer from Θ.
+    peer_recovery: bool = True
 
     def validate(self) -> None:
         require(self.sync_every >= 1, "sync_every", f"must be >= 1, got {self.sync_every}")
@@ -192,7 +195,7 @@ class LearnerCore:
         earlier incarnation) or "new" (the syncer resumed from a snapshot: rejoin). IncarnationError if
         following it would mix models: another run, or a syncer restarted without a snapshot."""
         if self.run_id and run_id and run_id != self.run_id:
-            raise IncarnationError(f"the syncer serves run {run_id!r}; this learner belongs to run {self.run_id!r}")
+            raise IncarnationError(self._other_run(run_id))
         if not self.epoch or not epoch or epoch == self.epoch:
             if epoch and not self.epoch:  # a learner that never joined (the simulator's) adopts the first
                 self.epoch, self.run_id, self.resumed_from = epoch, run_id or self.run_id, resumed_from
@@ -206,6 +209,10 @@ class LearnerCore:
                 f"two models. Restart the syncer with --resume (or the run with `wan-diloco launch --resume RUN_DIR`)")
         return "new"
 
+    def _other_run(self, run_id: str) -> str:
+        return (f"the syncer serves run {run_id!r}; this learner belongs to run {self.run_id!r}: following it would "
+                f"mix two models (a syncer restarted without --resume starts a new run)")
+
     def join(self, run_id: str, epoch: int, resumed_from: int, fragments: list[tuple[Tensors, int]],
              global_step: int) -> list:
         """Take up the syncer's global state: at start, at a rejoin, and after the syncer resumed from a
@@ -218,8 +225,9 @@ class LearnerCore:
             if missing:
                 raise ProtocolError(f"join: fragment {p} lacks tensors {sorted(missing)[:2]}")
         if self.run_id and run_id and run_id != self.run_id:
-            raise IncarnationError(f"the syncer serves run {run_id!r}; this learner belongs to run {self.run_id!r}")
+            raise IncarnationError(self._other_run(run_id))
         self.run_id, self.epoch, self.resumed_from, self.rejoining = run_id, epoch, resumed_from, 0
+        self.snapshot_seen = max(self.snapshot_seen, resumed_from)  # its parts exist already
         self.base = [{n: np.array(v[n], dtype=np.float32) for n in self.fragments[p]} for p, (v, _) in enumerate(fragments)]
         self.version = [int(version) for _, version in fragments]
         self.in_flight.clear()
@@ -286,18 +294,50 @@ class LearnerCore:
             tau=self.cfg.tau, epoch=self.epoch, snapshot=self.snapshot_saved,
         )
 
-    def copy_state_from(self, peer: "LearnerCore") -> None:
-        """Rejoin by copying a healthy peer's global view (with its parameters, copied by the driver)."""
-        self.base = [{n: a.copy() for n, a in b.items()} for b in peer.base]
-        self.version = list(peer.version)
-        self.step = max(self.step, peer.step)
-        self.clock = self.clock.merge(peer.clock).tick(self.node)
-        self.c_steps = [0] * self.cfg.num_fragments
-        self.c_tokens = [0] * self.cfg.num_fragments
+    def adopt(self, tensors: Tensors, info: dict[str, Any]) -> None:
+        """Recovery: take a healthy peer's protocol state (its ``export``; the driver copies its parameters
+        and inner optimizer): its global view and versions, step, clock and error-feedback residuals.
+
+        What this learner had in flight or buffered belongs to the old state and is dropped. The driver
+        then replays, through ``on_update``, the updates that arrived while the state travelled (those
+        the peer had already applied are ignored there). ProtocolError, nothing changed, if the state
+        does not fit this run or this incarnation."""
+        P = self.cfg.num_fragments
+        versions = [int(v) for v in info.get("versions", ())]
+        if len(versions) != P:
+            raise ProtocolError(f"peer state: versions for {len(versions)} fragments, expected {P}")
+        if self.run_id and info.get("run_id") and info["run_id"] != self.run_id:
+            raise IncarnationError(self._other_run(str(info["run_id"])))
+        if self.epoch and int(info.get("epoch", 0)) != self.epoch:
+            raise ProtocolError(f"peer state of syncer incarnation {info.get('epoch')}, this learner follows {self.epoch}")
+        base = []
+        for p, names in enumerate(self.fragments):
+            frag = {}
+            for n in names:
+                a = tensors.get(f"base/{p}/{n}")
+                if a is None or np.shape(a) != self.base[p][n].shape:
+                    raise ProtocolError(f"peer state: base/{p}/{n} missing or of the wrong shape")
+                frag[n] = np.array(a, dtype=np.float32)
+            base.append(frag)
+        residuals = {k[len("feedback/"):]: v for k, v in tensors.items() if k.startswith("feedback/")}
+        for key, a in residuals.items():
+            head, _, name = key.partition("/")
+            if not (head.isdigit() and int(head) < P and name in base[int(head)]
+                    and np.shape(a) == base[int(head)][name].shape):
+                raise ProtocolError(f"peer state: error-feedback residual {key!r} is not one of this run's tensors")
+        try:
+            clock = VectorClock.from_dict(info.get("clock", {}))
+            self.feedback.load_state_dict(residuals)
+        except ValueError as e:
+            raise ProtocolError(f"peer state: {e}") from None
+        self.base, self.version = base, versions
+        self.step = max(self.step, int(info.get("step", 0)))
+        self.clock = self.clock.merge(clock).tick(self.node)
+        self.c_steps = [0] * P
+        self.c_tokens = [0] * P
         self.in_flight.clear()
         self.buffer.clear()
         self.in_step = False
-        self.feedback.reset()
 
     # ---- internals ------------------------------------------------------------------
 

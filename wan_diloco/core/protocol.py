@@ -70,6 +70,7 @@ class Metadata:
     tau: int | None = None  # the learner's overlap now (it may re-plan it from its link); bounds the grace
     epoch: int = 0  # the syncer incarnation the learner follows (0: not joined yet)
     snapshot: int = 0  # the newest snapshot whose part this learner has written durably
+    recovering: bool = False  # it (re)joined without state of its own: it asks for a peer's (core.recovery)
 
 
 @dataclass(frozen=True)

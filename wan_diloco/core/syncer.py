@@ -61,6 +61,7 @@ class SyncerConfig:
     # refused, and its learner quarantined for quarantine_s, so one learner cannot wreck Θ or the syncer.
     max_delta_ratio: float = 10.0
     quarantine_s: float = 60.0
+    donor_timeout_s: float = 60.0  # peer recovery: a donor that has not sent its state by then is replaced
 
     def validate(self) -> None:
         require(self.num_learners >= 1, "num_learners", f"must be >= 1, got {self.num_learners}")
@@ -77,6 +78,7 @@ class SyncerConfig:
                 f"must be a finite number > 0, got {self.max_delta_ratio}")
         require(self.quarantine_s >= 0 and math.isfinite(self.quarantine_s), "quarantine_s",
                 f"must be a finite number >= 0, got {self.quarantine_s}")
+        require(self.donor_timeout_s > 0, "donor_timeout_s", f"must be > 0, got {self.donor_timeout_s}")
         self.outer.validate()
 
 

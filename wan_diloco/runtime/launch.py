@@ -62,6 +62,15 @@ class Child:
         return self.proc.poll()
 
 
+def last_line(path: Path) -> str:
+    """The last non-empty line of a log file (what a process said before it died), or ''."""
+    try:
+        lines = [ln for ln in path.read_text(errors="replace").splitlines() if ln.strip()]
+    except OSError:
+        return ""
+    return lines[-1].strip()[:300] if lines else ""
+
+
 class Cluster:
     """Children of one run; ``events`` yields (child name, event dict) from all of them."""
 
@@ -110,19 +119,28 @@ class Cluster:
                 self.events.put((child.name, event))
         self.events.put((child.name, {"event": "exit"}))
 
-    def start_syncer(self, timeout_s: float = 180.0) -> Child:
-        child = self._spawn("syncer", ["syncer", "--config", str(self.config_path)])
+    def start_syncer(self, timeout_s: float = 180.0, resume: bool = False) -> Child:
+        """Start the syncer and wait until it listens. A restart keeps the port, so that running
+        learners find it again; with ``resume`` it takes up the newest complete snapshot."""
+        old = self.children.get("syncer")
+        if old is not None and old.exit_code is None:
+            raise RuntimeError("the syncer is still running")
+        args = ["syncer", "--config", str(self.config_path)]
+        if self.syncer_port is not None:
+            args += ["--port", str(self.syncer_port)]
+        child = self._spawn("syncer", args + (["--resume"] if resume else []))
         deadline = time.monotonic() + timeout_s
-        while self.syncer_port is None:
+        while True:
             if child.exit_code is not None:
-                raise RuntimeError(f"syncer exited with code {child.exit_code} before listening; see {child.log_path}")
+                raise RuntimeError(f"syncer exited with code {child.exit_code} before listening: "
+                                   f"{last_line(child.log_path)} (see {child.log_path})")
             if time.monotonic() > deadline:
                 raise RuntimeError(f"syncer did not start listening within {timeout_s:.0f} s; see {child.log_path}")
             for e in list(child.events):
                 if e.get("event") == "listening":
                     self.syncer_port, self.status_port = e["port"], e.get("status_port")
+                    return child
             time.sleep(0.05)
-        return child
 
     @property
     def syncer_target(self) -> str:
@@ -130,13 +148,13 @@ class Cluster:
         host = "127.0.0.1" if host in ("0.0.0.0", "") else ("[::1]" if host == "::" else host)
         return f"{host}:{self.syncer_port}"
 
-    def start_learner(self, m: int) -> Child:
+    def start_learner(self, m: int, resume: bool = False) -> Child:
         name = f"learner-{m}"
         old = self.children.get(name)
         if old is not None and old.exit_code is None:
             raise RuntimeError(f"{name} is still running")
         return self._spawn(name, ["learner", "--config", str(self.config_path), "--id", str(m),
-                                  "--syncer", self.syncer_target])
+                                  "--syncer", self.syncer_target] + (["--resume"] if resume else []))
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         child = self.children[name]
@@ -245,12 +263,30 @@ def summarize(mon: RunState, wall_s: float) -> dict:
         "params": params, "wall_s": wall_s,
         # Steps a learner trained between sending a fragment and merging the answer (mean over learners).
         "merge_lag_steps": sum(lags) / len(lags) if lags else None,
+        "run_id": sf.get("run_id"), "params_path": sf.get("params_path"),
+        "snapshots": sf.get("snapshots_complete", 0), "syncer_epoch": sf.get("epoch"),
     }
+
+
+def run_spec(cfg: RunSpec, rdir: Path) -> RunSpec:
+    """What the processes of a launched run read (``RUN_DIR/config.toml``): a run id, snapshots under
+    the run folder (``checkpoints``, or a relative ``checkpoint.dir`` taken relative to it), and no token (children
+    get it in their environment; a file would leak it)."""
+    changes: dict = {"run": {"token": "", "run_id": cfg.run.run_id or f"{rdir.name}-{secrets.token_hex(4)}"}}
+    if not Path(cfg.checkpoint.dir or "checkpoints").is_absolute():
+        changes["checkpoint"] = {"dir": str((rdir / (cfg.checkpoint.dir or "checkpoints")).resolve())}
+    return cfg.with_changes(**changes)
+
+
+def write_config(path: Path, cfg: RunSpec) -> None:
+    path.touch(mode=0o600, exist_ok=True)
+    path.chmod(0o600)
+    path.write_text(spec_lib.dumps(cfg))
 
 
 def launch(cfg: RunSpec, config_text: str, run_dir: str | None = None,
            watch: Callable[[RunState], None] | None = None, emulate: bool | Emulator = False,
-           emulator_prefix: str = "wdl") -> tuple[int, dict]:
+           emulator_prefix: str = "wdl", resume: bool = False) -> tuple[int, dict]:
     """Run everything to the end; returns (exit code, summary). ``watch(state)`` sees every update.
 
     With ``emulate`` the syncer and every learner run in their region's network
@@ -261,20 +297,26 @@ def launch(cfg: RunSpec, config_text: str, run_dir: str | None = None,
     run) is used as it is and left up.
 
     The summary of a failed run has ``error`` (why); ``failed_learners`` names learners
-    that did not finish a run that otherwise did."""
+    that did not finish a run that otherwise did.
+
+    With ``resume`` (``run_dir`` required, ``cfg`` read from its config.toml) every process starts
+    from the newest complete snapshot under the run's checkpoint.dir."""
     rdir = Path(run_dir) if run_dir else Path(cfg.run.run_dir) / time.strftime("%Y%m%d-%H%M%S")
     rdir.mkdir(parents=True, exist_ok=True)
+    cfg = cfg if resume else run_spec(cfg, rdir)
     if not emulate:
-        (rdir / "config.toml").write_text(config_text)
-        return _run(cfg, rdir, watch)
+        if not resume:
+            write_config(rdir / "config.toml", cfg)
+        return _run(cfg, rdir, watch, resume=resume)
     try:
         with contextlib.ExitStack() as stack:
             emu = emulate if isinstance(emulate, Emulator) else stack.enter_context(
                 Emulator(cfg.regions, prefix=emulator_prefix))
             ecfg = emulated_spec(cfg, emu, rdir / "tls")
-            (rdir / "config.toml").write_text(spec_lib.dumps(ecfg))
+            write_config(rdir / "config.toml", ecfg)
             info = {"backend": emu.backend, "namespaces": emu.describe()}
-            code, summary = _run(ecfg, rdir, watch, wrap=lambda name: emu.netns_argv(_region_of(ecfg, name)))
+            code, summary = _run(ecfg, rdir, watch, wrap=lambda name: emu.netns_argv(_region_of(ecfg, name)),
+                                 resume=resume)
             return code, {**summary, "emulator": info}
     except EmulatorError as e:
         return 1, {"error": f"emulated WAN: {e}", "run_dir": str(rdir)}
@@ -295,7 +337,7 @@ def emulated_spec(cfg: RunSpec, emu: Emulator, tls_dir: Path) -> RunSpec:
 
 
 def _run(cfg: RunSpec, rdir: Path, watch: Callable[[RunState], None] | None,
-         wrap: Callable[[str], list[str]] | None = None) -> tuple[int, dict]:
+         wrap: Callable[[str], list[str]] | None = None, resume: bool = False) -> tuple[int, dict]:
     mon, t0 = RunState(cfg), time.monotonic()
     stop = {"sig": 0}
 
@@ -304,13 +346,14 @@ def _run(cfg: RunSpec, rdir: Path, watch: Callable[[RunState], None] | None,
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        with Cluster(cfg, rdir / "config.toml", rdir, wrap=wrap) as cluster, open(rdir / "metrics.jsonl", "w") as mf:
+        with Cluster(cfg, rdir / "config.toml", rdir, wrap=wrap) as cluster, \
+                open(rdir / "metrics.jsonl", "a" if resume else "w") as mf:
             try:
-                cluster.start_syncer()
+                cluster.start_syncer(resume=resume)
             except RuntimeError as e:
                 raise RunFailed(str(e)) from None
             for m in range(cfg.run.learners):
-                cluster.start_learner(m)
+                cluster.start_learner(m, resume=resume)
             while True:
                 if stop["sig"]:
                     raise RunFailed(f"stopped by {signal.Signals(stop['sig']).name}; all processes terminated")

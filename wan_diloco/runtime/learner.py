@@ -5,13 +5,23 @@ step it copies the fragment due to host memory and hands the upload to the
 network thread. It only waits on the network where the protocol says so
 (``LearnerCore.blocked``), at (re)join (it fetches the current global
 parameters from the syncer) and at the end (the final full sync).
+
+When the syncer announces a snapshot, the learner copies its state to host
+memory between steps (the only pause) and a writer thread stores its part;
+with ``resume`` it takes up its part of the snapshot the syncer resumed from
+(inner optimizer, data position, counters). A syncer that comes back as a new
+incarnation from a snapshot is rejoined; one of another run, or restarted
+without a snapshot, stops the learner (``IncarnationError``), as does a
+final model that differs from the syncer's.
 """
 from __future__ import annotations
 
 import collections
 import concurrent.futures
+import dataclasses
 import queue
 import signal
+import sys
 import threading
 import time
 
@@ -22,9 +32,14 @@ import numpy as np
 from wan_diloco import train as train_lib
 from wan_diloco import tree
 from wan_diloco.assemble import Assembly, fragment_digest
+from wan_diloco.checkpoint import CheckpointError, SnapshotStore, decode_state, encode_state
 from wan_diloco.config import ConfigError
 from wan_diloco.planning import LinkEstimate, confirmed_move, replan_reasons, tau_for_link
-from wan_diloco.core import ApplyGlobal, ProtocolError, Resync, SendFragment, SendMetadata, Snapshot, learner_node
+from wan_diloco.core import (
+    ApplyGlobal, IncarnationError, ProtocolError, Rejoin, Resync, SaveState, SendFragment, SendMetadata, Snapshot,
+    learner_node,
+)
+from wan_diloco.runtime import serde
 from wan_diloco.runtime.events import emit
 from wan_diloco.runtime.netthread import NetThread
 from wan_diloco.spec import RunSpec
@@ -32,10 +47,16 @@ from wan_diloco.transport import MessageError, TransportError
 
 
 REPLAN_MIN_STEPS = 5  # steps timed before τ is planned from a link (τ counts steps)
+JOIN_TRIES = 3
+
+
+class SyncerLost(RuntimeError):
+    """The syncer stayed unreachable for longer than the transport's retry budget."""
 
 
 class Learner:
-    def __init__(self, cfg: RunSpec, learner: int, target: str, token: str, parts: Assembly | None = None):
+    def __init__(self, cfg: RunSpec, learner: int, target: str, token: str, parts: Assembly | None = None,
+                 resume: bool = False):
         self.cfg, self.m = cfg, learner
         self.region = cfg.region(learner)
         parts = parts or Assembly(cfg)
@@ -60,6 +81,16 @@ class Learner:
         self.unplanned: LinkEstimate | None = None  # a sample that came before the step time was known
         self.recent_links: collections.deque[LinkEstimate] = collections.deque(maxlen=cfg.plan.replan_confirm)
         self.uploads = 0
+        self.resume = resume
+        self.store = SnapshotStore(cfg.checkpoint.dir) if cfg.checkpoint.dir else None
+        self.writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"learner-{learner}-snapshot")
+        self.snapshot_stall_s = 0.0  # longest pause of training to copy a snapshot part to host
+        self.snapshots_written = 0
+        self.rejoins = 0
+        self.donating: dict[int, tuple[int, ...]] = {}  # recipient -> versions it saw (peer recovery)
+        self.recovery: dict | None = None  # how this learner's own recovery from a peer went
+        if cfg.run.run_id:
+            self.core.run_id = cfg.run.run_id  # a syncer serving another run is refused at the join
 
     # ---- actions --------------------------------------------------------------------
 
@@ -83,13 +114,127 @@ class Learner:
             elif isinstance(a, Resync):
                 if a.fragment not in self.pending_resync:
                     self.pending_resync[a.fragment] = self.net.fetch_fragment(f"fragment/{a.fragment}")
+            elif isinstance(a, Rejoin):
+                self._rejoin(a.epoch, a.resumed_from)
+            elif isinstance(a, SaveState):
+                self._save_part(a.snapshot)
 
-    def _install(self, p: int, version: int, global_step: int, values: dict) -> None:
-        if version > self.core.version[p] or version == 0 == self.core.version[p]:
+    def _install(self, got) -> None:
+        """A fragment fetched after a version gap (``Resync``)."""
+        which = self.core.identity(got.run_id, got.epoch, got.resumed_from)
+        if which == "new":  # the syncer came back from a snapshot while we fetched
+            self._rejoin(got.epoch, got.resumed_from)
+            return
+        p, version = got.fragment, got.version
+        if which == "same" and version > self.core.version[p]:
             self.resyncs += 1
-            self._handle(self.core.resync(p, values, version, global_step))
+            self._handle(self.core.resync(p, got.values, version, got.global_step))
+        self._take_up_step()
+
+    def _take_up_step(self) -> None:
         if self.core.step > int(self.state.step):  # a (re)joining learner took up the global schedule
             self.state = self.state.replace(step=jnp.asarray(self.core.step, jnp.int32))
+
+    def _rejoin(self, epoch: int, resumed_from: int) -> None:
+        emit({"event": "rejoin", "role": "learner", "learner": self.m, "step": self.core.step,
+              "why": f"the syncer resumed from snapshot {resumed_from} as incarnation {epoch}"})
+        self.join(self.cfg.transport.call_timeout_s + self.cfg.transport.retry_budget_s)
+        self.rejoins += 1
+
+    # ---- snapshots ------------------------------------------------------------------
+
+    def _save_part(self, snap: int) -> None:
+        """Copy this learner's state to host (training pauses only for this) and write it in the background."""
+        if self.store is None:
+            return
+        t0 = time.monotonic()
+        tensors, info = self.core.export()
+        tensors.update(tree.to_named(self.state.params, "params"))
+        tensors.update(tree.to_named(self.state.opt_state, "opt"))
+        info.update(snapshot=snap, train_step=int(self.state.step), tokens=self.tokens, data=self.batches.position())
+        self.snapshot_stall_s = max(self.snapshot_stall_s, time.monotonic() - t0)
+        fut = self.writer.submit(self.store.save_part, snap, f"learner-{self.m}", tensors, info, "learner")
+        fut.add_done_callback(lambda f: self.net.inbox.put(("saved", (snap, f))))
+
+    # ---- peer recovery --------------------------------------------------------------
+
+    def _serve_donations(self) -> None:
+        """Send this learner's state to recipients whose versions V it has seen (it keeps training: only
+        the copy to host happens here, encoding and upload run on the writer thread)."""
+        for r, versions in list(self.donating.items()):
+            if len(versions) != len(self.core.version) or any(v < w for v, w in zip(self.core.version, versions)):
+                continue  # not seen V yet: after a later update
+            del self.donating[r]
+            tensors, info = self.core.export()
+            tensors.update(tree.to_named(self.state.params, "params"))
+            tensors.update(tree.to_named(self.state.opt_state, "opt"))
+            info.update(donor=self.m, train_step=int(self.state.step))
+            msg = serde.Donation(r, tuple(versions))
+
+            def send(tensors=tensors, info=info, msg=msg):
+                data = encode_state(tensors, info, "donation")
+                self.net.upload_frame(serde.donation_to_frame(self.m, msg, data)).result()
+                return len(data)
+
+            fut = self.writer.submit(send)
+            fut.add_done_callback(lambda f, r=r: self.net.inbox.put(("donated", (r, f))))
+
+    def _recover_from_peer(self) -> None:
+        """(Re)joined without state of its own while others train: take a healthy peer's parameters,
+        inner optimizer and residuals (the syncer picks the donor), then replay the updates that
+        arrived meanwhile. Without one (none healthy, timeout, a bad state) it goes on from Θ alone."""
+        t0 = time.monotonic()
+        self.net.send_metadata(dataclasses.replace(self.core.metadata(), recovering=True))
+        fut = self.net.fetch_bytes(f"donation/{self.m}")
+        wait_s = 2 * self.cfg.syncer.donor_timeout_s + self.cfg.transport.call_timeout_s
+        try:
+            data = fut.result(timeout=wait_s)
+            tensors, info = decode_state(data, "donation", what="peer state")
+            params = tree.from_named(tensors, "params", self.state.params, "peer state")
+            opt = tree.from_named(tensors, "opt", self.state.opt_state, "peer state")
+            self.core.adopt(tensors, info)
+        except (TransportError, MessageError, ValueError, KeyError, concurrent.futures.TimeoutError) as e:
+            fut.cancel()
+            self.recovery = {"from_peer": False, "why": str(e) or type(e).__name__}
+            emit({"event": "warning", "role": "learner", "learner": self.m,
+                  "what": f"no peer state ({self.recovery['why']}): going on from the global parameters "
+                          f"with a fresh inner optimizer"})
+            return
+        self.state = self.state.replace(params=jax.tree_util.tree_map(jnp.asarray, params),
+                                        opt_state=jax.tree_util.tree_map(jnp.asarray, opt))
+        self.core.step = max(self.core.step, int(info.get("train_step", 0)))
+        self._take_up_step()
+        replayed = self.net.inbox.qsize()
+        self._drain()  # the updates that arrived while the state travelled, in the order they came
+        self.recovery = {"from_peer": True, "donor": info.get("donor"), "bytes": len(data),
+                         "seconds": round(time.monotonic() - t0, 3), "replayed": replayed}
+        emit({"event": "recovered", "role": "learner", "learner": self.m, "step": self.core.step, **self.recovery})
+
+    def _restore_part(self, snap: int) -> bool:
+        """``--resume``: take up this learner's part of snapshot ``snap`` (the one the syncer resumed from)."""
+        what = f"--resume: learner {self.m}"
+        if not snap or self.store is None:
+            why = "the syncer started fresh, not from a snapshot" if not snap else "checkpoint.dir is empty"
+            emit({"event": "warning", "role": "learner", "learner": self.m, "what": f"{what}: nothing to resume ({why})"})
+            return False
+        try:
+            tensors, info = self.store.load_part(snap, f"learner-{self.m}", "learner")
+            if info.get("run_id") != self.core.run_id or info.get("learner") != self.m:
+                raise CheckpointError(f"the part is of run {info.get('run_id')!r}, learner {info.get('learner')}")
+            opt = tree.from_named(tensors, "opt", self.state.opt_state, "learner part")
+            self.batches.restore(info["data"])
+            self.core.restore_feedback(tensors)
+            train_step, step, tokens = int(info["train_step"]), int(info["step"]), int(info["tokens"])
+        except (CheckpointError, ValueError, KeyError, TypeError) as e:
+            emit({"event": "warning", "role": "learner", "learner": self.m,
+                  "what": f"{what}: no usable part of snapshot {snap} ({e}); fresh inner optimizer and data order"})
+            return False
+        self.state = self.state.replace(opt_state=jax.tree_util.tree_map(jnp.asarray, opt),
+                                        step=jnp.asarray(max(train_step, self.core.step), jnp.int32))
+        self.core.step = max(self.core.step, step)
+        self.tokens = tokens
+        emit({"event": "resumed", "role": "learner", "learner": self.m, "snapshot": snap, "step": self.core.step})
+        return True
 
     def _drain(self, block_s: float = 0.0) -> None:
         """Merge what arrived; with ``block_s`` wait that long for the first item."""
@@ -102,13 +247,37 @@ class Learner:
             if kind == "update":
                 arrived_s, update = item
                 self._handle(self.core.on_update(arrived_s, update))
+            elif kind == "identity":  # a (re)connected update stream: is it still the syncer we follow?
+                if self.core.identity(item.run_id, item.epoch, item.resumed_from) == "new":
+                    self._rejoin(item.epoch, item.resumed_from)
+            elif kind == "donate":
+                if item.recipient != self.m:
+                    self.donating[item.recipient] = item.versions
             elif kind == "link":
                 self._on_link(item)
             elif kind == "channels":
                 emit({"event": "transport", "role": "learner", "learner": self.m, "region": self.region,
                       "step": self.core.step, **item})
+            elif kind == "donated":
+                r, fut = item
+                if fut.exception() is not None:
+                    emit({"event": "warning", "role": "learner", "learner": self.m,
+                          "what": f"could not send this learner's state to learner {r}: {fut.exception()}"})
+                else:
+                    emit({"event": "donated", "role": "learner", "learner": self.m, "recipient": r,
+                          "bytes": fut.result(), "step": self.core.step})
+            elif kind == "saved":
+                snap, fut = item
+                if fut.exception() is not None:
+                    emit({"event": "warning", "role": "learner", "learner": self.m,
+                          "what": f"snapshot {snap}: could not write this learner's part: {fut.exception()}"})
+                else:
+                    self.core.saved(snap)
+                    self.snapshots_written += 1
             else:
-                raise RuntimeError(f"learner {self.m}: {item}")
+                raise SyncerLost(f"learner {self.m}: {item}")
+        if self.donating:
+            self._serve_donations()
         for p, fut in list(self.pending_resync.items()):
             if not fut.done():
                 continue
@@ -121,7 +290,7 @@ class Learner:
                 emit({"event": "warning", "role": "learner", "learner": self.m,
                       "what": f"fetch of fragment {p} failed, will ask again: {e}"})
                 continue
-            self._install(*got)
+            self._install(got)
 
     def _on_link(self, sample) -> None:
         """A link measurement: log it (the run's metrics JSONL), keep it, and re-plan τ if asked to."""
@@ -174,18 +343,33 @@ class Learner:
 
     # ---- the run --------------------------------------------------------------------
 
-    def join(self, timeout_s: float) -> None:
-        """Fetch the current global parameters from the syncer: fresh start and rejoin alike."""
-        futs = [self.net.fetch_fragment(f"fragment/{p}") for p in range(len(self.layout.fragments))]
-        for fut in futs:
-            self._install(*fut.result(timeout=timeout_s))
+    def join(self, timeout_s: float):
+        """Take up the syncer's global parameters (fresh start, rejoin, a resumed syncer); returns the
+        first fragment fetched (its identity fields say which syncer incarnation it is)."""
+        for _ in range(JOIN_TRIES):
+            futs = [self.net.fetch_fragment(f"fragment/{p}") for p in range(len(self.layout.fragments))]
+            got = [fut.result(timeout=timeout_s) for fut in futs]
+            if len({(g.run_id, g.epoch) for g in got}) == 1:
+                break  # else the syncer restarted while we fetched: again
+        else:
+            raise SyncerLost(f"learner {self.m}: the syncer changed incarnation during each of {JOIN_TRIES} joins")
+        self.pending_resync.clear()  # fetches of the old incarnation mean nothing now
+        first = got[0]
+        self._handle(self.core.join(first.run_id, first.epoch, first.resumed_from,
+                                    [(g.values, g.version) for g in got], max(g.global_step for g in got)))
+        self._take_up_step()
+        return first
 
     def run(self) -> dict:
         # Compile before joining: the first step on a shared CPU can take longer than the liveness timeout.
         jax.block_until_ready(self.step_fn(self.state, self.batches.next().tokens))
         self.net.start()
         try:
-            self.join(self.cfg.transport.call_timeout_s + self.cfg.transport.retry_budget_s)
+            joined = self.join(self.cfg.transport.call_timeout_s + self.cfg.transport.retry_budget_s)
+            restored = self.resume and self._restore_part(joined.resumed_from)
+            # At a run's start nobody has trained yet: there is no state worth copying.
+            if not restored and self.cfg.learner.peer_recovery and self.core.step > 0:
+                self._recover_from_peer()
             self.net.send_metadata(self.core.metadata())
             self.net.start_probing()
             initial_loss = self.evaluate()
@@ -229,9 +413,13 @@ class Learner:
                     "payload_bytes": self.payload_bytes, "bytes_sent": self.net.bytes_sent,
                     "bytes_received": self.net.bytes_received, "resyncs": self.resyncs,
                     "link": self.link.to_event() if self.link is not None else None, "tau": self.core.cfg.tau,
-                    "merge_lag_steps": lag,
+                    "merge_lag_steps": lag, "run_id": self.core.run_id, "epoch": self.core.epoch,
+                    "rejoins": self.rejoins, "snapshots_written": self.snapshots_written,
+                    "snapshot_stall_s": self.snapshot_stall_s, "stale_updates": self.core.stale_updates,
+                    "recovery": self.recovery,
                     **report}
         finally:
+            self.writer.shutdown(wait=True)  # a part being written is finished, not torn
             self.net.stop()
 
     def final_sync(self) -> dict:
@@ -244,17 +432,21 @@ class Learner:
         finals = [self._final_fragment(p, fut, budget_s) for p, fut in enumerate(futs)]
         # The broadcast of the final merge normally arrives on the update stream; bulk is the fallback.
         deadline = time.monotonic() + 5.0
-        while any(self.core.version[p] < v for p, v, _, _ in finals) and time.monotonic() < deadline:
+        while any(self.core.version[f.fragment] < f.version for f in finals) and time.monotonic() < deadline:
             self._drain(block_s=0.05)
         by_bulk = 0
-        for p, v, g, values in finals:
-            if self.core.version[p] < v:
+        for f in finals:
+            if self.core.version[f.fragment] < f.version:
                 by_bulk += 1
-                self._handle(self.core.resync(p, values, v))
+                self._handle(self.core.resync(f.fragment, f.values, f.version))
         flat = {n: np.asarray(a) for n, a in tree.flatten(self.state.params).items()}
+        digests = [fragment_digest(self.core.base[p], names) for p, names in enumerate(self.layout.fragments)]
+        # The syncer's final fragments as served: a learner whose model drifted from them must not pass as done.
+        mismatch = [f.fragment for f in finals
+                    if fragment_digest(f.values, self.layout.fragments[f.fragment]) != digests[f.fragment]]
         return {
-            "versions": list(self.core.version), "final_by_bulk": by_bulk,
-            "digests": [fragment_digest(self.core.base[p], names) for p, names in enumerate(self.layout.fragments)],
+            "versions": list(self.core.version), "final_by_bulk": by_bulk, "digest_mismatch": mismatch,
+            "digests": digests,
             "param_digests": [fragment_digest(flat, names) for names in self.layout.fragments],
             "final_eval_loss": self.evaluate(),
         }
@@ -272,11 +464,21 @@ class Learner:
                 fut = self.net.fetch_fragment(f"final/{p}")
 
 
-def run_learner(cfg: RunSpec, learner: int, target: str, token: str) -> int:
-    """Process entry point: 0 after a completed final sync, 143 when stopped by a signal."""
-    lrn = Learner(cfg, learner, target, token)
+def run_learner(cfg: RunSpec, learner: int, target: str, token: str, resume: bool = False) -> int:
+    """Process entry point: 0 after a completed final sync whose model equals the syncer's, 143 when
+    stopped by a signal, 3 when the syncer was lost or is not the one this learner's model came
+    from, 4 when the final model differs from the syncer's."""
+    lrn = Learner(cfg, learner, target, token, resume=resume)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: lrn.stop.set())
-    result = lrn.run()
+    try:
+        result = lrn.run()
+    except (IncarnationError, SyncerLost) as e:
+        emit({"event": "error", "role": "learner", "learner": learner, "error": str(e)})
+        print(f"learner-{learner}: stopping: {e}", file=sys.stderr)
+        return 3
     emit(result)
+    if result.get("digest_mismatch"):
+        print(f"learner-{learner}: final fragments {result['digest_mismatch']} differ from the syncer's", file=sys.stderr)
+        return 4
     return 0 if result["event"] == "final" else 143

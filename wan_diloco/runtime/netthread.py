@@ -39,7 +39,9 @@ class NetThread:
     def __init__(self, target: str, token: str, transport_cfg: TransportConfig, node: str, region: str,
                  codec: FragmentCodec, bulk_codec: FragmentCodec):
         self.node, self.region, self.codec, self.bulk_codec = node, region, codec, bulk_codec
-        # ("update", (arrived_s, core GlobalUpdate)) | ("link", LinkSample) | ("error", text)
+        # ("update", (arrived_s, core GlobalUpdate)) | ("identity", serde.Identity) | ("donate", serde.Donate)
+        # | ("link", LinkSample)
+        # | ("channels", dict) | ("saved", (snapshot, future)) | ("error", text)
         self.inbox: queue.Queue = queue.Queue()
         self.metrics = TransportMetrics()
         self.loop = new_event_loop()
@@ -95,6 +97,10 @@ class NetThread:
                 # Stamped on arrival: the learner merges between steps, but sync time is measured to here.
                 arrived_s = time.monotonic()
                 try:
+                    control = serde.control_from_frame(frame)
+                    if control is not None:  # ("identity", Identity) or ("donate", Donate)
+                        self.inbox.put((type(control).__name__.lower(), control))
+                        continue
                     # Off the loop: decoding a large fragment must not stall uploads in flight.
                     update = await asyncio.to_thread(serde.update_from_frame, frame, self.codec)
                 except ProtocolError as e:
@@ -209,6 +215,15 @@ class NetThread:
             return await asyncio.to_thread(serde.fragment_from_bulk, data, self.bulk_codec)
 
         return asyncio.run_coroutine_threadsafe(fetch(), self.loop)
+
+    def upload_frame(self, frame: Frame) -> concurrent.futures.Future:
+        """Send an already built frame by the Upload RPC (a donor's state); a future of the Ack."""
+        return asyncio.run_coroutine_threadsafe(self.client.upload_fragment(frame), self.loop)
+
+    def fetch_bytes(self, name: str) -> concurrent.futures.Future:
+        """Bulk-fetch the raw bytes of object ``name`` (e.g. ``donation/M``)."""
+        request = BulkRequest(self.node, name, {})
+        return asyncio.run_coroutine_threadsafe(self.client.fetch_bulk_bytes(request), self.loop)
 
     def wait_uploads(self, budget_s: float) -> None:
         """Wait up to ``budget_s`` for the uploads handed over so far to finish (or fail)."""

@@ -158,10 +158,59 @@ _SCHEMAS = {cls: _schema(cls) for cls in (Metadata, FragmentUpload, GlobalUpdate
 
 @dataclasses.dataclass(frozen=True)
 class _Bulk:
-    """Meta of a bulk fragment object (its fragment is the frame's)."""
+    """Meta of a bulk fragment object (its fragment is the frame's), with the syncer's identity."""
 
     version: int
     global_step: int
+    run_id: str = ""
+    epoch: int = 0
+    resumed_from: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Identity:
+    """The first frame of every update stream: which run and syncer incarnation the learner is
+    talking to. A learner that reconnects to a syncer resumed from a snapshot learns it here at once,
+    before any update (and even if none comes because its own uploads are of the old incarnation)."""
+
+    run_id: str
+    epoch: int
+    resumed_from: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Donate:
+    """Syncer -> one learner (peer recovery): send your state for ``recipient`` once you have seen
+    the global ``versions``."""
+
+    recipient: int
+    versions: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Donation:
+    """Meta of a donor's upload (its payload is a ``checkpoint`` state file of kind ``donation``)."""
+
+    recipient: int
+    versions: tuple[int, ...]
+
+
+_CONTROL = {"identity": Identity, "donate": Donate}  # update-stream frames that are not GlobalUpdates
+DONATE_KEY = 1 << 30  # fan-out key of Donate frames (+ recipient): never a fragment, never dropped for one
+for _cls in (Identity, Donate, Donation):
+    _SCHEMAS[_cls] = _schema(_cls)
+
+
+class BulkFragment(typing.NamedTuple):
+    """A global fragment fetched by bulk, and the identity of the syncer that served it."""
+
+    fragment: int
+    version: int
+    global_step: int
+    values: dict[str, np.ndarray]
+    run_id: str = ""
+    epoch: int = 0
+    resumed_from: int = 0
 
 
 _SCHEMAS[_Bulk] = _schema(_Bulk)
@@ -253,15 +302,53 @@ def update_from_frame(frame: transport.Frame, codec) -> GlobalUpdate:
     return GlobalUpdate(fragment=frame.fragment, update=update, nbytes=len(frame.payload), payload=None, **fields)
 
 
+def control_to_frame(msg: Identity | Donate) -> transport.Frame:
+    """The update-stream frame of a control message (``Identity`` or ``Donate``)."""
+    name = next(k for k, cls in _CONTROL.items() if cls is type(msg))
+    key = DONATE_KEY + msg.recipient if isinstance(msg, Donate) else 0
+    return transport.Frame(SYNCER, key, {name: _meta_of(msg)})
+
+
+def control_from_frame(frame: transport.Frame) -> Identity | Donate | None:
+    """The control message an update-stream frame carries, or None for a GlobalUpdate's frame."""
+    meta = frame.meta
+    names = [k for k in _CONTROL if isinstance(meta, Mapping) and k in meta]
+    if not names:
+        return None
+    kind = _CONTROL[names[0]].__name__
+    if frame.sender != SYNCER or len(meta) != 1 or len(frame.payload):
+        raise ProtocolError(f"{kind}: a frame from the syncer with only meta.{names[0]} and no payload expected")
+    return _CONTROL[names[0]](**_fields_of(_CONTROL[names[0]], meta[names[0]]))
+
+
+def donation_to_frame(donor: int, msg: Donation, payload: bytes) -> transport.Frame:
+    return transport.Frame(learner_node(donor), 0, {"donation": _meta_of(msg)}, payload)
+
+
+def donation_from_frame(frame: transport.Frame, num_learners: int) -> tuple[int, Donation] | None:
+    """(donor, Donation) of a donor's upload, or None for a FragmentUpload's frame; the payload stays
+    in the frame (the recipient decodes it)."""
+    meta = frame.meta
+    if not (isinstance(meta, Mapping) and "donation" in meta):
+        return None
+    donor = _learner_of("Donation", frame.sender, num_learners)
+    if len(meta) != 1 or frame.fragment != 0:
+        raise ProtocolError("Donation: only meta.donation and fragment 0 expected")
+    msg = Donation(**_fields_of(Donation, meta["donation"]))
+    if not msg.recipient < num_learners or msg.recipient == donor:
+        raise ProtocolError(f"Donation.recipient: {msg.recipient} is not another learner of this run")
+    return donor, msg
+
+
 def fragment_to_bulk(fragment: int, version: int, global_step: int, values: Mapping[str, np.ndarray],
-                     codec) -> bytes:
+                     codec, run_id: str = "", epoch: int = 0, resumed_from: int = 0) -> bytes:
     """One self-contained bulk object for a global fragment (rejoin, resync, final fetch).
 
     Pass a lossless codec (``CodecConfig(bits=32, zstd=False)``): the object is a
     transport message (one header with fragment, version and global step, one
     checksum) whose payload is ``codec.encode(values)``.
     """
-    meta = _meta_of(_Bulk(version, global_step))
+    meta = _meta_of(_Bulk(version, global_step, run_id, epoch, resumed_from))
     try:
         payload = codec.encode(values)
     except ValueError as e:
@@ -272,9 +359,9 @@ def fragment_to_bulk(fragment: int, version: int, global_step: int, values: Mapp
         raise ProtocolError(f"bulk fragment {fragment}: {e}") from None
 
 
-def fragment_from_bulk(data: Any, codec) -> tuple[int, int, int, dict[str, np.ndarray]]:
-    """(fragment, version, global_step, values) of a bulk object; ``values`` are
-    owned, writable copies (nothing refers to ``data`` afterwards)."""
+def fragment_from_bulk(data: Any, codec) -> BulkFragment:
+    """The fragment of a bulk object; ``values`` are owned, writable copies (nothing refers to
+    ``data`` afterwards)."""
     try:
         # The caller already holds all of ``data`` (the fetch bounded it): no further cap here.
         frame = transport.decode_message(data, max_bytes=len(memoryview(data).cast("B")))
@@ -284,7 +371,9 @@ def fragment_from_bulk(data: Any, codec) -> tuple[int, int, int, dict[str, np.nd
         raise ProtocolError(f"bulk object: expected a Frame, got {type(frame).__name__}")
     fields = _fields_of(_Bulk, frame.meta)
     values = _decode(codec, frame.fragment, frame.payload)
-    return frame.fragment, fields["version"], fields["global_step"], {n: np.array(a) for n, a in values.items()}
+    return BulkFragment(frame.fragment, fields["version"], fields["global_step"],
+                        {n: np.array(a) for n, a in values.items()}, fields["run_id"], fields["epoch"],
+                        fields["resumed_from"])
 
 
 # ---- helpers --------------------------------------------------------------------------

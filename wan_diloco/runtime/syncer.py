@@ -9,19 +9,37 @@ full fragment by bulk (``fragment/P``), as does a learner that (re)joins.
 End of run: learners upload every fragment flagged ``final``; the core merges
 them once every live learner has (or ``syncer.final_timeout_s`` after the
 first), and the final fragments are served as ``final/P`` (a fetch waits for it).
+The final global parameters go to ``CHECKPOINT_DIR/params.safetensors``.
+
+Snapshots (docs/operations.md, "Snapshots and resume"): every
+``checkpoint.every_merges`` merges (or on ``snapshot_now``, e.g. SIGUSR1) the
+syncer cuts snapshot S: it writes its state as of this instant, off the event
+loop, and every later update carries S; each learner writes its part after
+the first such update and reports S in its metadata. Once the syncer's part
+and every live learner's are written (or a learner stayed silent for
+``2 x liveness_timeout_s``: it resumes like a new learner), the manifest marks
+S complete. A syncer started with ``resume`` takes the newest complete
+snapshot whose part verifies, as incarnation epoch + 1: learners that never
+stopped see the new incarnation in the next update and rejoin.
 """
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+import secrets
 import time
+from pathlib import Path
 from typing import Callable
 
 import grpc
 
 from wan_diloco.assemble import Assembly, fragment_digest
-from wan_diloco.core import Broadcast, ProtocolError, SetTimer
+from wan_diloco.checkpoint import CheckpointError, SnapshotStore, save_params
+from wan_diloco.core import Broadcast, ProtocolError, SetTimer, learner_node
+from wan_diloco.core.recovery import AskDonor, Candidate, Donations, NoDonor
 from wan_diloco.runtime import serde
+from wan_diloco.runtime.events import emit
 from wan_diloco.spec import RunSpec
 from wan_diloco.transport import Ack, BulkSource, Rejected, TransportMetrics, UpdateHub
 
@@ -29,10 +47,15 @@ log = logging.getLogger(__name__)
 Emit = Callable[[dict], None]
 
 
+class ResumeError(RuntimeError):
+    """``--resume`` found no snapshot to resume from; the text says where it looked and why."""
+
+
 class SyncerService:
     """The transport ``Handler`` of a syncer (see the module docstring)."""
 
-    def __init__(self, cfg: RunSpec, metrics: TransportMetrics, parts: Assembly | None = None):
+    def __init__(self, cfg: RunSpec, metrics: TransportMetrics, parts: Assembly | None = None,
+                 resume: bool = False):
         self.cfg, self.metrics = cfg, metrics
         parts = parts or Assembly(cfg)
         self.layout, self.codec, self.bulk_codec = parts.layout, parts.codec, parts.bulk_codec
@@ -55,6 +78,163 @@ class SyncerService:
         self.stopping = False
         self.final_streams = 0  # final fragments being streamed right now
         self.peer_links: dict[str, dict] = {}  # the transport server's: each learner's last link measurement
+        self.store = SnapshotStore(cfg.checkpoint.dir) if cfg.checkpoint.dir else None
+        self.snap_pending: dict[int, dict] = {}  # snapshot -> {"learners": waited for, "syncer": written?, ...}
+        self.snap_merges = 0  # merges at the last cut
+        self.snapshots_complete: list[int] = []
+        self.params_path: Path | None = None
+        self.resumed: dict | None = None  # what a resume took up (snapshot, epoch, snapshots skipped)
+        self.donations = Donations(cfg.syncer.donor_timeout_s)
+        self.donated: dict[int, bytes | str] = {}  # recipient -> the state its donor sent, or why there is none
+        self.donated_ready: dict[int, asyncio.Event] = {}
+        self.recovery_bytes = 0
+        if resume:
+            self._resume()
+        else:
+            self.core.run_id = cfg.run.run_id or f"run-{secrets.token_hex(6)}"
+
+    # ---- snapshots --------------------------------------------------------------------
+
+    def _resume(self) -> None:
+        if self.store is None:
+            raise ResumeError("--resume needs checkpoint.dir (where the snapshots are)")
+        found = self.store.newest("syncer", "syncer")
+        if found is None:
+            why = "; ".join(f"snapshot {s}: {e}" for s, e in self.store.skipped) or "none is complete"
+            raise ResumeError(f"no snapshot to resume from in {self.store.root}: {why}")
+        snap, tensors, info, _ = found
+        if self.cfg.run.run_id and info.get("run_id") != self.cfg.run.run_id:
+            raise ResumeError(f"snapshot {snap} in {self.store.root} is of run {info.get('run_id')!r}, "
+                              f"the config says run.run_id = {self.cfg.run.run_id!r}")
+        try:
+            self.core.restore(tensors, info)
+        except (ValueError, KeyError, TypeError) as e:
+            raise ResumeError(f"snapshot {snap} in {self.store.root} does not fit this config: {e}") from None
+        self.core.epoch += 1
+        self.core.resumed_from = self.core.snapshot_id = snap
+        self.snap_merges = sum(self.core.stats.fragment_syncs)
+        self.resumed = {"snapshot": snap, "epoch": self.core.epoch, "skipped": list(self.store.skipped),
+                        "versions": list(self.core.version), "global_step": self.core.global_step}
+
+    def snapshot_now(self) -> int | None:
+        """Cut a snapshot now (its parts are written in the background); returns its id, or None when
+        there is nowhere to write or the run is ending."""
+        if self.store is None or self.core.final_started:
+            return None
+        snap = max(self.store.next_id(), self.core.snapshot_id + 1)
+        self.core.snapshot_id = snap
+        self.snap_merges = sum(self.core.stats.fragment_syncs)
+        tensors, info = self.core.export()
+        waiting = {m for m in self.core.alive() if m in self.core.learners}
+        self.snap_pending[snap] = {"learners": waiting, "syncer": False, "cut_s": self.now(),
+                                   "versions": list(self.core.version), "parts": []}
+        asyncio.get_running_loop().create_task(self._write_syncer_part(snap, tensors, info))
+        return snap
+
+    async def _write_syncer_part(self, snap: int, tensors: dict, info: dict) -> None:
+        try:
+            nbytes = await asyncio.to_thread(self.store.save_part, snap, "syncer", tensors, info, "syncer")
+        except (OSError, CheckpointError) as e:
+            log.error("snapshot %d: could not write the syncer's part: %s", snap, e)
+            emit({"event": "warning", "role": "syncer", "what": f"snapshot {snap} failed: {e}"})
+            self.snap_pending.pop(snap, None)
+            return
+        pending = self.snap_pending.get(snap)
+        if pending is not None:
+            pending.update(syncer=True, bytes=nbytes)
+            self._check_snapshots()
+
+    def _on_learner_snapshot(self, m: int, snap: int) -> None:
+        for s, pending in self.snap_pending.items():
+            if s <= snap and m in pending["learners"]:
+                pending["learners"].discard(m)
+                pending["parts"].append(f"learner-{m}")
+        self._check_snapshots()
+
+    def _check_snapshots(self) -> None:
+        """Mark complete every pending snapshot whose parts are all written (a learner that died, or
+        stayed silent for twice the liveness timeout, is no longer waited for)."""
+        if self.stopping:
+            return  # learners leave because everything stops: a snapshot missing their parts is worse
+        now, alive = self.now(), set(self.core.alive())
+        patience = 2 * self.cfg.syncer.liveness_timeout_s
+        for snap in sorted(self.snap_pending):
+            pending = self.snap_pending[snap]
+            if now - pending["cut_s"] > patience:
+                pending["learners"].clear()
+            pending["learners"] &= alive
+            if not pending["syncer"] or pending["learners"]:
+                continue
+            del self.snap_pending[snap]
+            parts = ["syncer", *sorted(pending["parts"])]
+            self.store.mark_complete(snap, {"run_id": self.core.run_id, "epoch": self.core.epoch, "parts": parts,
+                                            "versions": pending["versions"],
+                                            "learners": self.M})
+            self.snapshots_complete.append(snap)
+            removed = self.store.gc(self.cfg.checkpoint.keep)
+            emit({"event": "snapshot", "role": "syncer", "snapshot": snap, "parts": parts,
+                  "syncer_bytes": pending.get("bytes", 0), "seconds": round(now - pending["cut_s"], 3),
+                  "removed": removed})
+
+    def _maybe_snapshot(self) -> None:
+        every = self.cfg.checkpoint.every_merges
+        if every and sum(self.core.stats.fragment_syncs) - self.snap_merges >= every:
+            self.snapshot_now()
+
+    # ---- peer recovery ------------------------------------------------------------------
+
+    def _candidates(self) -> dict[int, Candidate]:
+        """Learners that can donate: alive, trained at least a step, not recovering themselves."""
+        now = self.now()
+        out = {}
+        for m, info in self.core.learners.items():
+            quarantined = self.core.quarantined.get(m, (0.0, ""))[0] > now
+            if info.alive and info.step > 0 and not quarantined and m not in self.donations.pending:
+                out[m] = Candidate(self.regions.get(m, self.cfg.region(m)), info.step)
+        return out
+
+    def _regions_of(self) -> dict[int, str]:
+        return {m: self.regions.get(m, self.cfg.region(m)) for m in range(self.M)}
+
+    def _donation_act(self, actions: list) -> None:
+        for a in actions:
+            if isinstance(a, AskDonor):
+                self.hub.publish(serde.control_to_frame(serde.Donate(a.recipient, a.versions)),
+                                 to=[learner_node(a.donor)])
+                log.info("learner %d recovers from learner %d", a.recipient, a.donor)
+            elif isinstance(a, NoDonor):
+                self._donation_done(a.recipient, a.why)
+
+    def _donation_done(self, recipient: int, state: bytes | str) -> None:
+        self.donated[recipient] = state
+        self.donated_ready.setdefault(recipient, asyncio.Event()).set()
+
+    def _on_donation(self, donor: int, msg, payload) -> Ack:
+        if not self.donations.delivered(msg.recipient, donor):
+            raise Rejected(f"learner {donor} was not asked for a state for learner {msg.recipient} (or was replaced)")
+        self.recovery_bytes += len(payload)
+        self._donation_done(msg.recipient, bytes(payload))
+        return Ack(sender="syncer", global_step=self.core.global_step, detail="donation")
+
+    async def _donation_source(self, request, recipient: int) -> BulkSource:
+        if request.sender != learner_node(recipient):
+            raise self._reject(ProtocolError(f"donation/{recipient} is for learner-{recipient}, not {request.sender[:40]!r}"))
+        ready = self.donated_ready.setdefault(recipient, asyncio.Event())
+        try:
+            await asyncio.wait_for(ready.wait(), 2 * self.cfg.syncer.donor_timeout_s)
+        except asyncio.TimeoutError:
+            raise Rejected("no peer state arrived in time", grpc.StatusCode.UNAVAILABLE) from None
+        state = self.donated.pop(recipient)
+        self.donated_ready.pop(recipient, None)
+        if isinstance(state, str):
+            raise Rejected(f"no peer state: {state}", grpc.StatusCode.NOT_FOUND)
+        return BulkSource(len(state), [state])
+
+    def _log_notices(self) -> None:
+        while self.core.notices:
+            what = self.core.notices.popleft()
+            log.warning("%s", what)
+            emit({"event": "warning", "role": "syncer", "what": what})
 
     # ---- plumbing -------------------------------------------------------------------
 
@@ -63,6 +243,7 @@ class SyncerService:
         return time.monotonic()
 
     def _act(self, actions: list) -> None:
+        self._log_notices()
         for a in actions:
             if isinstance(a, Broadcast):
                 self.hub.publish(serde.to_frame(a.msg))
@@ -71,6 +252,8 @@ class SyncerService:
                 self._timers[a.key] = asyncio.get_running_loop().call_later(delay, self._on_timer, a.key)
         if self.core.final_done and not self.final_done.is_set():
             self._final_done()
+        elif actions:
+            self._maybe_snapshot()
 
     def _on_timer(self, key: tuple[int, int]) -> None:
         self._timers.pop(key, None)
@@ -78,6 +261,10 @@ class SyncerService:
 
     def tick(self) -> None:
         self._act(self.core.tick(self.now()))
+        if self.donations.pending:
+            self._donation_act(self.donations.tick(self.now(), self._candidates(), self._regions_of()))
+        if self.snap_pending:
+            self._check_snapshots()
         self._check_finished()
 
     def _reject(self, e: Exception) -> Rejected:
@@ -91,12 +278,23 @@ class SyncerService:
             meta = serde.metadata_from_frame(frame, self.M)
             self._act(self.core.on_metadata(self.now(), meta))
         except ProtocolError as e:
+            self._log_notices()
             raise self._reject(e) from None
         self.regions[meta.learner] = meta.region
+        if meta.snapshot and self.snap_pending and meta.epoch == self.core.epoch:
+            self._on_learner_snapshot(meta.learner, meta.snapshot)
+        if meta.recovering and meta.learner not in self.donations.pending:
+            self.donated.pop(meta.learner, None)  # what an earlier attempt left, never fetched
+            self.donated_ready.setdefault(meta.learner, asyncio.Event()).clear()
+            self._donation_act(self.donations.request(self.now(), meta.learner, tuple(self.core.version),
+                                                      self._candidates(), self._regions_of()[meta.learner]))
         return Ack(sender="syncer", global_step=self.core.global_step)
 
     async def on_fragment(self, frame) -> Ack:
         try:
+            donation = serde.donation_from_frame(frame, self.M)
+            if donation is not None:
+                return self._on_donation(*donation, frame.payload)
             up = serde.upload_from_frame(frame, self.codec, self.M)
             self.regions[up.learner] = up.region
             if up.final and self.core.final_done:
@@ -105,6 +303,7 @@ class SyncerService:
             # A retried upload whose first try got through is a duplicate: the core ignores it.
             self._act(self.core.on_fragment(self.now(), up))
         except ProtocolError as e:
+            self._log_notices()
             raise self._reject(e) from None
         detail = "final" if up.final else f"v{self.core.version[up.fragment]}"
         return Ack(sender="syncer", global_step=self.core.global_step, detail=detail)
@@ -121,6 +320,7 @@ class SyncerService:
         self.streams[m] = self.streams.get(m, 0) + 1
         superseded = False
         try:
+            yield serde.control_to_frame(serde.Identity(self.core.run_id, self.core.epoch, self.core.resumed_from))
             async for item in stream:
                 yield item
             superseded = True  # a newer subscription of the same learner took over
@@ -129,12 +329,16 @@ class SyncerService:
             if not superseded and not self.stopping and self.streams[m] == 0:
                 log.info("learner %d: subscribe stream ended, treating it as lost", m)
                 self._act(self.core.on_peer_lost(self.now(), m))
+                self._donation_act(self.donations.peer_lost(self.now(), m, self._candidates(), self._regions_of()))
 
     async def bulk(self, request) -> BulkSource:
         kind, _, index = request.name.partition("/")
+        if kind == "donation" and index.isascii() and index.isdigit() and int(index) < self.M and index == str(int(index)):
+            return await self._donation_source(request, int(index))
         if kind not in ("fragment", "final") or not (index.isascii() and index.isdigit()) or not 0 <= int(index) < self.P:
             raise self._reject(ProtocolError(
-                f"unknown bulk object {request.name!r}; expected fragment/P or final/P with P in 0..{self.P - 1}"))
+                f"unknown bulk object {request.name!r}; expected fragment/P or final/P with P in 0..{self.P - 1}, "
+                f"or donation/M"))
         p = int(index)
         if kind == "final":
             try:
@@ -144,7 +348,7 @@ class SyncerService:
         else:
             self.resyncs_served += 1
         data = serde.fragment_to_bulk(p, self.core.version[p], self.core.global_step, self.core.theta[p],
-                                      self.bulk_codec)
+                                      self.bulk_codec, self.core.run_id, self.core.epoch, self.core.resumed_from)
         if kind == "final":
             return BulkSource(len(data), self._final_pieces(request.sender, p, data))
         return BulkSource(len(data), [data])
@@ -178,10 +382,21 @@ class SyncerService:
             h.cancel()
         self._timers.clear()
         self.final_done.set()
+        digests = [fragment_digest(self.core.theta[p], self.layout.fragments[p]) for p in range(self.P)]
+        if self.store is not None:
+            self.params_path = self.store.params_path
+            info = {"run_id": self.core.run_id, "epoch": self.core.epoch, "versions": list(self.core.version),
+                    "global_step": self.core.global_step, "digests": digests, "preset": self.cfg.preset,
+                    "model": dataclasses.asdict(self.cfg.model)}
+            try:  # small next to the run; on the loop so the report below names a file that exists
+                save_params(self.params_path, self.core.global_params(), info)
+            except OSError as e:
+                log.error("could not write the final parameters to %s: %s", self.params_path, e)
+                self.params_path = None
         self.final_report = {
-            "event": "final", "role": "syncer", "versions": list(self.core.version),
-            "digests": [fragment_digest(self.core.theta[p], self.layout.fragments[p]) for p in range(self.P)],
+            "event": "final", "role": "syncer", "versions": list(self.core.version), "digests": digests,
             "final_learners": sorted(self.core.final_participants()),
+            "params_path": str(self.params_path) if self.params_path else None,
             **self.summary(),
         }
         asyncio.get_running_loop().call_later(self.cfg.syncer.final_timeout_s, self.finished.set)
@@ -207,6 +422,12 @@ class SyncerService:
             "bytes_in": self.metrics.total(self.metrics.bytes_in), "bytes_out": self.metrics.total(self.metrics.bytes_out),
             "probe_bytes": self.metrics.total(self.metrics.bytes_out, "Probe"),
             "rejected": self.rejected, "resyncs_served": self.resyncs_served,
+            "duplicate_dropped": st.duplicate_dropped, "stale_epoch": st.stale_epoch, "quarantines": st.quarantines,
+            "refused_rounds": st.refused_rounds, "run_id": self.core.run_id, "epoch": self.core.epoch,
+            "resumed_from": self.core.resumed_from, "snapshots_complete": len(self.snapshots_complete),
+            "recoveries_served": self.donations.served, "donors_replaced": self.donations.replaced,
+            "recovery_bytes": self.recovery_bytes,
+            "last_snapshot": self.snapshots_complete[-1] if self.snapshots_complete else None,
         }
 
     def status(self) -> dict:
@@ -245,4 +466,5 @@ class SyncerService:
             g.labels(str(p)).set(v)
         self.metrics.gauge("learners_alive", "Learners not known to be down").set(len(self.core.alive()))
         self.metrics.gauge("global_step", "Highest learner step seen").set(self.core.global_step)
+
 

@@ -22,6 +22,7 @@ from wan_diloco.assemble import Assembly
 from wan_diloco.core import (
     FINAL_TIMER, ApplyGlobal, Broadcast, LearnerCore, Resync, SendFragment, SendMetadata, SetTimer, Snapshot,
 )
+from wan_diloco.core.recovery import Candidate, choose_donor
 from wan_diloco.planning.tape import Outage
 from wan_diloco.sim.common import Progress, SimResult, step_time, uptime
 from wan_diloco.spec import RunSpec, to_document
@@ -227,13 +228,15 @@ class Simulation:
         l = self.learners[m]
         if l.up:
             return
-        peers = [p for p in self.learners if p.up and p is not l]
+        candidates = {i: Candidate(p.core.region, p.core.step) for i, p in enumerate(self.learners)
+                      if p.up and p is not l}
         l.epoch += 1
-        if peers:
-            # Copy the most advanced healthy peer; its state takes state_bytes over the link.
-            peer = max(peers, key=lambda p: p.core.step)
+        donor = choose_donor(candidates, l.core.region)
+        if donor is not None:
+            # Copy a healthy peer (core.recovery's choice); its state takes state_bytes over the link.
+            peer = self.learners[donor]
             l.state = peer.state
-            l.core.copy_state_from(peer.core)
+            l.core.adopt(*peer.core.export())
             ready = self.now + self.state_bytes * 8 / (self.cfg.bandwidth_gbit_s * 1e9) + self.cfg.rtt_s
         else:
             for p in range(len(self.frags)):

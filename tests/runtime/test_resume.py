@@ -1,0 +1,124 @@
+"""Snapshots and resume with real processes on loopback (#13): a syncer killed mid-run comes back from
+its newest complete snapshot and the running learners rejoin it; a syncer restarted without one stops
+the learners instead of mixing models; `launch --resume` restarts a whole run from its snapshot."""
+import json
+
+import numpy as np
+import pytest
+
+from wan_diloco import spec as rt
+from wan_diloco.checkpoint import SnapshotStore, load_params
+from wan_diloco.runtime.launch import Cluster, launch, run_spec, write_config
+from wan_diloco.runtime.syncer import ResumeError, SyncerService
+from wan_diloco.transport import TransportMetrics
+
+from .conftest import TOKEN, micro_config
+from .test_kill_rejoin import wait_for
+
+
+def config(tmp_path, steps=400):
+    extra = f'\n[checkpoint]\ndir = "{tmp_path / "ckpt"}"\nevery_merges = 2\nkeep = 2\n'
+    return micro_config(tmp_path, learners=2, steps=steps, min_step_s=0.05, extra=extra)
+
+
+def event(child, kind):
+    return next((e for e in child.events if e.get("event") == kind), None)
+
+
+def finished(cluster, timeout_s=120):
+    wait_for("the end of the run", lambda: all(c.exit_code is not None for c in cluster.children.values()),
+             timeout_s=timeout_s)
+
+
+def test_a_killed_syncer_resumes_from_its_snapshot_and_the_running_learners_rejoin(tmp_path):
+    path = config(tmp_path)
+    cfg = rt.load(path)
+    with Cluster(cfg, path, tmp_path / "run") as cluster:
+        syncer = cluster.start_syncer()
+        learners = [cluster.start_learner(m) for m in range(2)]
+        first = wait_for("a complete snapshot", lambda: event(syncer, "snapshot"), timeout_s=120)
+        assert first["parts"] == ["learner-0", "learner-1", "syncer"] or first["parts"][0] == "syncer"
+        cluster.kill("syncer")
+        store = SnapshotStore(tmp_path / "ckpt")
+        snap, tensors, info, manifest = store.newest("syncer", "syncer")
+        assert set(manifest["parts"]) == {"syncer", "learner-0", "learner-1"}
+        resumed = cluster.start_syncer(resume=True)
+        listening = event(resumed, "listening")
+        assert listening["resumed"]["snapshot"] == snap and listening["epoch"] == 2
+        assert listening["run_id"] == info["run_id"] == manifest["run_id"]
+        finished(cluster)
+        assert [c.exit_code for c in cluster.children.values()] == [0, 0, 0]
+        final = event(resumed, "final")
+        for child in learners:
+            assert event(child, "rejoin") is not None  # the running learner took up the resumed syncer
+            mine = event(child, "final")
+            assert mine["digests"] == final["digests"] and mine["epoch"] == 2 and not mine["digest_mismatch"]
+    # The final parameters are a file, loadable without the run.
+    params, pinfo = load_params(tmp_path / "ckpt" / "params.safetensors")
+    assert pinfo["digests"] == final["digests"] and pinfo["run_id"] == info["run_id"]
+    assert all(np.all(np.isfinite(a)) for a in params.values())
+
+
+def test_resume_restores_the_snapshots_global_state_and_skips_a_corrupt_one(tmp_path):
+    path = config(tmp_path, steps=60)
+    cfg = rt.load(path)
+    with Cluster(cfg, path, tmp_path / "run") as cluster:
+        cluster.start_syncer()
+        for m in range(2):
+            cluster.start_learner(m)
+        finished(cluster)
+    store = SnapshotStore(tmp_path / "ckpt")
+    complete = store.complete_ids()
+    assert len(complete) == 2  # keep = 2: older ones were deleted
+    snap, tensors, info, _ = store.newest("syncer", "syncer")
+    service = SyncerService(cfg, TransportMetrics(), resume=True)
+    core = service.core
+    assert service.resumed["snapshot"] == snap and core.epoch == info["epoch"] + 1 and core.resumed_from == snap
+    assert core.version == info["versions"] and core.global_step == info["global_step"]
+    for p, frag in enumerate(core.theta):
+        assert all(np.array_equal(a, tensors[f"theta/{p}/{n}"]) for n, a in frag.items())
+    # Damage the newest snapshot's syncer part: the one before it is used, and it says so.
+    part = store.part(snap, "syncer")
+    part.write_bytes(part.read_bytes()[:-7])
+    service = SyncerService(cfg, TransportMetrics(), resume=True)
+    assert service.resumed["snapshot"] == complete[0] and service.resumed["skipped"][0][0] == snap
+    store.part(complete[0], "syncer").unlink()
+    with pytest.raises(ResumeError, match="no snapshot to resume from.*snapshot"):
+        SyncerService(cfg, TransportMetrics(), resume=True)
+
+
+def test_a_syncer_restarted_from_scratch_stops_the_learners_instead_of_mixing_models(tmp_path):
+    path = config(tmp_path)
+    cfg = rt.load(path)
+    with Cluster(cfg, path, tmp_path / "run") as cluster:
+        syncer = cluster.start_syncer()
+        learners = [cluster.start_learner(m) for m in range(2)]
+        wait_for("merges", lambda: any(e.get("event") == "progress" and sum(e["versions"]) >= 4 for e in syncer.events),
+                 timeout_s=120)
+        cluster.kill("syncer")
+        cluster.start_syncer()  # same port, no --resume: a fresh model at version 0
+        wait_for("the learners to stop", lambda: all(c.exit_code is not None for c in learners), timeout_s=90)
+        assert [c.exit_code for c in learners] == [3, 3]
+        for child in learners:
+            assert "would mix two models" in event(child, "error")["error"]
+        cluster.stop_all()
+
+
+def test_launch_resume_restarts_a_stopped_run_from_its_snapshot(tmp_path):
+    rdir = tmp_path / "run"
+    rdir.mkdir()
+    cfg = run_spec(rt.load(config(tmp_path)), rdir)
+    write_config(rdir / "config.toml", cfg)
+    assert (rdir / "config.toml").stat().st_mode & 0o777 == 0o600 and TOKEN not in (rdir / "config.toml").read_text()
+    with Cluster(cfg, rdir / "config.toml", rdir) as cluster:
+        syncer = cluster.start_syncer()
+        for m in range(2):
+            cluster.start_learner(m)
+        wait_for("a complete snapshot", lambda: event(syncer, "snapshot"), timeout_s=120)
+    snap = SnapshotStore(tmp_path / "ckpt").complete_ids()[-1]
+    code, summary = launch(rt.load(rdir / "config.toml"), "", str(rdir), resume=True)
+    assert code == 0, summary
+    assert summary["bit_identical"] and summary["learners_finished"] == 2 and summary["syncer_epoch"] >= 2
+    events = [json.loads(line) for line in (rdir / "metrics.jsonl").read_text().splitlines()]
+    resumed = [e for e in events if e["event"] == "resumed"]
+    assert sorted(e["learner"] for e in resumed) == [0, 1] and all(e["snapshot"] >= snap for e in resumed)
