@@ -20,6 +20,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "syncer": ("wan_diloco.cli.syncer", "serve the syncer of a networked run (gRPC over HTTP/2)"),
     "learner": ("wan_diloco.cli.learner", "one learner process of a networked run"),
     "launch": ("wan_diloco.cli.launch", "start a syncer and M learners as local processes, with live progress"),
+    "eval": ("wan_diloco.cli.eval", "held-out loss of saved parameters (a run's checkpoints/params.safetensors)"),
+    "token": ("wan_diloco.cli.token", "a learner's own token when transport.per_learner_tokens is on"),
     "train": ("wan_diloco.cli.train", "the default local run: syncer + 4 learners in 2 regions on loopback"),
     "wan": ("wan_diloco.cli.wan", "emulated WAN between region namespaces on this machine (needs root)"),
 }

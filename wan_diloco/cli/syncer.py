@@ -35,7 +35,7 @@ async def serve(cfg: spec_lib.RunSpec, token: str, port: int | None = None, resu
         log.warning("checkpoint.dir is empty: no snapshots and no final parameters will be written")
     host = cfg.run.host
     server = TransportServer(service, token, cfg.transport, f"{host}:{cfg.run.port if port is None else port}",
-                             metrics, name="syncer")
+                             metrics, name="syncer", per_sender_tokens=cfg.transport.per_learner_tokens)
     service.peer_links = server.peer_links  # one dict: the server records, /status shows
     # The run's token guards /status and /metrics; HTTPS with the gRPC port's certificate when it has one.
     status = (StatusServer(service.status, metrics, host, cfg.run.status_port, token=token, tls=cfg.transport.tls)

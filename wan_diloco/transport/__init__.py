@@ -20,7 +20,7 @@ from .messages import (
 )
 from .metrics import TransportMetrics
 from .probe import LinkSample, ProbePolicy
-from .security import ListenError
+from .security import ListenError, derive_token
 from .server import BulkSource, Handler, Rejected, TransportServer
 from .status import StatusServer
 
@@ -28,7 +28,7 @@ __all__ = [
     "Ack", "Backoff", "LinkSample", "ProbePolicy", "BufferPool", "BulkChunk", "BulkRequest", "BulkSource", "Frame", "Handler", "Kind",
     "LatestMailbox", "ListenError", "MAX_HEADER_BYTES", "MAX_MESSAGE_BYTES", "MESSAGE_MAGIC", "Message", "MessageError",
     "MessageReader", "OversizedError", "Prepared", "Rejected", "StatusServer", "Subscribe", "SyncerClient",
-    "TlsConfig", "TransportConfig", "TransportError", "TransportMetrics", "TransportServer", "UpdateHub",
+    "TlsConfig", "TransportConfig", "TransportError", "TransportMetrics", "TransportServer", "derive_token", "UpdateHub",
     "WIRE_VERSION", "decode_message", "encode_chunks", "encode_message", "new_event_loop", "run",
     "channels_for_link", "host_socket_buffer_bytes", "tune_for_link",
 ]

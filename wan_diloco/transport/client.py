@@ -164,8 +164,8 @@ class SyncerClient:
 
         async def attempt():
             call = self._channel(0).unary_unary(f"/{SERVICE}/Metadata")
-            reply = await call(data, timeout=self.config.call_timeout_s, metadata=self._call_metadata,
-                               wait_for_ready=True)
+            reply = await call(data, timeout=self.config.call_timeout_s, wait_for_ready=True,
+                               metadata=self._call_metadata + (sender_metadata(frame.sender),))
             self.metrics.sent("Metadata", len(data))
             return reply
 
@@ -214,7 +214,8 @@ class SyncerClient:
         backoff, pool = Backoff(self.config), BufferPool(keep=2)
         while not self._closed:
             call = self._channel(0).unary_stream(f"/{SERVICE}/Subscribe")(
-                request, timeout=self.config.subscribe_renew_s, metadata=self._call_metadata, wait_for_ready=True
+                request, timeout=self.config.subscribe_renew_s, wait_for_ready=True,
+                metadata=self._call_metadata + (sender_metadata(sender),),
             )
             reader = MessageReader(self.config.max_message_bytes, pool)
             try:
@@ -245,8 +246,8 @@ class SyncerClient:
         """One Probe call on ``channel``; bytes received are also added to ``got[0]`` as they arrive."""
         request = encode_message(Frame(sender=sender, fragment=0, meta={"bytes": nbytes, **report}))
         call = self._channel(channel).unary_stream(f"/{SERVICE}/Probe")(
-            request, timeout=self.config.upload_deadline_s(nbytes), metadata=self._call_metadata,
-            wait_for_ready=True)
+            request, timeout=self.config.upload_deadline_s(nbytes), wait_for_ready=True,
+            metadata=self._call_metadata + (sender_metadata(sender),))
         n = 0
         try:
             async for chunk in call:
@@ -304,7 +305,7 @@ class SyncerClient:
         while True:
             call = self._channel(0).unary_stream(f"/{SERVICE}/Bulk")(
                 data, timeout=self.config.upload_deadline_s(self.config.max_message_bytes),
-                metadata=self._call_metadata, wait_for_ready=True,
+                metadata=self._call_metadata + (sender_metadata(request.sender),), wait_for_ready=True,
             )
             try:
                 async for raw in call:

@@ -66,6 +66,9 @@ class TransportConfig:
     probe_seconds: float = 0.2  # target length of one timed probe transfer
     auto_channels: bool = True  # learners open more connections when a probe finds the link needs them
     allow_insecure_remote: bool = False  # cleartext to a non-loopback address
+    # Each learner holds its own token (`wan-diloco token --learner N`), so one cannot speak for another;
+    # the run's token stays on the syncer's host.
+    per_learner_tokens: bool = False
     tls: TlsConfig | None = None
 
     def validate(self) -> None:

@@ -331,6 +331,10 @@ def decode_parts(head: Payload, payload: memoryview, digest: int, trailer: Paylo
         raise MessageError(f"{cls.__name__}: header is not valid UTF-8 JSON: {e}") from None
     if not isinstance(fields, dict):
         raise MessageError(f"{cls.__name__}: header must be a JSON object")
+    try:  # JSON's \uXXXX escapes can spell lone surrogates: text no UTF-8 encoder (ours included) takes back
+        json.dumps(fields, ensure_ascii=False).encode()
+    except UnicodeEncodeError as e:
+        raise MessageError(f"{cls.__name__}: header text is not valid Unicode: {e}") from None
     expected = {f.name for f in _fields(cls)}
     if set(fields) != expected:
         missing, unknown = sorted(expected - set(fields)), sorted(set(fields) - expected)

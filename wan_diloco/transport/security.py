@@ -1,6 +1,7 @@
 """Credentials (bearer tokens, TLS / mutual TLS, cleartext only on loopback) and listen addresses."""
 from __future__ import annotations
 
+import hashlib
 import hmac
 import ipaddress
 import os
@@ -38,6 +39,13 @@ def token_matches(metadata: Sequence[tuple[str, str | bytes]] | None, token: str
         if key == AUTH_HEADER:
             return bearer_matches(value, token)
     return False
+
+
+def derive_token(master: str, sender: str) -> str:
+    """The token of one sender under per-sender credentials (``transport.per_learner_tokens``):
+    HMAC-SHA256 of the sender's name under the run's token. A learner given its own can speak only as
+    itself, and the run's token never has to leave the syncer's host (``wan-diloco token``)."""
+    return "wdl1." + hmac.new(check_token(master).encode(), sender.encode(), hashlib.sha256).hexdigest()
 
 
 def check_token(token: str) -> str:

@@ -32,7 +32,7 @@ from .messages import (
 from .metrics import TransportMetrics
 from .probe import MAX_CONCURRENT_PROBES, MAX_PROBE_BYTES, PROBE_MESSAGE_MIN_BYTES, finite_positive
 from .security import (
-    check_token, require_secure_or_loopback, server_credentials, token_matches, why_not_listening,
+    check_token, derive_token, require_secure_or_loopback, server_credentials, token_matches, why_not_listening,
 )
 
 log = logging.getLogger(__name__)
@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 SERVICE = "wan_diloco.Syncer"
 METHODS = ("Metadata", "Upload", "Subscribe", "Bulk", "Probe")
 MAX_PEER_LINKS = 4096
-SENDER_HEADER = "x-wdl-sender"  # Upload call metadata: whose upload it is, before any byte is read
+SENDER_HEADER = "x-wdl-sender"  # call metadata: who calls, before any byte is read (limits, per-sender tokens)
 SLOTS_BUSY_WARN_S = 5.0  # uploads waiting this long for a slot get one warning per episode
 
 
@@ -99,8 +99,12 @@ class TransportServer:
         address: str = "127.0.0.1:0",
         metrics: TransportMetrics | None = None,
         name: str = "syncer",
+        per_sender_tokens: bool = False,
     ) -> None:
+        """With ``per_sender_tokens`` every call must name its sender and carry that sender's own
+        token, ``derive_token(token, sender)``; a message from anyone else on it is refused."""
         self.handler, self.token = handler, check_token(token)
+        self.per_sender_tokens = per_sender_tokens
         self.config = config or TransportConfig()
         self.config.validate()
         require_secure_or_loopback(address, self.config.tls, self.config.allow_insecure_remote)
@@ -170,9 +174,35 @@ class TransportServer:
         self.metrics.error(rpc, code.name)
         await context.abort(code, f"{rpc}: {detail}")
 
-    async def _auth(self, context: grpc.aio.ServicerContext, rpc: str) -> None:
-        if not token_matches(context.invocation_metadata(), self.token):
-            await self._fail(context, rpc, grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
+    async def _auth(self, context: grpc.aio.ServicerContext, rpc: str) -> str | None:
+        """Check the bearer token; with per-sender tokens it must be the named sender's own
+        (``derive_token``), and that sender is returned for ``_bind``."""
+        if not self.per_sender_tokens:
+            if not token_matches(context.invocation_metadata(), self.token):
+                await self._fail(context, rpc, grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
+            return None
+        claimed = self._claimed_sender(context)
+        if claimed is None:
+            await self._fail(context, rpc, grpc.StatusCode.UNAUTHENTICATED,
+                             f"per-sender credentials: the call names no sender ({SENDER_HEADER})")
+        if not token_matches(context.invocation_metadata(), derive_token(self.token, claimed)):
+            await self._fail(context, rpc, grpc.StatusCode.UNAUTHENTICATED,
+                             f"missing or wrong bearer token for sender {claimed[:40]!r}")
+        return claimed
+
+    @staticmethod
+    def _claimed_sender(context) -> str | None:
+        for key, value in context.invocation_metadata() or ():
+            if key == SENDER_HEADER:
+                return unquote(value if isinstance(value, str) else bytes(value).decode("ascii", "replace"))
+        return None
+
+    @staticmethod
+    def _bind(who: str | None, sender: str) -> None:
+        """With per-sender tokens a message must come from the sender whose token the call carries."""
+        if who is not None and sender != who:
+            raise Rejected(f"the call's credentials are {who[:40]!r}'s, the message says it is from {sender[:40]!r}",
+                           grpc.StatusCode.PERMISSION_DENIED)
 
     def _decode(self, data: Payload, expected: type, limit: int) -> Message:
         msg = decode_message(data, max_bytes=limit)
@@ -201,20 +231,21 @@ class TransportServer:
     # ---- RPCs --------------------------------------------------------------
 
     async def _metadata(self, request: bytes, context) -> bytes:
-        await self._auth(context, "Metadata")
+        who = await self._auth(context, "Metadata")
         try:
             msg = self._decode(request, Frame, self.config.grpc_message_bytes)
+            self._bind(who, msg.sender)
             self.metrics.received("Metadata", len(request))
             return self._ack("Metadata", await self.handler.on_metadata(msg))
         except BaseException as e:
             await self._guard(context, "Metadata", e)
 
-    @staticmethod
-    def _uploader(context) -> str:
+    @classmethod
+    def _uploader(cls, context) -> str:
         """Who an upload counts against: the sender it names, else the peer's host."""
-        for key, value in context.invocation_metadata() or ():
-            if key == SENDER_HEADER:
-                return unquote(value if isinstance(value, str) else bytes(value).decode("ascii", "replace"))
+        claimed = cls._claimed_sender(context)
+        if claimed is not None:
+            return claimed
         peer = context.peer() or "unknown"
         # "ipv4:10.0.0.1:5555" -> "10.0.0.1": all connections of a host count together.
         _, _, address = peer.partition(":")
@@ -248,7 +279,7 @@ class TransportServer:
                     ", ".join(f"{who!r} x{n}" for who, n in top))  # repr: names are the callers' text
 
     async def _upload(self, request_iterator, context) -> bytes:
-        await self._auth(context, "Upload")
+        bound = await self._auth(context, "Upload")
         who, limit = self._uploader(context), self.config.max_uploads_per_sender
         if self._uploads_by.get(who, 0) >= limit:
             await self._fail(context, "Upload", grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -259,13 +290,13 @@ class TransportServer:
             # The slot bounds memory (max_concurrent_uploads x max_message_bytes); while a
             # call waits for one, HTTP/2 flow control holds its sender back.
             async with self._upload_slot():
-                return await self._receive_upload(request_iterator, context)
+                return await self._receive_upload(request_iterator, context, bound)
         finally:
             self._uploads_by[who] -= 1
             if not self._uploads_by[who]:
                 del self._uploads_by[who]
 
-    async def _receive_upload(self, request_iterator, context) -> bytes:
+    async def _receive_upload(self, request_iterator, context, bound: str | None) -> bytes:
         idle_s, quiet, nbytes = self.config.stream_idle_timeout_s, None, 0
         try:
             reader, done = MessageReader(self.config.max_message_bytes, self._pool), []
@@ -283,6 +314,7 @@ class TransportServer:
             msg = done[0]
             if not isinstance(msg, Frame):
                 raise MessageError(f"expected Frame, got {type(msg).__name__}")
+            self._bind(bound, msg.sender)
             self.metrics.received("Upload", nbytes, 1)
             return self._ack("Upload", await self.handler.on_fragment(msg))
         except BaseException as e:
@@ -318,9 +350,10 @@ class TransportServer:
                 del self._subscribers[msg.sender]
 
     async def _subscribe(self, request: bytes, context):
-        await self._auth(context, "Subscribe")
+        who = await self._auth(context, "Subscribe")
         try:
             msg = self._decode(request, Subscribe, self.config.grpc_message_bytes)
+            self._bind(who, msg.sender)
             self._claim_subscription(msg)  # before the handler: it would end the other stream
         except BaseException as e:
             await self._guard(context, "Subscribe", e)
@@ -351,9 +384,10 @@ class TransportServer:
             self._release_subscription(msg)
 
     async def _bulk(self, request: bytes, context):
-        await self._auth(context, "Bulk")
+        who = await self._auth(context, "Bulk")
         try:
             req = self._decode(request, BulkRequest, self.config.grpc_message_bytes)
+            self._bind(who, req.sender)
             self.metrics.received("Bulk", len(request))
             source = await self.handler.bulk(req)
             index = offset = 0
@@ -376,9 +410,10 @@ class TransportServer:
 
     async def _probe(self, request: bytes, context):
         """Stream ``meta["bytes"]`` zero bytes back: the sender times it (``probe.py``)."""
-        await self._auth(context, "Probe")
+        who = await self._auth(context, "Probe")
         try:
             msg = self._decode(request, Frame, self.config.grpc_message_bytes)
+            self._bind(who, msg.sender)
             nbytes = msg.meta.get("bytes")
             if isinstance(nbytes, bool) or not isinstance(nbytes, int) or not 0 <= nbytes <= MAX_PROBE_BYTES:
                 raise MessageError(f"probe meta.bytes must be an integer in [0, {MAX_PROBE_BYTES}], got {nbytes!r}")
