@@ -14,6 +14,8 @@ from .conftest import micro_config
 def test_three_learners_end_bit_identical_to_the_syncer(tmp_path, bits):
     extra = f"\n[codec]\nbits = {bits}\n" if bits != 32 else ""
     path = micro_config(tmp_path, learners=3, steps=40, extra=extra)
+    if bits == 4:  # and each learner with its own token (#13): launch hands each only its own
+        path.write_text(path.read_text().replace("[transport]\n", "[transport]\nper_learner_tokens = true\n"))
     code, summary = launch(rt.load(path), path.read_text(), str(tmp_path / "run"))
     assert code == 0, summary
     events = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

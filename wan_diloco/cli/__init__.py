@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from wan_diloco.config import ConfigError
@@ -42,6 +43,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if os.environ.get("WAN_DILOCO_PARENT_PID"):  # started by the launcher: stop when it dies
+        from wan_diloco.runtime.launch import die_with_parent
+
+        die_with_parent()
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

@@ -38,6 +38,7 @@ from wan_diloco.outer import OuterConfig, OuterOptimizer
 
 
 MAX_TAU = 1000  # a learner reporting a larger overlap is refused (τ < H, and H is steps between syncs)
+MAX_CLOCK = 1 << 53  # vector-clock entries count events: no run gets near; far from int64's end
 
 
 @dataclass(frozen=True)
@@ -290,7 +291,13 @@ class SyncerCore:
             raise ProtocolError(f"learner {learner} is quarantined for another {until - now_s:.0f} s: {why}")
 
     def _check_clock(self, learner: int, clock: VectorClock) -> None:
-        """Only this run's nodes: a clock naming others would ride on every later message."""
+        """Only this run's nodes (a clock naming others would ride on every later message), and no
+        entry near the wire's int64 limit (the syncer's next tick would overflow it, and every update
+        after would be refused on the way out)."""
+        huge = [n for n, v in clock.entries.items() if v > MAX_CLOCK]
+        if huge:
+            raise ProtocolError(f"vector clock from learner {learner}: entry {huge[0][:40]!r} = "
+                                f"{clock[huge[0]]} is beyond {MAX_CLOCK}")
         unknown = sorted(set(clock.entries) - self.nodes)
         if unknown:
             raise ProtocolError(f"vector clock from learner {learner}: {len(unknown)} unknown node(s), e.g. "

@@ -14,6 +14,7 @@ import contextlib
 import json
 import os
 import queue
+import re
 import secrets
 import signal
 import subprocess
@@ -28,6 +29,7 @@ from wan_diloco import spec as spec_lib
 from wan_diloco.regions import Emulator, EmulatorError
 from wan_diloco.spec import TOKEN_ENV, RunSpec
 from wan_diloco.transport.dev_certs import make_dev_certs
+from wan_diloco.transport.security import derive_token
 
 THREAD_ENV = {
     # 1 + M JAX processes share the machine: one compute thread each instead of one per core each.
@@ -60,6 +62,35 @@ class Child:
     @property
     def exit_code(self) -> int | None:
         return self.proc.poll()
+
+
+PARENT_ENV = "WAN_DILOCO_PARENT_PID"
+_LEARNER_NAME = re.compile(r"learner-(0|[1-9][0-9]{0,8})")
+
+
+def die_with_parent() -> None:
+    """In a child of ``Cluster`` (``PARENT_ENV`` names the launcher): ask the kernel for SIGTERM, the
+    child's clean stop, when the launcher dies, also by SIGKILL or the OOM killer; otherwise the
+    learners would train on until their own timeouts noticed. Set by the child at start rather than
+    between fork and exec: a launcher with threads (stdout readers, JAX) must not run Python in a
+    forked child. It survives an ``ip netns exec`` wrapper, which execs in place. Linux only."""
+    parent = os.environ.get(PARENT_ENV, "")
+    if not (parent.isdigit() and sys.platform.startswith("linux")):
+        return
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGTERM), 0, 0, 0)
+    if os.getppid() != int(parent):  # the launcher died before the request: no signal will come
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def learner_of(name: str) -> int:
+    """``learner-N`` -> N (one spelling: ASCII digits, no leading zero); ValueError naming it otherwise."""
+    match = _LEARNER_NAME.fullmatch(name)
+    if match is None:
+        raise ValueError(f"{name!r} is not a learner's name (learner-N)")
+    return int(match.group(1))
 
 
 def last_line(path: Path) -> str:
@@ -99,7 +130,9 @@ class Cluster:
         try:
             proc = subprocess.Popen(
                 [*self.wrap(name), sys.executable, "-m", "wan_diloco.cli", *args], stdout=subprocess.PIPE, stderr=log,
-                env=self.env, start_new_session=True,  # own process group: Ctrl-C reaches only the launcher
+                # Own process group: Ctrl-C reaches only the launcher. The child stops when we die
+                # (die_with_parent), also by SIGKILL.
+                env={**self.env, **self._own_token(name), PARENT_ENV: str(os.getpid())}, start_new_session=True,
             )
         finally:
             log.close()
@@ -107,6 +140,12 @@ class Cluster:
         child.reader = threading.Thread(target=self._read, args=(child,), daemon=True)
         child.reader.start()
         return child
+
+    def _own_token(self, name: str) -> dict:
+        """With per-learner credentials a learner gets only its own token; the syncer keeps the run's."""
+        if name == "syncer" or not self.cfg.transport.per_learner_tokens:
+            return {}
+        return {TOKEN_ENV: derive_token(self.token, name)}
 
     def _read(self, child: Child) -> None:
         for raw in child.proc.stdout:
@@ -217,7 +256,7 @@ class RunState:
             if kind in ("progress", "final", "listening"):
                 self.syncer.update(e)
             return
-        m = int(name.rpartition("-")[2])
+        m = learner_of(name)
         row = self.learners[m]
         if kind == "start":
             self.starts.setdefault(m, e)
@@ -323,7 +362,7 @@ def launch(cfg: RunSpec, config_text: str, run_dir: str | None = None,
 
 
 def _region_of(cfg: RunSpec, name: str) -> str:
-    return cfg.regions.syncer_region if name == "syncer" else cfg.region(int(name.rpartition("-")[2]))
+    return cfg.regions.syncer_region if name == "syncer" else cfg.region(learner_of(name))
 
 
 def emulated_spec(cfg: RunSpec, emu: Emulator, tls_dir: Path) -> RunSpec:

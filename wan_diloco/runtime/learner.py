@@ -54,6 +54,10 @@ class SyncerLost(RuntimeError):
     """The syncer stayed unreachable for longer than the transport's retry budget."""
 
 
+class Stopped(Exception):
+    """A signal asked the learner to stop while it waited on the network."""
+
+
 class Learner:
     def __init__(self, cfg: RunSpec, learner: int, target: str, token: str, parts: Assembly | None = None,
                  resume: bool = False):
@@ -135,6 +139,18 @@ class Learner:
         if self.core.step > int(self.state.step):  # a (re)joining learner took up the global schedule
             self.state = self.state.replace(step=jnp.asarray(self.core.step, jnp.int32))
 
+    def _wait(self, fut: concurrent.futures.Future, timeout_s: float):
+        """``fut.result(timeout_s)``, but a stop signal ends the wait (``Stopped``) at once."""
+        deadline = time.monotonic() + timeout_s
+        while not self.stop.is_set():
+            try:
+                return fut.result(timeout=max(0.0, min(0.2, deadline - time.monotonic())))
+            except concurrent.futures.TimeoutError:
+                if time.monotonic() >= deadline:
+                    raise
+        fut.cancel()
+        raise Stopped()
+
     def _rejoin(self, epoch: int, resumed_from: int) -> None:
         emit({"event": "rejoin", "role": "learner", "learner": self.m, "step": self.core.step,
               "why": f"the syncer resumed from snapshot {resumed_from} as incarnation {epoch}"})
@@ -188,7 +204,7 @@ class Learner:
         fut = self.net.fetch_bytes(f"donation/{self.m}")
         wait_s = 2 * self.cfg.syncer.donor_timeout_s + self.cfg.transport.call_timeout_s
         try:
-            data = fut.result(timeout=wait_s)
+            data = self._wait(fut, wait_s)
             tensors, info = decode_state(data, "donation", what="peer state")
             params = tree.from_named(tensors, "params", self.state.params, "peer state")
             opt = tree.from_named(tensors, "opt", self.state.opt_state, "peer state")
@@ -348,7 +364,7 @@ class Learner:
         first fragment fetched (its identity fields say which syncer incarnation it is)."""
         for _ in range(JOIN_TRIES):
             futs = [self.net.fetch_fragment(f"fragment/{p}") for p in range(len(self.layout.fragments))]
-            got = [fut.result(timeout=timeout_s) for fut in futs]
+            got = [self._wait(fut, timeout_s) for fut in futs]
             if len({(g.run_id, g.epoch) for g in got}) == 1:
                 break  # else the syncer restarted while we fetched: again
         else:
@@ -365,62 +381,67 @@ class Learner:
         jax.block_until_ready(self.step_fn(self.state, self.batches.next().tokens))
         self.net.start()
         try:
-            joined = self.join(self.cfg.transport.call_timeout_s + self.cfg.transport.retry_budget_s)
-            restored = self.resume and self._restore_part(joined.resumed_from)
-            # At a run's start nobody has trained yet: there is no state worth copying.
-            if not restored and self.cfg.learner.peer_recovery and self.core.step > 0:
-                self._recover_from_peer()
-            self.net.send_metadata(self.core.metadata())
-            self.net.start_probing()
-            initial_loss = self.evaluate()
-            emit({"event": "start", "role": "learner", "learner": self.m, "region": self.region,
-                  "step": self.core.step, "eval_loss": initial_loss, "bytes_sent": self.net.bytes_sent,
-                  "bytes_received": self.net.bytes_received})
-            t_start, last_report, loss = time.monotonic(), 0.0, float("nan")
-            while self.core.step < self.cfg.run.steps and not self.stop.is_set():
-                self._drain()
-                while self.core.blocked and not self.stop.is_set():
-                    self._drain(block_s=0.05)
-                t0 = time.monotonic()
-                batch = self.batches.next()
-                self.core.begin_step(t0)
-                self.state, metrics = self.step_fn(self.state, batch.tokens)
-                loss = float(metrics["loss"])  # also waits for the step to finish
-                if self.cfg.run.min_step_s:
-                    time.sleep(max(0.0, self.cfg.run.min_step_s - (time.monotonic() - t0)))
-                t1 = time.monotonic()
-                self.compute_s += t1 - t0
-                self.tokens += batch.n_tokens
-                self._handle(self.core.step_done(t1, batch.n_tokens))
-                if self.unplanned is not None and self.core.step >= REPLAN_MIN_STEPS:
-                    self._replan(self.unplanned, fresh=False)
-                if t1 - last_report >= self.cfg.run.report_every_s:
-                    last_report = t1
-                    emit({"event": "step", "role": "learner", "learner": self.m, "step": self.core.step,
-                          "loss": loss, "tokens": self.tokens, "bytes_sent": self.net.bytes_sent,
-                          "bytes_received": self.net.bytes_received, "versions": list(self.core.version)})
-            if self.stop.is_set():
-                return {"event": "stopped", "role": "learner", "learner": self.m, "step": self.core.step}
-            train_s = time.monotonic() - t_start
-            emit({"event": "finishing", "role": "learner", "learner": self.m, "step": self.core.step,
-                  "train_s": train_s, "bytes_sent": self.net.bytes_sent, "bytes_received": self.net.bytes_received})
-            # Before the final sync, whose merges come back with no steps trained in between.
-            lag = self.core.merge_lag_steps / self.core.merge_lags if self.core.merge_lags else None
-            report = self.final_sync()
-            return {"event": "final", "role": "learner", "learner": self.m, "region": self.region,
-                    "steps": self.core.step, "tokens": self.tokens, "train_s": train_s, "compute_s": self.compute_s,
-                    "initial_eval_loss": initial_loss, "last_loss": loss, "raw_bytes": self.raw_bytes,
-                    "payload_bytes": self.payload_bytes, "bytes_sent": self.net.bytes_sent,
-                    "bytes_received": self.net.bytes_received, "resyncs": self.resyncs,
-                    "link": self.link.to_event() if self.link is not None else None, "tau": self.core.cfg.tau,
-                    "merge_lag_steps": lag, "run_id": self.core.run_id, "epoch": self.core.epoch,
-                    "rejoins": self.rejoins, "snapshots_written": self.snapshots_written,
-                    "snapshot_stall_s": self.snapshot_stall_s, "stale_updates": self.core.stale_updates,
-                    "recovery": self.recovery,
-                    **report}
+            return self._run()
+        except Stopped:
+            return {"event": "stopped", "role": "learner", "learner": self.m, "step": self.core.step}
         finally:
             self.writer.shutdown(wait=True)  # a part being written is finished, not torn
             self.net.stop()
+
+    def _run(self) -> dict:
+        joined = self.join(self.cfg.transport.call_timeout_s + self.cfg.transport.retry_budget_s)
+        restored = self.resume and self._restore_part(joined.resumed_from)
+        # At a run's start nobody has trained yet: there is no state worth copying.
+        if not restored and self.cfg.learner.peer_recovery and self.core.step > 0:
+            self._recover_from_peer()
+        self.net.send_metadata(self.core.metadata())
+        self.net.start_probing()
+        initial_loss = self.evaluate()
+        emit({"event": "start", "role": "learner", "learner": self.m, "region": self.region,
+              "step": self.core.step, "eval_loss": initial_loss, "bytes_sent": self.net.bytes_sent,
+              "bytes_received": self.net.bytes_received})
+        t_start, last_report, loss = time.monotonic(), 0.0, float("nan")
+        while self.core.step < self.cfg.run.steps and not self.stop.is_set():
+            self._drain()
+            while self.core.blocked and not self.stop.is_set():
+                self._drain(block_s=0.05)
+            t0 = time.monotonic()
+            batch = self.batches.next()
+            self.core.begin_step(t0)
+            self.state, metrics = self.step_fn(self.state, batch.tokens)
+            loss = float(metrics["loss"])  # also waits for the step to finish
+            if self.cfg.run.min_step_s:
+                time.sleep(max(0.0, self.cfg.run.min_step_s - (time.monotonic() - t0)))
+            t1 = time.monotonic()
+            self.compute_s += t1 - t0
+            self.tokens += batch.n_tokens
+            self._handle(self.core.step_done(t1, batch.n_tokens))
+            if self.unplanned is not None and self.core.step >= REPLAN_MIN_STEPS:
+                self._replan(self.unplanned, fresh=False)
+            if t1 - last_report >= self.cfg.run.report_every_s:
+                last_report = t1
+                emit({"event": "step", "role": "learner", "learner": self.m, "step": self.core.step,
+                      "loss": loss, "tokens": self.tokens, "bytes_sent": self.net.bytes_sent,
+                      "bytes_received": self.net.bytes_received, "versions": list(self.core.version)})
+        if self.stop.is_set():
+            return {"event": "stopped", "role": "learner", "learner": self.m, "step": self.core.step}
+        train_s = time.monotonic() - t_start
+        emit({"event": "finishing", "role": "learner", "learner": self.m, "step": self.core.step,
+              "train_s": train_s, "bytes_sent": self.net.bytes_sent, "bytes_received": self.net.bytes_received})
+        # Before the final sync, whose merges come back with no steps trained in between.
+        lag = self.core.merge_lag_steps / self.core.merge_lags if self.core.merge_lags else None
+        report = self.final_sync()
+        return {"event": "final", "role": "learner", "learner": self.m, "region": self.region,
+                "steps": self.core.step, "tokens": self.tokens, "train_s": train_s, "compute_s": self.compute_s,
+                "initial_eval_loss": initial_loss, "last_loss": loss, "raw_bytes": self.raw_bytes,
+                "payload_bytes": self.payload_bytes, "bytes_sent": self.net.bytes_sent,
+                "bytes_received": self.net.bytes_received, "resyncs": self.resyncs,
+                "link": self.link.to_event() if self.link is not None else None, "tau": self.core.cfg.tau,
+                "merge_lag_steps": lag, "run_id": self.core.run_id, "epoch": self.core.epoch,
+                "rejoins": self.rejoins, "snapshots_written": self.snapshots_written,
+                "snapshot_stall_s": self.snapshot_stall_s, "stale_updates": self.core.stale_updates,
+                "recovery": self.recovery,
+                **report}
 
     def final_sync(self) -> dict:
         """Upload every fragment (flagged final); take the syncer's final fragments, by broadcast or bulk."""

@@ -197,6 +197,7 @@ class Donation:
 
 _CONTROL = {"identity": Identity, "donate": Donate}  # update-stream frames that are not GlobalUpdates
 DONATE_KEY = 1 << 30  # fan-out key of Donate frames (+ recipient): never a fragment, never dropped for one
+MAX_LEARNERS = 1 << 20
 for _cls in (Identity, Donate, Donation):
     _SCHEMAS[_cls] = _schema(_cls)
 
@@ -318,7 +319,10 @@ def control_from_frame(frame: transport.Frame) -> Identity | Donate | None:
     kind = _CONTROL[names[0]].__name__
     if frame.sender != SYNCER or len(meta) != 1 or len(frame.payload):
         raise ProtocolError(f"{kind}: a frame from the syncer with only meta.{names[0]} and no payload expected")
-    return _CONTROL[names[0]](**_fields_of(_CONTROL[names[0]], meta[names[0]]))
+    msg = _CONTROL[names[0]](**_fields_of(_CONTROL[names[0]], meta[names[0]]))
+    if isinstance(msg, Donate) and not (msg.recipient < MAX_LEARNERS and frame.fragment == DONATE_KEY + msg.recipient):
+        raise ProtocolError(f"Donate: recipient {msg.recipient} and fan-out key {frame.fragment} do not match")
+    return msg
 
 
 def donation_to_frame(donor: int, msg: Donation, payload: bytes) -> transport.Frame:
