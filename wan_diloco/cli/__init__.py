@@ -25,6 +25,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "token": ("wan_diloco.cli.token", "a learner's own token when transport.per_learner_tokens is on"),
     "train": ("wan_diloco.cli.train", "the default local run: syncer + 4 learners in 2 regions on loopback"),
     "wan": ("wan_diloco.cli.wan", "emulated WAN between region namespaces on this machine (needs root)"),
+    "chaos": ("wan_diloco.cli.chaos", "a real run under process kills and resumes, against a fault-free run"),
 }
 
 
