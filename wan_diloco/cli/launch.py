@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 
 from rich.live import Live
@@ -73,13 +74,21 @@ def print_summary(s: dict) -> None:
         ("compression ratio", f"{s['compression_ratio']:.2f}x"),
         ("final fragments bit-identical", "yes" if s["bit_identical"] else "NO"),
         ("snapshots (run id)", f"{s.get('snapshots', 0)} ({s.get('run_id')})"),
-        ("final parameters", s.get("params_path") or "not written (checkpoint.dir is empty)"),
+        ("final parameters", _short_path(s.get("params_path")) or "not written (checkpoint.dir is empty)"),
         ("wall time", f"{s['wall_s']:.1f} s"),
     ]
     for k, v in rows:
         t.add_row(k, v)
     out.print()
     out.print(t)
+
+
+def _short_path(path: str | None) -> str | None:
+    """``path`` relative to here when it is below here (the run folder usually is)."""
+    if not path:
+        return None
+    rel = os.path.relpath(path)
+    return path if rel.startswith("..") else rel
 
 
 def launch_and_show(cfg: spec_lib.RunSpec, config_text: str, run_dir: str | None, quiet: bool,
