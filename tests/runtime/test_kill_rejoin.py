@@ -59,8 +59,10 @@ def test_killed_learner_rejoins_and_contributes_again(tmp_path):
         # Peer recovery: a healthy learner gave it parameters, inner optimizer and residuals (#13).
         recovered = next(e for e in rejoined.events if e.get("event") == "recovered")
         assert recovered["from_peer"] and recovered["donor"] in (0, 1) and recovered["bytes"] > 0
-        wait_for("the donor's report", lambda: any(e.get("event") == "donated" and e["recipient"] == 2
-                                                   for e in learners[recovered["donor"]].events))
+        donated = wait_for("the donor's report", lambda: next(
+            (e for e in learners[recovered["donor"]].events if e.get("event") == "donated" and e["recipient"] == 2),
+            None))
+        assert donated["opt_digest"] == recovered["opt_digest"]  # its inner optimizer is the donor's, bit for bit
         wait_for("a merge with learner 2 after its restart", lambda: any(
             2 in h["contributors"] and h["closed_s"] > restarted_s for h in status(cluster)["history"]))
         wait_for("the end of the run", lambda: all(c.exit_code is not None for c in cluster.children.values()),

@@ -15,6 +15,9 @@ class FakeNet:
         self.inbox: queue.Queue = queue.Queue()
         self.fetched: list[str] = []
 
+    def silent_s(self):
+        return None  # the syncer answers
+
     def fetch_fragment(self, name: str) -> concurrent.futures.Future:
         self.fetched.append(name)
         return concurrent.futures.Future()
@@ -22,7 +25,7 @@ class FakeNet:
 
 def test_failed_fragment_fetch_is_reported_and_asked_again(capsys):
     lrn = object.__new__(Learner)  # only the drain/resync bookkeeping is exercised
-    lrn.m, lrn.net = 1, FakeNet()
+    lrn.m, lrn.net, lrn.donating = 1, FakeNet(), {}
     failed = concurrent.futures.Future()
     failed.set_exception(TransportError("Bulk", grpc.StatusCode.CANCELLED, "CANCELLED"))
     waiting = concurrent.futures.Future()

@@ -205,3 +205,17 @@ def test_run_state_takes_only_its_own_learner_names(tmp_path, name):
         return
     changed = json.dumps(state.learners, sort_keys=True) != before
     raise AssertionError(f"fold took {name!r} for a learner{' and changed its row' if changed else ''}")
+
+
+def test_the_summary_counts_learners_the_launcher_did_not_start(tmp_path):
+    """A learner restarted by hand (outside the launcher) is in the syncer's final sync; the summary says so."""
+    from wan_diloco.runtime.launch import summarize
+
+    state = RunState(rt.load(micro_config(tmp_path, learners=3)))
+    state.fold("syncer", {"event": "final", "final_learners": [0, 1, 2], "digests": ["d"], "global_step": 40})
+    for m in (0, 1):
+        state.fold(f"learner-{m}", {"event": "final", "steps": 40, "last_loss": 2.0, "tokens": 100, "bytes_sent": 1,
+                                    "raw_bytes": 4, "payload_bytes": 1, "final_eval_loss": 2.0, "compute_s": 1.0,
+                                    "train_s": 1.0, "digests": ["d"]})
+    summary = summarize(state, 10.0)
+    assert summary["learners_finished"] == 2 and summary["final_learners"] == [0, 1, 2]

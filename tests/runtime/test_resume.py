@@ -87,6 +87,7 @@ def test_resume_restores_the_snapshots_global_state_and_skips_a_corrupt_one(tmp_
         SyncerService(cfg, TransportMetrics(), resume=True)
 
 
+@pytest.mark.slow  # ~45 s; the core's IncarnationError tests cover the decision
 def test_a_syncer_restarted_from_scratch_stops_the_learners_instead_of_mixing_models(tmp_path):
     path = config(tmp_path)
     cfg = rt.load(path)
@@ -104,6 +105,7 @@ def test_a_syncer_restarted_from_scratch_stops_the_learners_instead_of_mixing_mo
         cluster.stop_all()
 
 
+@pytest.mark.slow  # ~75 s; the by-hand resume above runs by default
 def test_launch_resume_restarts_a_stopped_run_from_its_snapshot(tmp_path):
     rdir = tmp_path / "run"
     rdir.mkdir()
@@ -122,3 +124,20 @@ def test_launch_resume_restarts_a_stopped_run_from_its_snapshot(tmp_path):
     events = [json.loads(line) for line in (rdir / "metrics.jsonl").read_text().splitlines()]
     resumed = [e for e in events if e["event"] == "resumed"]
     assert sorted(e["learner"] for e in resumed) == [0, 1] and all(e["snapshot"] >= snap for e in resumed)
+
+
+@pytest.mark.slow  # ~50 s
+def test_learners_left_without_a_syncer_stop_with_one_line_after_the_retry_budget(tmp_path):
+    path = config(tmp_path, steps=4000)  # transport.retry_budget_s = 15 s, long before the last step
+    cfg = rt.load(path)
+    with Cluster(cfg, path, tmp_path / "run") as cluster:
+        syncer = cluster.start_syncer()
+        learner = cluster.start_learner(0)
+        wait_for("training", lambda: any(e.get("event") == "step" for e in learner.events), timeout_s=120)
+        cluster.kill("syncer")
+        wait_for("the learner to give up", lambda: learner.exit_code is not None, timeout_s=90)
+        assert learner.exit_code == 3
+        error = event(learner, "error")["error"]
+        assert "syncer" in error and "\n" not in error
+        lines = (tmp_path / "run" / "learner-0.log").read_text().strip().splitlines()
+        assert lines[-1].startswith("learner-0: stopping:") and "Traceback" not in "".join(lines)

@@ -199,3 +199,25 @@ def test_the_server_limits_concurrent_streams_per_connection():
                 await asyncio.sleep(0.5)
                 assert server._uploads_by == {"peer 127.0.0.1": 2}  # the others wait in the client
     arun(main())
+
+
+def test_a_sender_calling_faster_than_its_rate_is_refused_and_others_are_not():
+    config = dataclasses.replace(SMALL, max_calls_per_s_per_sender=5.0)
+
+    async def main():
+        async with syncer(config=config) as (server, handler):
+            async with client_for(server) as client:
+                refused = 0
+                for _ in range(30):  # a burst of 10 is let through, then about 5 a second
+                    try:
+                        await client.send_metadata(Frame("learner-0", 0, {}, b""))
+                    except TransportError as e:
+                        assert e.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_calls_per_s_per_sender" in e.details
+                        refused += 1
+                await client.send_metadata(Frame("learner-1", 0, {}, b""))  # another sender has its own
+                await asyncio.sleep(0.5)
+                await client.send_metadata(Frame("learner-0", 0, {}, b""))  # and the bucket refills
+                return refused, len(handler.metadata)
+
+    refused, served = arun(main())
+    assert 15 <= refused <= 20 and served == 30 - refused + 2

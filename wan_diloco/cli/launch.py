@@ -63,7 +63,9 @@ def print_summary(s: dict) -> None:
     t = Table(title="networked run", show_header=False)
     rows = [
         ("eval loss", f"{s['initial_eval_loss']:.4f} -> {s['final_eval_loss']:.4f}"),
-        ("learners finished", f"{s['learners_finished']} / {s['learners']}"),
+        ("learners finished", f"{s['learners_finished']} / {s['learners']}" + (
+            f" (in the final sync: {len(s['final_learners'])})"
+            if len(s.get("final_learners", [])) != s["learners_finished"] else "")),
         ("tokens", f"{s['tokens']:,}"),
         ("global steps", str(s["global_steps"])),
         ("goodput", f"{s['goodput']:.1%}"),

@@ -114,7 +114,9 @@ class Cluster:
         self.token = token or cfg.run.token or os.environ.get(TOKEN_ENV) or secrets.token_urlsafe(24)
         self.env = child_env(self.token, env)
         self.children: dict[str, Child] = {}
-        self.events: queue.Queue = queue.Queue()
+        # Bounded: a launcher that stops reading holds its children back (their stdout fills) instead
+        # of growing without end.
+        self.events: queue.Queue = queue.Queue(maxsize=100_000)
         self.syncer_port: int | None = None
         self.status_port: int | None = None
 
@@ -291,6 +293,8 @@ def summarize(mon: RunState, wall_s: float) -> dict:
     lags = [f["merge_lag_steps"] for f in finals if f.get("merge_lag_steps") is not None]
     return {
         "learners_finished": len(finals), "learners": M,
+        # The syncer's view: also learners restarted by hand outside this launcher, whose events it never saw.
+        "final_learners": sf.get("final_learners", []),
         "initial_eval_loss": sum(s["eval_loss"] for s in mon.starts.values()) / max(1, len(mon.starts)),
         "final_eval_loss": sum(f["final_eval_loss"] for f in finals) / max(1, len(finals)),
         "tokens": sum(f["tokens"] for f in finals), "global_steps": sf.get("global_step", 0),

@@ -19,6 +19,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
+import hashlib
 import queue
 import signal
 import sys
@@ -190,7 +191,7 @@ class Learner:
             def send(tensors=tensors, info=info, msg=msg):
                 data = encode_state(tensors, info, "donation")
                 self.net.upload_frame(serde.donation_to_frame(self.m, msg, data)).result()
-                return len(data)
+                return len(data), named_digest(tensors, "opt/")
 
             fut = self.writer.submit(send)
             fut.add_done_callback(lambda f, r=r: self.net.inbox.put(("donated", (r, f))))
@@ -200,6 +201,12 @@ class Learner:
         inner optimizer and residuals (the syncer picks the donor), then replay the updates that
         arrived meanwhile. Without one (none healthy, timeout, a bad state) it goes on from Θ alone."""
         t0 = time.monotonic()
+        state_bytes = sum(getattr(a, "nbytes", 0) for a in jax.tree_util.tree_leaves((self.state, self.core.base)))
+        if state_bytes > self.cfg.transport.max_message_bytes:
+            self.recovery = {"from_peer": False, "why": f"a peer's state ({state_bytes / 2**20:.0f} MiB) is larger than "
+                             f"transport.max_message_bytes ({self.cfg.transport.max_message_bytes / 2**20:.0f} MiB)"}
+            emit({"event": "warning", "role": "learner", "learner": self.m, "what": f"no peer recovery: {self.recovery['why']}"})
+            return
         self.net.send_metadata(dataclasses.replace(self.core.metadata(), recovering=True))
         fut = self.net.fetch_bytes(f"donation/{self.m}")
         wait_s = 2 * self.cfg.syncer.donor_timeout_s + self.cfg.transport.call_timeout_s
@@ -223,6 +230,7 @@ class Learner:
         replayed = self.net.inbox.qsize()
         self._drain()  # the updates that arrived while the state travelled, in the order they came
         self.recovery = {"from_peer": True, "donor": info.get("donor"), "bytes": len(data),
+                         "opt_digest": named_digest(tree.to_named(self.state.opt_state, "opt"), "opt/"),
                          "seconds": round(time.monotonic() - t0, 3), "replayed": replayed}
         emit({"event": "recovered", "role": "learner", "learner": self.m, "step": self.core.step, **self.recovery})
 
@@ -280,8 +288,9 @@ class Learner:
                     emit({"event": "warning", "role": "learner", "learner": self.m,
                           "what": f"could not send this learner's state to learner {r}: {fut.exception()}"})
                 else:
+                    nbytes, opt_digest = fut.result()
                     emit({"event": "donated", "role": "learner", "learner": self.m, "recipient": r,
-                          "bytes": fut.result(), "step": self.core.step})
+                          "bytes": nbytes, "opt_digest": opt_digest, "step": self.core.step})
             elif kind == "saved":
                 snap, fut = item
                 if fut.exception() is not None:
@@ -292,6 +301,11 @@ class Learner:
                     self.snapshots_written += 1
             else:
                 raise SyncerLost(f"learner {self.m}: {item}")
+        silent = self.net.silent_s()
+        limit_s = silent and self.cfg.transport.retry_budget_s + self.cfg.transport.call_timeout_s
+        if silent is not None and silent[0] > limit_s:
+            raise SyncerLost(f"no answer from the syncer for {silent[0]:.0f} s (transport.retry_budget_s + "
+                             f"call_timeout_s = {limit_s:g} s); last error: {silent[1]}")
         if self.donating:
             self._serve_donations()
         for p, fut in list(self.pending_resync.items()):
@@ -485,6 +499,17 @@ class Learner:
                 fut = self.net.fetch_fragment(f"final/{p}")
 
 
+def named_digest(tensors: dict, prefix: str) -> str:
+    """SHA-256 over the tensors whose names start with ``prefix`` (names, dtypes, bytes, in name order):
+    equal digests on donor and recipient mean the state arrived bit for bit."""
+    h = hashlib.sha256()
+    for name in sorted(n for n in tensors if n.startswith(prefix)):
+        a = np.asarray(tensors[name])
+        h.update(f"{name}\0{a.dtype.str}\0{a.shape}\0".encode())
+        h.update(np.ascontiguousarray(a).tobytes())
+    return h.hexdigest()
+
+
 def run_learner(cfg: RunSpec, learner: int, target: str, token: str, resume: bool = False) -> int:
     """Process entry point: 0 after a completed final sync whose model equals the syncer's, 143 when
     stopped by a signal, 3 when the syncer was lost or is not the one this learner's model came
@@ -494,7 +519,7 @@ def run_learner(cfg: RunSpec, learner: int, target: str, token: str, resume: boo
         signal.signal(sig, lambda *_: lrn.stop.set())
     try:
         result = lrn.run()
-    except (IncarnationError, SyncerLost) as e:
+    except (IncarnationError, SyncerLost, TransportError, MessageError) as e:  # the network, not a bug: one line
         emit({"event": "error", "role": "learner", "learner": learner, "error": str(e)})
         print(f"learner-{learner}: stopping: {e}", file=sys.stderr)
         return 3

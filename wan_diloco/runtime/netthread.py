@@ -58,6 +58,9 @@ class NetThread:
         self._uploads: dict[int, concurrent.futures.Future] = {}
         self.upload_errors = 0
         self.bad_updates = 0
+        # When the syncer last answered, and the last call that failed since (see ``silent_s``).
+        self.last_contact_s = time.monotonic()
+        self.last_failure: tuple[float, str] | None = None
 
     # ---- lifecycle ------------------------------------------------------------------
 
@@ -96,6 +99,7 @@ class NetThread:
             async for frame in self.client.subscribe(self.node, self.region):
                 # Stamped on arrival: the learner merges between steps, but sync time is measured to here.
                 arrived_s = time.monotonic()
+                self.contact()
                 try:
                     control = serde.control_from_frame(frame)
                     if control is not None:  # ("identity", Identity) or ("donate", Donate)
@@ -159,6 +163,21 @@ class NetThread:
                     f"at most {self.socket_buffer_bytes / 2**20:.0f} MiB each")}))
         return self.client.channels > before
 
+    # ---- liveness of the syncer --------------------------------------------------------
+
+    def contact(self) -> None:
+        self.last_contact_s, self.last_failure = time.monotonic(), None
+
+    def failed(self, error: Exception) -> None:
+        self.last_failure = (time.monotonic(), str(error))
+
+    def silent_s(self) -> tuple[float, str] | None:
+        """(seconds since the syncer last answered, the last error) while calls fail; None while it
+        answers or nothing was tried (a learner with long steps is not silent, only quiet)."""
+        if self.last_failure is None:
+            return None
+        return time.monotonic() - self.last_contact_s, self.last_failure[1]
+
     # ---- upstream (called from the training thread) ---------------------------------
 
     def send_metadata(self, msg: Metadata) -> None:
@@ -178,7 +197,9 @@ class NetThread:
             frame, self._md = self._md, None
             try:
                 await self.client.send_metadata(frame)
+                self.contact()
             except (TransportError, MessageError) as e:
+                self.failed(e)
                 log.warning("%s: metadata not delivered: %s", self.node, e)
 
     def upload(self, msg: FragmentUpload) -> concurrent.futures.Future:
@@ -197,8 +218,11 @@ class NetThread:
 
     async def _upload(self, frame: Frame):
         try:
-            return await self.client.upload_fragment(frame)
+            ack = await self.client.upload_fragment(frame)
+            self.contact()
+            return ack
         except (TransportError, MessageError) as e:
+            self.failed(e)
             self.upload_errors += 1
             log.warning("%s: upload of fragment %d failed: %s", self.node, frame.fragment, e)
             raise

@@ -46,6 +46,9 @@ class TransportConfig:
     max_inflight_uploads: int = 8  # client: fragment uploads in flight at once (capped by max_uploads_per_sender)
     max_concurrent_uploads: int = 16  # server: uploads reassembled at once (memory bound)
     max_uploads_per_sender: int = 4  # server: open uploads of one sender; more are refused (RESOURCE_EXHAUSTED)
+    # server: Metadata, Probe and Bulk calls per second of one sender (a burst of twice as many is let
+    # through); learners send one Metadata per step. More are refused (RESOURCE_EXHAUSTED).
+    max_calls_per_s_per_sender: float = 200.0
     stream_idle_timeout_s: float = 30.0  # server: an upload whose next chunk takes longer is aborted
     max_concurrent_streams: int = 64  # server: HTTP/2 streams one connection may have open
     bdp_probe: bool = True  # let gRPC grow flow-control windows from measured BDP
@@ -84,6 +87,8 @@ class TransportConfig:
         require(self.max_concurrent_uploads >= 1, "max_concurrent_uploads", "must be >= 1")
         for name in ("max_uploads_per_sender", "max_concurrent_streams"):
             require(getattr(self, name) >= 1, name, f"must be >= 1, got {getattr(self, name)}")
+        require(self.max_calls_per_s_per_sender > 0, "max_calls_per_s_per_sender",
+                f"must be > 0, got {self.max_calls_per_s_per_sender}")
         require(self.lookahead_bytes >= 0, "lookahead_bytes", "must be >= 0 (0 = gRPC default)")
         require(
             self.max_frame_bytes == 0 or MIN_FRAME_BYTES <= self.max_frame_bytes <= MAX_FRAME_BYTES,

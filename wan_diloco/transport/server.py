@@ -105,6 +105,7 @@ class TransportServer:
         token, ``derive_token(token, sender)``; a message from anyone else on it is refused."""
         self.handler, self.token = handler, check_token(token)
         self.per_sender_tokens = per_sender_tokens
+        self._buckets: dict[str, tuple[float, float]] = {}  # sender -> (tokens, at): per-sender call rate
         self.config = config or TransportConfig()
         self.config.validate()
         require_secure_or_loopback(address, self.config.tls, self.config.allow_insecure_remote)
@@ -197,6 +198,21 @@ class TransportServer:
                 return unquote(value if isinstance(value, str) else bytes(value).decode("ascii", "replace"))
         return None
 
+    async def _rate(self, context, rpc: str) -> None:
+        """A token bucket per sender (``max_calls_per_s_per_sender``, bursts of twice that): one token
+        holder cannot keep the event loop busy with small calls."""
+        rate = self.config.max_calls_per_s_per_sender
+        who, now = self._uploader(context), time.monotonic()
+        tokens, at = self._buckets.get(who, (2 * rate, now))
+        tokens = min(2 * rate, tokens + (now - at) * rate)
+        if tokens < 1:
+            self._buckets[who] = (tokens, now)
+            await self._fail(context, rpc, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                             f"{who[:40]} calls more than {rate:g} times a second (max_calls_per_s_per_sender)")
+        if who not in self._buckets and len(self._buckets) >= MAX_PEER_LINKS:
+            self._buckets.pop(next(iter(self._buckets)))  # bounded: oldest first
+        self._buckets[who] = (tokens - 1, now)
+
     @staticmethod
     def _bind(who: str | None, sender: str) -> None:
         """With per-sender tokens a message must come from the sender whose token the call carries."""
@@ -232,6 +248,7 @@ class TransportServer:
 
     async def _metadata(self, request: bytes, context) -> bytes:
         who = await self._auth(context, "Metadata")
+        await self._rate(context, "Metadata")
         try:
             msg = self._decode(request, Frame, self.config.grpc_message_bytes)
             self._bind(who, msg.sender)
@@ -385,6 +402,7 @@ class TransportServer:
 
     async def _bulk(self, request: bytes, context):
         who = await self._auth(context, "Bulk")
+        await self._rate(context, "Bulk")
         try:
             req = self._decode(request, BulkRequest, self.config.grpc_message_bytes)
             self._bind(who, req.sender)
@@ -411,6 +429,7 @@ class TransportServer:
     async def _probe(self, request: bytes, context):
         """Stream ``meta["bytes"]`` zero bytes back: the sender times it (``probe.py``)."""
         who = await self._auth(context, "Probe")
+        await self._rate(context, "Probe")
         try:
             msg = self._decode(request, Frame, self.config.grpc_message_bytes)
             self._bind(who, msg.sender)
