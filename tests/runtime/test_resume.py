@@ -131,7 +131,7 @@ def test_learners_left_without_a_syncer_stop_with_one_line_after_the_retry_budge
     path = config(tmp_path, steps=4000)  # transport.retry_budget_s = 15 s, long before the last step
     cfg = rt.load(path)
     with Cluster(cfg, path, tmp_path / "run") as cluster:
-        syncer = cluster.start_syncer()
+        cluster.start_syncer()
         learner = cluster.start_learner(0)
         wait_for("training", lambda: any(e.get("event") == "step" for e in learner.events), timeout_s=120)
         cluster.kill("syncer")
