@@ -94,6 +94,7 @@ class Learner:
         self.rejoins = 0
         self.donating: dict[int, tuple[int, ...]] = {}  # recipient -> versions it saw (peer recovery)
         self.recovery: dict | None = None  # how this learner's own recovery from a peer went
+        self.on_compiled = lambda: None  # called once the first step compiled (signal handlers go in then)
         if cfg.run.run_id:
             self.core.run_id = cfg.run.run_id  # a syncer serving another run is refused at the join
 
@@ -393,6 +394,7 @@ class Learner:
     def run(self) -> dict:
         # Compile before joining: the first step on a shared CPU can take longer than the liveness timeout.
         jax.block_until_ready(self.step_fn(self.state, self.batches.next().tokens))
+        self.on_compiled()
         self.net.start()
         try:
             return self._run()
@@ -515,8 +517,14 @@ def run_learner(cfg: RunSpec, learner: int, target: str, token: str, resume: boo
     stopped by a signal, 3 when the syncer was lost or is not the one this learner's model came
     from, 4 when the final model differs from the syncer's."""
     lrn = Learner(cfg, learner, target, token, resume=resume)
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: lrn.stop.set())
+
+    def stop_cleanly() -> None:
+        # Until the first compile is done there is nothing to finish or write: a signal's default
+        # action ends the process at once (a Python handler would wait for the compile, seconds).
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: lrn.stop.set())
+
+    lrn.on_compiled = stop_cleanly
     try:
         result = lrn.run()
     except (IncarnationError, SyncerLost, TransportError, MessageError) as e:  # the network, not a bug: one line

@@ -224,8 +224,10 @@ class SyncerService:
             await asyncio.wait_for(ready.wait(), 2 * self.cfg.syncer.donor_timeout_s)
         except asyncio.TimeoutError:
             raise Rejected("no peer state arrived in time", grpc.StatusCode.UNAVAILABLE) from None
-        state = self.donated.pop(recipient)
+        state = self.donated.pop(recipient, None)
         self.donated_ready.pop(recipient, None)
+        if state is None:  # a new request of the same learner took over this one
+            raise Rejected("superseded by a newer recovery request", grpc.StatusCode.UNAVAILABLE)
         if isinstance(state, str):
             raise Rejected(f"no peer state: {state}", grpc.StatusCode.NOT_FOUND)
         return BulkSource(len(state), [state])
