@@ -1,0 +1,53 @@
+"""The syncer's side of peer recovery, in process (#13): the donor it asks is lost mid-transfer, the next
+one is asked, its state reaches the recipient by bulk, and the first donor's late answer is refused."""
+import asyncio
+
+import pytest
+
+from wan_diloco import spec as rt
+from wan_diloco.clock import VectorClock
+from wan_diloco.core import Metadata
+from wan_diloco.runtime import serde
+from wan_diloco.runtime.syncer import SyncerService
+from wan_diloco.transport import BulkRequest, Rejected, Subscribe, TransportMetrics, run
+
+from .conftest import micro_config
+
+
+def metadata(m, step, recovering=False):
+    return serde.to_frame(Metadata(learner=m, step=step, c_steps=(0, 0), c_tokens=(0, 0),
+                                   clock=VectorClock({f"learner-{m}": step}), recovering=recovering))
+
+
+def donates(service, donor):
+    """The Donate frames waiting in ``donor``'s mailbox (what its update stream would deliver)."""
+    box = service.hub.mailbox(f"learner-{donor}")
+    return [serde.control_from_frame(p.message) for p in box._pending.values()
+            if serde.control_from_frame(p.message) is not None]
+
+
+def test_a_donor_lost_mid_transfer_is_replaced_and_the_state_reaches_the_recipient(tmp_path):
+    cfg = rt.load(micro_config(tmp_path, learners=3))
+    service = SyncerService(cfg, TransportMetrics())
+
+    async def main():
+        # Learner 0 is the most advanced, so it is asked first; it has an update stream open.
+        stream0 = service.subscribe(Subscribe("learner-0", cfg.region(0), "i0"))
+        assert isinstance(serde.control_from_frame(await anext(stream0)), serde.Identity)  # every stream starts so
+        await service.on_metadata(metadata(0, 30))
+        await service.on_metadata(metadata(1, 20))
+        fetch = asyncio.ensure_future(service.bulk(BulkRequest("learner-2", "donation/2", {})))
+        await service.on_metadata(metadata(2, 0, recovering=True))
+        assert [d.recipient for d in donates(service, 0)] == [2] and donates(service, 1) == []
+        await stream0.aclose()  # learner 0 goes away before sending anything
+        assert [d.recipient for d in donates(service, 1)] == [2]
+        state = b"the state of learner 1"
+        ack = await service.on_fragment(serde.donation_to_frame(1, serde.Donation(2, (0, 0)), state))
+        assert ack.detail == "donation"
+        source = await asyncio.wait_for(fetch, 5)
+        assert b"".join(bytes(p) for p in source.pieces) == state
+        with pytest.raises(Rejected, match="was not asked"):  # the lost donor's late answer
+            await service.on_fragment(serde.donation_to_frame(0, serde.Donation(2, (0, 0)), b"late"))
+        return service.donations.replaced, service.donations.served, service.recovery_bytes
+
+    assert run(asyncio.wait_for(main(), 60)) == (1, 1, len(b"the state of learner 1"))
