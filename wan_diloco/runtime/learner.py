@@ -166,15 +166,22 @@ class Learner:
         if self.store is None:
             return
         t0 = time.monotonic()
-        tensors, info = self.core.export()
-        tensors.update(tree.to_named(self.state.params, "params"))
-        tensors.update(tree.to_named(self.state.opt_state, "opt"))
-        info.update(snapshot=snap, train_step=int(self.state.step), tokens=self.tokens, data=self.batches.position())
+        tensors, info = self._state_on_host()
+        info.update(snapshot=snap, tokens=self.tokens, data=self.batches.position())
         self.snapshot_stall_s = max(self.snapshot_stall_s, time.monotonic() - t0)
         fut = self.writer.submit(self.store.save_part, snap, f"learner-{self.m}", tensors, info, "learner")
         fut.add_done_callback(lambda f: self.net.inbox.put(("saved", (snap, f))))
 
     # ---- peer recovery --------------------------------------------------------------
+
+    def _state_on_host(self) -> tuple[dict, dict]:
+        """Host copies of what a snapshot part and a donation both hold: the core's protocol state,
+        parameters and inner optimizer (the one pause of training either causes)."""
+        tensors, info = self.core.export()
+        tensors.update(tree.to_named(self.state.params, "params"))
+        tensors.update(tree.to_named(self.state.opt_state, "opt"))
+        info.update(train_step=int(self.state.step))
+        return tensors, info
 
     def _serve_donations(self) -> None:
         """Send this learner's state to recipients whose versions V it has seen (it keeps training: only
@@ -183,10 +190,8 @@ class Learner:
             if len(versions) != len(self.core.version) or any(v < w for v, w in zip(self.core.version, versions)):
                 continue  # not seen V yet: after a later update
             del self.donating[r]
-            tensors, info = self.core.export()
-            tensors.update(tree.to_named(self.state.params, "params"))
-            tensors.update(tree.to_named(self.state.opt_state, "opt"))
-            info.update(donor=self.m, train_step=int(self.state.step))
+            tensors, info = self._state_on_host()
+            info.update(donor=self.m)
             msg = serde.Donation(r, tuple(versions))
 
             def send(tensors=tensors, info=info, msg=msg):
