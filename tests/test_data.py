@@ -200,8 +200,13 @@ def test_a_restored_position_gives_the_same_batches_again():
     want = [a.next().tokens for _ in range(3)]
     b = d.FailoverBatches(shards, 1, 4, 8, seed=99)
     b.restore(pos)
-    assert all(np.array_equal(w, b.next().tokens) for w in want)
+    assert b.drawn == 1  # how far into the stream it is travels with the position
+    assert all(np.array_equal(w, b.next().tokens) for w in want) and b.drawn == 4
     with pytest.raises(ValueError, match="learner 0"):
         d.FailoverBatches(shards, 0, 4, 8, seed=3).restore(pos)
     with pytest.raises(ValueError, match="data position"):
         b.restore({"learner": 1, "rng": {"bit_generator": "nope"}})
+    for bad in (-1, "3", True, 2.5):
+        with pytest.raises(ValueError, match="batches"):
+            b.restore({**pos, "batches": bad})
+    assert b.drawn == 4  # a refused position changes nothing

@@ -221,27 +221,32 @@ class FailoverBatches:
         self.shards, self.learner_id = shards, learner_id
         self.batch_size, self.seq_len = batch_size, seq_len
         self._rng = np.random.default_rng(seed)
+        self.drawn = 0  # batches drawn so far (also across restores): how far into the stream it is
 
     def position(self) -> dict:
         """Where the stream is (JSON-able): with ``restore`` the next batches are the same again."""
-        return {"learner": self.learner_id, "rng": self._rng.bit_generator.state}
+        return {"learner": self.learner_id, "batches": self.drawn, "rng": self._rng.bit_generator.state}
 
     def restore(self, position: dict) -> None:
         """Continue from a ``position`` of this learner's stream; ValueError if it is not one."""
         if not isinstance(position, dict) or position.get("learner") != self.learner_id:
             raise ValueError(f"data position: not one of learner {self.learner_id}'s streams")
+        drawn = position.get("batches", 0)  # absent in positions written before it was counted
+        if isinstance(drawn, bool) or not isinstance(drawn, int) or drawn < 0:
+            raise ValueError(f"data position: batches must be a non-negative integer, got {str(drawn)[:40]!r}")
         rng = np.random.default_rng()
         try:
             rng.bit_generator.state = position.get("rng")
         except (TypeError, ValueError, KeyError) as e:
             raise ValueError(f"data position: {e}") from None
-        self._rng = rng
+        self._rng, self.drawn = rng, drawn
 
     def next(self, down: frozenset[int] = frozenset()) -> Batch:
         """The next batch, given which learners are down now (this learner is never down to itself)."""
         b, L, M = self.batch_size, self.seq_len, len(self.shards)
         others = sorted(d for d in down if d != self.learner_id)
         require(all(0 <= d < M for d in others), "down", f"learner ids must be in 0..{M - 1}, got {sorted(down)}")
+        self.drawn += 1
         if not others:
             own = self.shards[self.learner_id]
             return Batch(_windows(own, self._rng.integers(0, len(own) - L, size=b), L), b * L)

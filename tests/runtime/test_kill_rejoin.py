@@ -56,6 +56,9 @@ def test_killed_learner_rejoins_and_contributes_again(tmp_path):
         rejoined = cluster.start_learner(2)
         start = wait_for("the rejoin", lambda: next((e for e in rejoined.events if e.get("event") == "start"), None))
         assert start["step"] > 0  # took up the global step from the syncer instead of starting at 0
+        # Its data stream goes on from where its metadata last left it, not from the seed's first windows.
+        position = next(e for e in rejoined.events if e.get("event") == "data_position")
+        assert position["restored"] and position["batches"] > 12
         # Peer recovery: a healthy learner gave it parameters, inner optimizer and residuals (#13).
         recovered = next(e for e in rejoined.events if e.get("event") == "recovered")
         assert recovered["from_peer"] and recovered["donor"] in (0, 1) and recovered["bytes"] > 0

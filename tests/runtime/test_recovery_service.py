@@ -51,3 +51,24 @@ def test_a_donor_lost_mid_transfer_is_replaced_and_the_state_reaches_the_recipie
         return service.donations.replaced, service.donations.served, service.recovery_bytes
 
     assert run(asyncio.wait_for(main(), 60)) == (1, 1, len(b"the state of learner 1"))
+
+
+def test_the_syncer_hands_a_learner_back_its_data_position_and_only_to_it(tmp_path):
+    cfg = rt.load(micro_config(tmp_path, learners=2))
+    service = SyncerService(cfg, TransportMetrics())
+
+    async def fetch(sender, name):
+        source = await service.bulk(BulkRequest(sender, name, {}))
+        return b"".join(bytes(p) for p in source.pieces)
+
+    async def main():
+        assert await fetch("learner-1", "position/1") == b""  # never seen: nothing to hand back
+        for step, data in ((3, '{"batches":3}'), (4, '{"batches":4}'), (5, "")):  # "" keeps the last one
+            frame = serde.to_frame(Metadata(learner=1, step=step, c_steps=(0, 0), c_tokens=(0, 0),
+                                            clock=VectorClock({"learner-1": step}), data=data))
+            await service.on_metadata(frame)
+        with pytest.raises(Rejected, match="is for learner-1"):
+            await fetch("learner-0", "position/1")
+        return await fetch("learner-1", "position/1")
+
+    assert run(asyncio.wait_for(main(), 30)) == b'{"batches":4}'

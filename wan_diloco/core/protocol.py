@@ -71,6 +71,9 @@ class Metadata:
     epoch: int = 0  # the syncer incarnation the learner follows (0: not joined yet)
     snapshot: int = 0  # the newest snapshot whose part this learner has written durably
     recovering: bool = False  # it (re)joined without state of its own: it asks for a peer's (core.recovery)
+    # Where its data stream is (opaque to the syncer, which keeps the latest and hands it back to a learner
+    # that rejoins without its own snapshot part, so the stream goes on instead of replaying from the seed).
+    data: str = ""
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ import collections
 import concurrent.futures
 import dataclasses
 import hashlib
+import json
 import queue
 import signal
 import sys
@@ -116,7 +117,7 @@ class Learner:
                 self.uploads += 1
                 self.net.upload(a.msg)
             elif isinstance(a, SendMetadata):
-                self.net.send_metadata(a.msg)
+                self._send_metadata(a.msg)
             elif isinstance(a, Resync):
                 if a.fragment not in self.pending_resync:
                     self.pending_resync[a.fragment] = self.net.fetch_fragment(f"fragment/{a.fragment}")
@@ -202,6 +203,33 @@ class Learner:
             fut = self.writer.submit(send)
             fut.add_done_callback(lambda f, r=r: self.net.inbox.put(("donated", (r, f))))
 
+    def _send_metadata(self, msg, recovering: bool = False) -> None:
+        """Metadata with this learner's data position, which the syncer hands back if it comes back
+        without its own snapshot part (``_take_up_data_position``)."""
+        position = json.dumps(self.batches.position(), separators=(",", ":"))
+        if len(position) > serde.MAX_STR_CHARS:  # never for the built-in streams; a custom one just loses it
+            position = ""
+        self.net.send_metadata(dataclasses.replace(msg, data=position, recovering=recovering))
+
+    def _take_up_data_position(self) -> None:
+        """(Re)joined a run in progress without its own snapshot part: go on with the data stream where
+        the syncer last saw it (its latest metadata), so its shard is not read again from the seed's
+        first windows. What it drew after that metadata trained a state that died with it; those
+        windows are drawn again, nothing is skipped."""
+        try:
+            text = bytes(self._wait(self.net.fetch_bytes(f"position/{self.m}"), self.cfg.transport.call_timeout_s))
+            if not text:
+                emit({"event": "data_position", "role": "learner", "learner": self.m, "restored": False,
+                      "why": "the syncer has not seen this learner's data position"})
+                return
+            self.batches.restore(json.loads(text.decode("utf-8")))
+        except (TransportError, MessageError, ValueError, concurrent.futures.TimeoutError) as e:
+            emit({"event": "warning", "role": "learner", "learner": self.m,
+                  "what": f"data position not restored ({e or type(e).__name__}): the data stream starts from its seed"})
+            return
+        emit({"event": "data_position", "role": "learner", "learner": self.m, "restored": True,
+              "batches": self.batches.drawn})
+
     def _recover_from_peer(self) -> None:
         """(Re)joined without state of its own while others train: take a healthy peer's parameters,
         inner optimizer and residuals (the syncer picks the donor), then replay the updates that
@@ -213,7 +241,7 @@ class Learner:
                              f"transport.max_message_bytes ({self.cfg.transport.max_message_bytes / 2**20:.0f} MiB)"}
             emit({"event": "warning", "role": "learner", "learner": self.m, "what": f"no peer recovery: {self.recovery['why']}"})
             return
-        self.net.send_metadata(dataclasses.replace(self.core.metadata(), recovering=True))
+        self._send_metadata(self.core.metadata(), recovering=True)
         fut = self.net.fetch_bytes(f"donation/{self.m}")
         wait_s = 2 * self.cfg.syncer.donor_timeout_s + self.cfg.transport.call_timeout_s
         try:
@@ -413,9 +441,11 @@ class Learner:
         joined = self.join(self.cfg.transport.call_timeout_s + self.cfg.transport.retry_budget_s)
         restored = self.resume and self._restore_part(joined.resumed_from)
         # At a run's start nobody has trained yet: there is no state worth copying.
-        if not restored and self.cfg.learner.peer_recovery and self.core.step > 0:
-            self._recover_from_peer()
-        self.net.send_metadata(self.core.metadata())
+        if not restored and self.core.step > 0:
+            self._take_up_data_position()
+            if self.cfg.learner.peer_recovery:
+                self._recover_from_peer()
+        self._send_metadata(self.core.metadata())
         self.net.start_probing()
         initial_loss = self.evaluate()
         emit({"event": "start", "role": "learner", "learner": self.m, "region": self.region,

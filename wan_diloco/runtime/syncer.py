@@ -87,6 +87,7 @@ class SyncerService:
         self.donations = Donations(cfg.syncer.donor_timeout_s)
         self.donated: dict[int, bytes | str] = {}  # recipient -> the state its donor sent, or why there is none
         self.donated_ready: dict[int, asyncio.Event] = {}
+        self.positions: dict[int, str] = {}  # learner -> its data position as of its latest metadata
         self.recovery_bytes = 0
         if resume:
             self._resume()
@@ -216,9 +217,7 @@ class SyncerService:
         self._donation_done(msg.recipient, bytes(payload))
         return Ack(sender="syncer", global_step=self.core.global_step, detail="donation")
 
-    async def _donation_source(self, request, recipient: int) -> BulkSource:
-        if request.sender != learner_node(recipient):
-            raise self._reject(ProtocolError(f"donation/{recipient} is for learner-{recipient}, not {request.sender[:40]!r}"))
+    async def _donation_source(self, recipient: int) -> BulkSource:
         ready = self.donated_ready.setdefault(recipient, asyncio.Event())
         try:
             await asyncio.wait_for(ready.wait(), 2 * self.cfg.syncer.donor_timeout_s)
@@ -283,6 +282,8 @@ class SyncerService:
             self._log_notices()
             raise self._reject(e) from None
         self.regions[meta.learner] = meta.region
+        if meta.data:
+            self.positions[meta.learner] = meta.data
         if meta.snapshot and self.snap_pending and meta.epoch == self.core.epoch:
             self._on_learner_snapshot(meta.learner, meta.snapshot)
         if meta.recovering and meta.learner not in self.donations.pending:
@@ -335,12 +336,19 @@ class SyncerService:
 
     async def bulk(self, request) -> BulkSource:
         kind, _, index = request.name.partition("/")
-        if kind == "donation" and index.isascii() and index.isdigit() and int(index) < self.M and index == str(int(index)):
-            return await self._donation_source(request, int(index))
+        if kind in ("donation", "position") and index.isascii() and index.isdigit() and int(index) < self.M \
+                and index == str(int(index)):
+            m = int(index)
+            if request.sender != learner_node(m):
+                raise self._reject(ProtocolError(f"{request.name} is for learner-{m}, not {request.sender[:40]!r}"))
+            if kind == "position":
+                data = self.positions.get(m, "").encode()
+                return BulkSource(len(data), [data])
+            return await self._donation_source(m)
         if kind not in ("fragment", "final") or not (index.isascii() and index.isdigit()) or not 0 <= int(index) < self.P:
             raise self._reject(ProtocolError(
                 f"unknown bulk object {request.name!r}; expected fragment/P or final/P with P in 0..{self.P - 1}, "
-                f"or donation/M"))
+                f"or donation/M or position/M"))
         p = int(index)
         if kind == "final":
             try:
