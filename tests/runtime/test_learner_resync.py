@@ -15,6 +15,9 @@ class FakeNet:
         self.inbox: queue.Queue = queue.Queue()
         self.fetched: list[str] = []
 
+    def take(self, block_s=0.0):
+        return self.inbox.get(timeout=block_s) if block_s else self.inbox.get_nowait()
+
     def silent_s(self):
         return None  # the syncer answers
 

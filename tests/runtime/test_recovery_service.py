@@ -42,12 +42,12 @@ def test_a_donor_lost_mid_transfer_is_replaced_and_the_state_reaches_the_recipie
         await stream0.aclose()  # learner 0 goes away before sending anything
         assert [d.recipient for d in donates(service, 1)] == [2]
         state = b"the state of learner 1"
-        ack = await service.on_fragment(serde.donation_to_frame(1, serde.Donation(2, (0, 0)), state))
+        ack = await service.on_fragment(next(serde.donation_frames(1, 2, (0, 0), state)))
         assert ack.detail == "donation"
         source = await asyncio.wait_for(fetch, 5)
-        assert b"".join(bytes(p) for p in source.pieces) == state
+        assert b"".join(bytes(p) for p in source.pieces) == state and source.etag == serde.bytes_digest(state)
         with pytest.raises(Rejected, match="was not asked"):  # the lost donor's late answer
-            await service.on_fragment(serde.donation_to_frame(0, serde.Donation(2, (0, 0)), b"late"))
+            await service.on_fragment(next(serde.donation_frames(0, 2, (0, 0), b"late")))
         return service.donations.replaced, service.donations.served, service.recovery_bytes
 
     assert run(asyncio.wait_for(main(), 60)) == (1, 1, len(b"the state of learner 1"))
@@ -72,3 +72,54 @@ def test_the_syncer_hands_a_learner_back_its_data_position_and_only_to_it(tmp_pa
         return await fetch("learner-1", "position/1")
 
     assert run(asyncio.wait_for(main(), 30)) == b'{"batches":4}'
+
+
+def test_a_state_in_parts_survives_its_donor_dying_half_way_and_stays_until_it_is_taken_up(tmp_path):
+    cfg = rt.load(micro_config(tmp_path, learners=3))
+    service = SyncerService(cfg, TransportMetrics())
+    old, new = bytes(range(256)) * 40, bytes(reversed(range(256))) * 40  # two donors' states, 10240 bytes
+
+    async def part(donor, frames, i):
+        return await service.on_fragment(frames[i])
+
+    async def main():
+        stream0 = service.subscribe(Subscribe("learner-0", cfg.region(0), "i0"))
+        await anext(stream0)
+        await service.on_metadata(metadata(0, 30))
+        await service.on_metadata(metadata(1, 20))
+        await service.on_metadata(metadata(2, 0, recovering=True))
+        first = list(serde.donation_frames(0, 2, (0, 0), old, part_bytes=4096))
+        assert (await part(0, first, 0)).detail == "donation part"
+        assert (await part(0, first, 0)).detail == "donation part"  # a part sent again lands on itself
+        with pytest.raises(Rejected, match="only 4096 bytes arrived"):
+            await part(0, first, 2)  # a gap
+        await stream0.aclose()  # learner 0 dies half way: learner 1 is asked and starts over
+        assert [d.recipient for d in donates(service, 1)] == [2]
+        with pytest.raises(Rejected, match="was not asked"):
+            await part(0, first, 1)
+        second = list(serde.donation_frames(1, 2, (0, 0), new, part_bytes=4096))
+        with pytest.raises(Rejected, match="first part never arrived"):
+            await part(1, second, 1)
+        acks = [(await part(1, second, i)).detail for i in range(3)]
+        assert acks == ["donation part", "donation part", "donation"]
+        # A broken fetch comes back for the rest (the transport skips what it has): the same bytes.
+        for _ in range(2):
+            source = await service.bulk(BulkRequest("learner-2", "donation/2", {}))
+            assert b"".join(bytes(p) for p in source.pieces) == new and source.etag == serde.bytes_digest(new)
+        await service.on_metadata(metadata(2, 31))  # it took the state up: the copy goes
+        assert 2 not in service.donated
+        # A donor whose parts do not add up to their digest is refused and nothing is handed on.
+        await service.on_metadata(metadata(2, 0, recovering=True))
+        bad = list(serde.donation_frames(1, 2, (0, 0), new, part_bytes=4096))
+        bad[2] = serde.donation_to_frame(1, serde.donation_from_frame(bad[2], 3)[1], b"x" * len(bad[2].payload))
+        for i in range(2):
+            await part(1, bad, i)
+        with pytest.raises(Rejected, match="does not match its digest"):
+            await part(1, bad, 2)
+        assert 2 not in service.donated and service.donations.donor_of(2) == 1
+        huge = serde.donation_to_frame(1, serde.Donation(2, (0, 0), 0, service.max_state_bytes + 1, "0" * 16), b"x")
+        with pytest.raises(Rejected, match="larger than this model's state can be"):
+            await service.on_fragment(huge)
+        return service.donations.replaced, service.donations.served
+
+    assert run(asyncio.wait_for(main(), 60)) == (1, 1)

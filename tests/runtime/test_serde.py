@@ -354,6 +354,47 @@ def test_netthread_speaks_core_messages_over_loopback():
         loop.call_soon_threadsafe(loop.stop)
 
 
+def test_a_learner_that_does_not_take_its_updates_holds_back_the_stream_not_its_memory():
+    import asyncio
+    import queue
+    import threading
+    import time
+
+    from wan_diloco.runtime.netthread import NetThread
+
+    cfg = transport.TransportConfig(chunk_bytes=64 * 1024, max_message_bytes=4 << 20, call_timeout_s=10.0,
+                                    retry_budget_s=5.0, backoff_initial_s=0.05, backoff_max_s=0.2)
+    loop = transport.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    on_loop = lambda coro: asyncio.run_coroutine_threadsafe(coro, loop).result(10)  # noqa: E731
+    handler = CoreHandler()
+    server = transport.TransportServer(handler, TOKEN, cfg, "127.0.0.1:0")
+    on_loop(server.start())
+    one = update().nbytes
+    net = NetThread(server.target, TOKEN, cfg, "learner-1", "eu", FP32, BULK, inbox_bytes=2 * one).start()
+    try:
+        deadline = time.monotonic() + 10
+        while "learner-1" not in handler.hub.subscribers and time.monotonic() < deadline:
+            time.sleep(0.02)
+        for v in range(5, 45):  # forty versions of fragment 0, nobody taking them
+            loop.call_soon_threadsafe(handler.hub.publish, serde.to_frame(update(from_version=v - 1, to_version=v)))
+        time.sleep(1.0)
+        assert net.inbox.qsize() == 2 and net.queued_bytes() == 2 * one  # the bound, not forty
+        got = []
+        while True:
+            try:
+                kind, (_, u) = net.take(block_s=1.0)
+            except queue.Empty:
+                break
+            got.append(u.to_version)
+        # What was held back stayed in the syncer's mailbox, which keeps the newest of each fragment.
+        assert got[-1] == 44 and len(got) < 40 and got == sorted(got) and net.queued_bytes() == 0
+    finally:
+        net.stop()
+        on_loop(server.stop(0))
+        loop.call_soon_threadsafe(loop.stop)
+
+
 def test_control_frames_round_trip_and_updates_are_not_control_frames():
     for msg in (serde.Identity("run-a", 3, 7), serde.Donate(2, (4, 5))):
         frame = transport.decode_message(transport.encode_message(serde.control_to_frame(msg)))
@@ -369,12 +410,20 @@ def test_control_frames_round_trip_and_updates_are_not_control_frames():
 
 
 def test_donation_frames_name_donor_and_recipient_and_refuse_nonsense():
-    frame = serde.donation_to_frame(1, serde.Donation(2, (3, 4)), b"state")
-    frame = transport.decode_message(transport.encode_message(frame))
-    donor, msg = serde.donation_from_frame(frame, 4)
-    assert (donor, msg, bytes(frame.payload)) == (1, serde.Donation(2, (3, 4)), b"state")
+    state = bytes(range(256)) * 5
+    frames = list(serde.donation_frames(1, 2, (3, 4), state, part_bytes=500))
+    assert [len(f.payload) for f in frames] == [500, 500, 280]  # parts of at most part_bytes, in order
+    got = [serde.donation_from_frame(transport.decode_message(transport.encode_message(f)), 4) for f in frames]
+    assert [(d, m.recipient, m.versions, m.offset, m.total_bytes) for d, m in got] == \
+        [(1, 2, (3, 4), o, 1280) for o in (0, 500, 1000)]
+    assert {m.digest for _, m in got} == {serde.bytes_digest(state)}
     assert serde.donation_from_frame(serde.to_frame(upload()), 4) is None
-    with pytest.raises(ProtocolError, match="recipient: 1 is not another learner"):
-        serde.donation_from_frame(serde.donation_to_frame(1, serde.Donation(1, (0,)), b""), 4)
-    with pytest.raises(ProtocolError, match="recipient: 9"):
-        serde.donation_from_frame(serde.donation_to_frame(1, serde.Donation(9, (0,)), b""), 4)
+    msg = got[0][1]
+    for bad, why in ((dataclasses.replace(msg, recipient=1), "recipient: 1 is not another learner"),
+                     (dataclasses.replace(msg, recipient=9), "recipient: 9"),
+                     (dataclasses.replace(msg, offset=1000), "does not fit a state of 1280 bytes"),
+                     (dataclasses.replace(msg, digest="XYZ"), "digest")):
+        with pytest.raises(ProtocolError, match=why):
+            serde.donation_from_frame(serde.donation_to_frame(1, bad, b"x" * 300), 4)
+    with pytest.raises(ProtocolError, match="part of 0 bytes"):
+        serde.donation_from_frame(serde.donation_to_frame(1, msg, b""), 4)

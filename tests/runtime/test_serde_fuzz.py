@@ -351,7 +351,8 @@ def test_a_donate_frame_for_no_possible_learner_is_refused():
     raise AssertionError(f"decoded {msg!r}")
 
 
-DONATIONS = [serde.donation_to_frame(d, serde.Donation(r, (3, 0)), b"state bytes") for d, r in ((0, 1), (2, 0))]
+DONATIONS = [serde.donation_to_frame(d, serde.Donation(r, (3, 0), 0, 11, serde.bytes_digest(b"state bytes")),
+                                     b"state bytes") for d, r in ((0, 1), (2, 0))]
 
 
 def test_fuzz_donation_from_frame():
@@ -372,6 +373,7 @@ def test_fuzz_donation_from_frame():
         check_learner(frame.sender, donor, n)
         assert type(msg) is serde.Donation and 0 <= msg.recipient < n and msg.recipient != donor
         assert all(type(v) is int and v >= 0 for v in msg.versions)
+        assert 0 < len(frame.payload) and msg.offset + len(frame.payload) <= msg.total_bytes
         if on_wire(frame, steps):
             again = wire(serde.donation_to_frame(donor, msg, bytes(frame.payload)))
             assert serde.donation_from_frame(again, n) == got

@@ -21,6 +21,8 @@ EXAMPLES = [
     BulkRequest("learner-1", "global", CLOCK),
     BulkChunk("syncer", "global", 3, 3 << 20, 10 << 20, b"x" * 1000),
     Ack("syncer", 40, "merged"),
+    BulkRequest("learner-1", "donation/1", {}, offset=(1 << 63) - 1, etag="v7:ab12"),  # a resume
+    BulkChunk("syncer", "donation/1", 0, 5 << 20, 10 << 20, b"y" * 10, etag="v7:ab12"),
 ]
 
 
@@ -61,7 +63,7 @@ def _with_header(msg, header: dict, payload: bytes = b"") -> bytes:
     (lambda d: d[:10], "truncated"),
     (lambda d: b"XXXX" + d[4:], "bad magic"),
     (lambda d: _rebuild(d, version=WIRE_VERSION + 1), f"unsupported wire version {WIRE_VERSION + 1}"),
-    (lambda d: _rebuild(d, version=1), "unsupported wire version 1; this build speaks version 3"),
+    (lambda d: _rebuild(d, version=1), "unsupported wire version 1; this build speaks version 4"),
     (lambda d: _rebuild(d, kind=99), "unknown message kind 99"),
     (lambda d: _rebuild(d, flags=1), "unknown flags"),
     (lambda d: d + b"\x00", "length mismatch"),
@@ -188,12 +190,49 @@ def test_subscribe_must_name_its_instance_and_version_2_is_refused():
     version_2 = {"sender": "learner-1", "region": "eu-west"}  # what a build before the instance id sends
     with pytest.raises(MessageError, match=r"Subscribe: header fields missing \['instance'\]"):
         decode_message(_with_header(EXAMPLES[3], version_2))
-    with pytest.raises(MessageError, match="unsupported wire version 2; this build speaks version 3"):
+    with pytest.raises(MessageError, match="unsupported wire version 2; this build speaks version 4"):
         decode_message(_rebuild(_with_header(EXAMPLES[3], version_2), version=2))
     with pytest.raises(MessageError, match="Subscribe.instance: must not be empty"):
         decode_message(_with_header(EXAMPLES[3], {**header, "instance": ""}))
     with pytest.raises(MessageError, match="Subscribe.instance: must not be empty"):
         encode_message(Subscribe("learner-1", "eu-west", ""))
+
+
+def bulk_request_header(**changes):
+    return {"sender": "a", "name": "global", "clock": {}, "offset": 0, "etag": "", **changes}
+
+
+@pytest.mark.parametrize("header, match", [
+    (bulk_request_header(offset=-1), r"BulkRequest.offset: must be in \[0, 2\*\*63\)"),
+    (bulk_request_header(offset=1 << 63), r"BulkRequest.offset: must be in \[0, 2\*\*63\)"),
+    (bulk_request_header(offset=1.0), "BulkRequest.offset: must be an integer, got float"),
+    (bulk_request_header(offset="5"), "BulkRequest.offset: must be an integer, got str"),
+    (bulk_request_header(offset=True), "BulkRequest.offset: must be an integer, got bool"),
+    (bulk_request_header(offset=None), "BulkRequest.offset: must be an integer, got NoneType"),
+    (bulk_request_header(etag=7), "BulkRequest.etag: must be a string, got int"),
+    (bulk_request_header(etag="e" * 257), "BulkRequest.etag: longer than 256"),
+    ({k: v for k, v in bulk_request_header().items() if k != "etag"}, r"missing \['etag'\]"),
+    ({"sender": "a", "name": "global", "clock": {}}, r"missing \['etag', 'offset'\]"),  # a version 3 request
+])
+def test_refuses_bad_bulk_request_fields(header, match):
+    with pytest.raises(MessageError, match=match):
+        decode_message(_with_header(EXAMPLES[4], header))
+
+
+def test_bulk_etag_limits_on_encode_and_decode():
+    assert decode_message(encode_message(BulkRequest("a", "g", {}, 3, "e" * 256))).etag == "e" * 256
+    with pytest.raises(MessageError, match="BulkChunk.etag: longer than 256"):
+        encode_message(BulkChunk("s", "g", 0, 0, 1, b"x", "e" * 257))
+    with pytest.raises(MessageError, match="BulkRequest.offset: must be in"):
+        encode_message(BulkRequest("a", "g", {}, -1, "v1"))
+    with pytest.raises(MessageError, match="not valid Unicode"):
+        encode_message(BulkRequest("a", "g", {}, 3, "\ud800"))
+    chunk = json.loads(encode_message(EXAMPLES[5])[PRELUDE.size : -8 - 1000])
+    with pytest.raises(MessageError, match="BulkChunk.etag: must be a string, got list"):
+        decode_message(_with_header(EXAMPLES[5], {**chunk, "etag": ["v1"]}, payload=b"x" * 1000))
+    body = b'{"sender":"a","name":"global","clock":{},"offset":3,"etag":"\\udc00"}'  # a lone surrogate
+    with pytest.raises(MessageError, match="not valid Unicode"):
+        decode_message(_rebuild(encode_message(EXAMPLES[4]), body=body, hlen=len(body), plen=0))
 
 
 def test_encode_refuses_invalid_fields():
@@ -218,8 +257,8 @@ metas = st.dictionaries(st.text(max_size=20), st.recursive(
 messages = st.one_of(
     st.builds(Frame, names, ints, metas, st.binary(max_size=300)),
     st.builds(Subscribe, names, names, names),
-    st.builds(BulkRequest, names, names, clocks),
-    st.builds(BulkChunk, names, names, ints, ints, ints, st.binary(max_size=300)),
+    st.builds(BulkRequest, names, names, clocks, ints, st.text(max_size=20)),
+    st.builds(BulkChunk, names, names, ints, ints, ints, st.binary(max_size=300), st.text(max_size=20)),
     st.builds(Ack, names, ints, st.text(max_size=30)),
 )
 

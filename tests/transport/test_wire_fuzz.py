@@ -43,6 +43,8 @@ SEEDS = [
     BulkRequest("x", "final/0", {}),
     BulkChunk("syncer", "final/0", 2, 1024, 4096, bytes(range(200))),
     BulkChunk("syncer", "fragment/0", 0, 0, 0, b""),
+    BulkRequest("learner-1", "donation/1", {}, 1 << 20, "v3:9f86d081"),  # resuming a broken transfer
+    BulkChunk("syncer", "donation/1", 0, 1 << 20, 3 << 20, bytes(100), "v3:9f86d081"),
     Ack("syncer"),
     Ack("syncer", 7, "v3 — ok"),
 ]
@@ -383,9 +385,10 @@ def test_reader_at_any_chunk_boundaries_agrees_with_decode_message():
     '{"sender":"\\ud800","global_step":0,"detail":""}',
     '{"sender":"learner-0","fragment":0,"meta":{"\\udfff":1}}',
     '{"sender":"learner-0","fragment":0,"meta":{"k":["\\ud83d"]}}',
+    '{"sender":"learner-0","name":"global","clock":{},"offset":5,"etag":"v\\ud83d"}',
 ])
 def test_lone_surrogates_are_refused_on_decode(header):
-    kind = 5 if "global_step" in header else 1
+    kind = 5 if "global_step" in header else 3 if "etag" in header else 1
     with pytest.raises(MessageError, match="not valid Unicode"):
         decode_message(_seal(kind, header.encode(), b""))
     paired = header.replace("\\ud83d", "\\ud83d\\ude00")  # a surrogate pair is one character: fine

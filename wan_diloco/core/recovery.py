@@ -90,6 +90,17 @@ class Donations:
         self.pending[recipient] = _Pending(donor, tuple(versions), now_s, tried | {donor})
         return [AskDonor(donor, recipient, tuple(versions))]
 
+    def donor_of(self, recipient: int) -> int | None:
+        """The donor asked now for ``recipient``'s state, if any."""
+        p = self.pending.get(recipient)
+        return None if p is None else p.donor
+
+    def progress(self, now_s: float, recipient: int) -> None:
+        """A part of ``recipient``'s state arrived: its donor is alive and working, so the timeout counts
+        from now (a large state on a slow link may take longer than ``timeout_s`` in all)."""
+        if recipient in self.pending:
+            self.pending[recipient].asked_s = now_s
+
     def delivered(self, recipient: int, donor: int) -> bool:
         """The state for ``recipient`` arrived from ``donor``; False if that donor was not (or no longer) asked."""
         p = self.pending.get(recipient)

@@ -73,8 +73,9 @@ class Learner:
         self.step_fn = parts.step_fn
         self.batches = parts.batches(learner)
         self.evaluate = lambda: parts.evaluate(self.state.params)
+        # Room for a few rounds of every fragment's update between two steps, and never less than 64 MiB.
         self.net = NetThread(target, token, cfg.transport, learner_node(learner), self.region, self.codec,
-                             parts.bulk_codec)
+                             parts.bulk_codec, inbox_bytes=max(4 * sum(self.layout.nbytes), 64 << 20))
         self.stop = threading.Event()
         self.pending_resync: dict[int, concurrent.futures.Future] = {}
         self.tokens = 0
@@ -95,6 +96,9 @@ class Learner:
         self.rejoins = 0
         self.donating: dict[int, tuple[int, ...]] = {}  # recipient -> versions it saw (peer recovery)
         self.recovery: dict | None = None  # how this learner's own recovery from a peer went
+        # Until it knows where its data stream is (its own part, the syncer's copy, or a fresh run), its
+        # metadata carries no position: the join's would replace the one the syncer keeps for it.
+        self.position_known = False
         self.on_compiled = lambda: None  # called once the first step compiled (signal handlers go in then)
         if cfg.run.run_id:
             self.core.run_id = cfg.run.run_id  # a syncer serving another run is refused at the join
@@ -193,11 +197,12 @@ class Learner:
             del self.donating[r]
             tensors, info = self._state_on_host()
             info.update(donor=self.m)
-            msg = serde.Donation(r, tuple(versions))
 
-            def send(tensors=tensors, info=info, msg=msg):
+            def send(tensors=tensors, info=info, r=r, versions=versions):
                 data = encode_state(tensors, info, "donation")
-                self.net.upload_frame(serde.donation_to_frame(self.m, msg, data)).result()
+                part_bytes = min(serde.DONATION_PART_BYTES, self.cfg.transport.max_message_bytes // 2)
+                for frame in serde.donation_frames(self.m, r, versions, data, part_bytes):
+                    self.net.upload_frame(frame).result()  # in order: the syncer appends each part
                 return len(data), named_digest(tensors, "opt/")
 
             fut = self.writer.submit(send)
@@ -206,7 +211,7 @@ class Learner:
     def _send_metadata(self, msg, recovering: bool = False) -> None:
         """Metadata with this learner's data position, which the syncer hands back if it comes back
         without its own snapshot part (``_take_up_data_position``)."""
-        position = json.dumps(self.batches.position(), separators=(",", ":"))
+        position = json.dumps(self.batches.position(), separators=(",", ":")) if self.position_known else ""
         if len(position) > serde.MAX_STR_CHARS:  # never for the built-in streams; a custom one just loses it
             position = ""
         self.net.send_metadata(dataclasses.replace(msg, data=position, recovering=recovering))
@@ -236,14 +241,12 @@ class Learner:
         arrived meanwhile. Without one (none healthy, timeout, a bad state) it goes on from Θ alone."""
         t0 = time.monotonic()
         state_bytes = sum(getattr(a, "nbytes", 0) for a in jax.tree_util.tree_leaves((self.state, self.core.base)))
-        if state_bytes > self.cfg.transport.max_message_bytes:
-            self.recovery = {"from_peer": False, "why": f"a peer's state ({state_bytes / 2**20:.0f} MiB) is larger than "
-                             f"transport.max_message_bytes ({self.cfg.transport.max_message_bytes / 2**20:.0f} MiB)"}
-            emit({"event": "warning", "role": "learner", "learner": self.m, "what": f"no peer recovery: {self.recovery['why']}"})
-            return
         self._send_metadata(self.core.metadata(), recovering=True)
-        fut = self.net.fetch_bytes(f"donation/{self.m}")
-        wait_s = 2 * self.cfg.syncer.donor_timeout_s + self.cfg.transport.call_timeout_s
+        fut = self.net.fetch_bytes(f"donation/{self.m}", serde.max_state_bytes(sum(self.layout.nbytes)))
+        # Each donor gets donor_timeout_s without progress; the state crosses two links (donor -> syncer ->
+        # here), each at least at the transport's slowest planned rate.
+        t = self.cfg.transport
+        wait_s = 2 * self.cfg.syncer.donor_timeout_s + t.call_timeout_s + 2 * t.upload_deadline_s(state_bytes)
         try:
             data = self._wait(fut, wait_s)
             tensors, info = decode_state(data, "donation", what="peer state")
@@ -298,7 +301,7 @@ class Learner:
         """Merge what arrived; with ``block_s`` wait that long for the first item."""
         while True:
             try:
-                kind, item = self.net.inbox.get(timeout=block_s) if block_s else self.net.inbox.get_nowait()
+                kind, item = self.net.take(block_s)
             except queue.Empty:
                 break
             block_s = 0.0
@@ -443,8 +446,10 @@ class Learner:
         # At a run's start nobody has trained yet: there is no state worth copying.
         if not restored and self.core.step > 0:
             self._take_up_data_position()
+            self.position_known = True
             if self.cfg.learner.peer_recovery:
                 self._recover_from_peer()
+        self.position_known = True
         self._send_metadata(self.core.metadata())
         self.net.start_probing()
         initial_loss = self.evaluate()

@@ -37,8 +37,14 @@ class NetThread:
     """
 
     def __init__(self, target: str, token: str, transport_cfg: TransportConfig, node: str, region: str,
-                 codec: FragmentCodec, bulk_codec: FragmentCodec):
+                 codec: FragmentCodec, bulk_codec: FragmentCodec, inbox_bytes: int = 256 << 20):
         self.node, self.region, self.codec, self.bulk_codec = node, region, codec, bulk_codec
+        # Updates received and not yet taken (``take``) are bounded by ``inbox_bytes`` of payload: past it
+        # the stream is not read, HTTP/2 flow control holds the syncer back, and its mailbox keeps only
+        # the newest update of each fragment (a version skipped that way is fetched whole).
+        self.inbox_bytes = inbox_bytes
+        self._queued_bytes = 0
+        self._queued_lock = threading.Lock()
         # ("update", (arrived_s, core GlobalUpdate)) | ("identity", serde.Identity) | ("donate", serde.Donate)
         # | ("link", LinkSample)
         # | ("channels", dict) | ("saved", (snapshot, future)) | ("error", text)
@@ -111,10 +117,26 @@ class NetThread:
                     self.bad_updates += 1
                     log.error("%s: refused a global update: %s", self.node, e)
                     continue
+                while self.queued_bytes() and self.queued_bytes() + update.nbytes > self.inbox_bytes:
+                    await asyncio.sleep(0.005)
+                with self._queued_lock:
+                    self._queued_bytes += update.nbytes
                 self.inbox.put(("update", (arrived_s, update)))
             self.inbox.put(("error", "the syncer ended the update stream"))
         except (TransportError, MessageError) as e:
             self.inbox.put(("error", f"update stream failed: {e}"))
+
+    def queued_bytes(self) -> int:
+        """Payload bytes of the updates in the inbox."""
+        return self._queued_bytes
+
+    def take(self, block_s: float = 0.0) -> tuple[str, object]:
+        """The next inbox item (waiting up to ``block_s``; queue.Empty if none), making room for updates."""
+        kind, item = self.inbox.get(timeout=block_s) if block_s else self.inbox.get_nowait()
+        if kind == "update":
+            with self._queued_lock:
+                self._queued_bytes -= item[1].nbytes
+        return kind, item
 
     def start_probing(self) -> None:
         """Start measuring the link (after the join: a probe must not delay it)."""
@@ -244,10 +266,11 @@ class NetThread:
         """Send an already built frame by the Upload RPC (a donor's state); a future of the Ack."""
         return asyncio.run_coroutine_threadsafe(self.client.upload_fragment(frame), self.loop)
 
-    def fetch_bytes(self, name: str) -> concurrent.futures.Future:
-        """Bulk-fetch the raw bytes of object ``name`` (e.g. ``donation/M``)."""
+    def fetch_bytes(self, name: str, max_bytes: int | None = None) -> concurrent.futures.Future:
+        """Bulk-fetch the raw bytes of object ``name`` (e.g. ``donation/M``); larger than ``max_bytes``
+        (default: transport.max_message_bytes) is refused."""
         request = BulkRequest(self.node, name, {})
-        return asyncio.run_coroutine_threadsafe(self.client.fetch_bulk_bytes(request), self.loop)
+        return asyncio.run_coroutine_threadsafe(self.client.fetch_bulk_bytes(request, max_bytes), self.loop)
 
     def wait_uploads(self, budget_s: float) -> None:
         """Wait up to ``budget_s`` for the uploads handed over so far to finish (or fail)."""

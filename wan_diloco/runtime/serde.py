@@ -32,6 +32,7 @@ import typing
 from typing import Any, Mapping, Union
 
 import numpy as np
+import xxhash
 
 from wan_diloco import transport
 from wan_diloco.clock import VectorClock
@@ -40,6 +41,8 @@ from wan_diloco.core.protocol import SYNCER, FragmentUpload, GlobalUpdate, Metad
 Message = Union[Metadata, FragmentUpload, GlobalUpdate]
 
 MAX_STR_CHARS = 256
+_DIGEST = re.compile(r"[0-9a-f]{16}")
+DONATION_PART_BYTES = 32 << 20  # one Upload per part: a failed part is sent again alone
 MAX_INT = (1 << 63) - 1
 _ID = re.compile(r"0|[1-9][0-9]{0,17}")  # ASCII digits, no leading zeros: one spelling per id
 _LEARNER = re.compile(rf"learner-({_ID.pattern})")
@@ -189,10 +192,15 @@ class Donate:
 
 @dataclasses.dataclass(frozen=True)
 class Donation:
-    """Meta of a donor's upload (its payload is a ``checkpoint`` state file of kind ``donation``)."""
+    """Meta of one part of a donor's upload: bytes [offset, offset + len(payload)) of a ``checkpoint``
+    state file of kind ``donation`` that is ``total_bytes`` long and whose XXH3-64 is ``digest``.
+    A state travels in parts so that no single message bounds it and a failed part is sent again alone."""
 
     recipient: int
     versions: tuple[int, ...]
+    offset: int
+    total_bytes: int
+    digest: str
 
 
 _CONTROL = {"identity": Identity, "donate": Donate}  # update-stream frames that are not GlobalUpdates
@@ -329,6 +337,28 @@ def donation_to_frame(donor: int, msg: Donation, payload: bytes) -> transport.Fr
     return transport.Frame(learner_node(donor), 0, {"donation": _meta_of(msg)}, payload)
 
 
+def donation_frames(donor: int, recipient: int, versions: tuple[int, ...], state: bytes,
+                    part_bytes: int = DONATION_PART_BYTES) -> typing.Iterator[transport.Frame]:
+    """A donor's ``state`` for ``recipient`` as the frames of its parts, in order."""
+    digest, view = bytes_digest(state), memoryview(state)
+    for offset in range(0, len(state), part_bytes):
+        msg = Donation(recipient, tuple(versions), offset, len(state), digest)
+        yield donation_to_frame(donor, msg, view[offset : offset + part_bytes])
+
+
+def bytes_digest(state) -> str:
+    """XXH3-64 (hex) of bytes: what a donated state is checked against once all its parts arrived, and
+    the version tag (etag) of a bulk object, so a broken fetch resumes only into the same bytes."""
+    return xxhash.xxh3_64_hexdigest(state)
+
+
+def max_state_bytes(model_bytes: int) -> int:
+    """The largest state a learner can donate for a model of ``model_bytes`` (fp32): parameters,
+    inner optimizer (two moments), global view and residuals are 5x the model; twice that, and room
+    for the header, bounds what the syncer buffers for one recipient."""
+    return 10 * model_bytes + (16 << 20)
+
+
 def donation_from_frame(frame: transport.Frame, num_learners: int) -> tuple[int, Donation] | None:
     """(donor, Donation) of a donor's upload, or None for a FragmentUpload's frame; the payload stays
     in the frame (the recipient decodes it)."""
@@ -341,6 +371,11 @@ def donation_from_frame(frame: transport.Frame, num_learners: int) -> tuple[int,
     msg = Donation(**_fields_of(Donation, meta["donation"]))
     if not msg.recipient < num_learners or msg.recipient == donor:
         raise ProtocolError(f"Donation.recipient: {msg.recipient} is not another learner of this run")
+    if not (len(frame.payload) and msg.offset + len(frame.payload) <= msg.total_bytes):
+        raise ProtocolError(f"Donation: a part of {len(frame.payload)} bytes at offset {msg.offset} does not fit "
+                            f"a state of {msg.total_bytes} bytes")
+    if not _DIGEST.fullmatch(msg.digest):
+        raise ProtocolError(f"Donation.digest: expected 16 lowercase hex digits (XXH3-64), got {msg.digest[:40]!r}")
     return donor, msg
 
 

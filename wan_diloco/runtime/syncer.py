@@ -51,6 +51,20 @@ class ResumeError(RuntimeError):
     """``--resume`` found no snapshot to resume from; the text says where it looked and why."""
 
 
+@dataclasses.dataclass
+class _Incoming:
+    """A donor's state arriving in parts (``serde.Donation``)."""
+
+    donor: int
+    digest: str
+    total_bytes: int
+    received: int = 0
+    data: bytearray = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        self.data = bytearray(self.total_bytes)
+
+
 class SyncerService:
     """The transport ``Handler`` of a syncer (see the module docstring)."""
 
@@ -85,7 +99,11 @@ class SyncerService:
         self.params_path: Path | None = None
         self.resumed: dict | None = None  # what a resume took up (snapshot, epoch, snapshots skipped)
         self.donations = Donations(cfg.syncer.donor_timeout_s)
-        self.donated: dict[int, bytes | str] = {}  # recipient -> the state its donor sent, or why there is none
+        # recipient -> (digest, the state its donor sent), or why there is none; kept until the recipient
+        # took it up (its next metadata no longer recovering), so a broken fetch resumes where it stopped
+        self.donated: dict[int, tuple[str, bytearray] | str] = {}
+        self.incoming: dict[int, _Incoming] = {}  # recipient -> the state arriving in parts
+        self.max_state_bytes = serde.max_state_bytes(sum(self.layout.nbytes))
         self.donated_ready: dict[int, asyncio.Event] = {}
         self.positions: dict[int, str] = {}  # learner -> its data position as of its latest metadata
         self.recovery_bytes = 0
@@ -210,26 +228,62 @@ class SyncerService:
         self.donated[recipient] = state
         self.donated_ready.setdefault(recipient, asyncio.Event()).set()
 
-    def _on_donation(self, donor: int, msg, payload) -> Ack:
-        if not self.donations.delivered(msg.recipient, donor):
-            raise Rejected(f"learner {donor} was not asked for a state for learner {msg.recipient} (or was replaced)")
+    def _on_donation(self, donor: int, msg: serde.Donation, payload) -> Ack:
+        """One part of a donor's state; the last one completes it (checked against its digest)."""
+        r = msg.recipient
+        if self.donations.donor_of(r) != donor:
+            raise Rejected(f"learner {donor} was not asked for a state for learner {r} (or was replaced)")
+        if msg.total_bytes > self.max_state_bytes:
+            raise self._reject(ProtocolError(
+                f"Donation: a state of {msg.total_bytes} bytes is larger than this model's state can be "
+                f"({self.max_state_bytes} bytes)"))
+        got = self.incoming.get(r)
+        if got is None or (got.donor, got.digest, got.total_bytes) != (donor, msg.digest, msg.total_bytes):
+            if msg.offset:
+                raise Rejected(f"Donation: a part at offset {msg.offset} of a state whose first part never arrived "
+                               f"(send it again from offset 0)", grpc.StatusCode.FAILED_PRECONDITION)
+            got = self.incoming[r] = _Incoming(donor, msg.digest, msg.total_bytes)
+        if msg.offset > got.received:
+            raise Rejected(f"Donation: a part at offset {msg.offset}, but only {got.received} bytes arrived so far",
+                           grpc.StatusCode.FAILED_PRECONDITION)
+        got.data[msg.offset : msg.offset + len(payload)] = payload  # a part sent again lands on itself
+        got.received = max(got.received, msg.offset + len(payload))
         self.recovery_bytes += len(payload)
-        self._donation_done(msg.recipient, bytes(payload))
+        self.donations.progress(self.now(), r)
+        if got.received < got.total_bytes:
+            return Ack(sender="syncer", global_step=self.core.global_step, detail="donation part")
+        del self.incoming[r]
+        if serde.bytes_digest(got.data) != got.digest:
+            # Never handed on; the donor is replaced when its time is up.
+            raise self._reject(ProtocolError(f"Donation: the state for learner {r} does not match its digest"))
+        self.donations.delivered(r, donor)
+        self._donation_done(r, (got.digest, got.data))
         return Ack(sender="syncer", global_step=self.core.global_step, detail="donation")
 
     async def _donation_source(self, recipient: int) -> BulkSource:
         ready = self.donated_ready.setdefault(recipient, asyncio.Event())
-        try:
-            await asyncio.wait_for(ready.wait(), 2 * self.cfg.syncer.donor_timeout_s)
-        except asyncio.TimeoutError:
-            raise Rejected("no peer state arrived in time", grpc.StatusCode.UNAVAILABLE) from None
-        state = self.donated.pop(recipient, None)
-        self.donated_ready.pop(recipient, None)
-        if state is None:  # a new request of the same learner took over this one
-            raise Rejected("superseded by a newer recovery request", grpc.StatusCode.UNAVAILABLE)
+        superseded = Rejected("superseded by a newer recovery request", grpc.StatusCode.UNAVAILABLE)
+        while not ready.is_set():
+            try:
+                await asyncio.wait_for(ready.wait(), self.cfg.syncer.donor_timeout_s)
+            except asyncio.TimeoutError:
+                if self.donated_ready.get(recipient) is not ready:
+                    raise superseded from None
+                if recipient not in self.donations.pending:  # nobody is sending it anything
+                    raise Rejected("no peer state arrived in time", grpc.StatusCode.UNAVAILABLE) from None
+        state = self.donated.get(recipient)
+        if state is None or self.donated_ready.get(recipient) is not ready:
+            raise superseded
         if isinstance(state, str):
             raise Rejected(f"no peer state: {state}", grpc.StatusCode.NOT_FOUND)
-        return BulkSource(len(state), [state])
+        digest, data = state
+        return BulkSource(len(data), [memoryview(data)], etag=digest)
+
+    def _donation_taken(self, recipient: int) -> None:
+        """``recipient`` took its state up or went away: the copy kept for a resumed fetch goes."""
+        self.donated.pop(recipient, None)
+        self.donated_ready.pop(recipient, None)
+        self.incoming.pop(recipient, None)
 
     def _log_notices(self) -> None:
         while self.core.notices:
@@ -286,9 +340,11 @@ class SyncerService:
             self.positions[meta.learner] = meta.data
         if meta.snapshot and self.snap_pending and meta.epoch == self.core.epoch:
             self._on_learner_snapshot(meta.learner, meta.snapshot)
+        if not meta.recovering and meta.learner in self.donated:
+            self._donation_taken(meta.learner)
         if meta.recovering and meta.learner not in self.donations.pending:
-            self.donated.pop(meta.learner, None)  # what an earlier attempt left, never fetched
-            self.donated_ready.setdefault(meta.learner, asyncio.Event()).clear()
+            self._donation_taken(meta.learner)  # what an earlier attempt left
+            self.donated_ready[meta.learner] = asyncio.Event()
             self._donation_act(self.donations.request(self.now(), meta.learner, tuple(self.core.version),
                                                       self._candidates(), self._regions_of()[meta.learner]))
         return Ack(sender="syncer", global_step=self.core.global_step)
@@ -332,6 +388,7 @@ class SyncerService:
             if not superseded and not self.stopping and self.streams[m] == 0:
                 log.info("learner %d: subscribe stream ended, treating it as lost", m)
                 self._act(self.core.on_peer_lost(self.now(), m))
+                self._donation_taken(m)
                 self._donation_act(self.donations.peer_lost(self.now(), m, self._candidates(), self._regions_of()))
 
     async def bulk(self, request) -> BulkSource:
@@ -359,9 +416,10 @@ class SyncerService:
             self.resyncs_served += 1
         data = serde.fragment_to_bulk(p, self.core.version[p], self.core.global_step, self.core.theta[p],
                                       self.bulk_codec, self.core.run_id, self.core.epoch, self.core.resumed_from)
+        etag = serde.bytes_digest(data)
         if kind == "final":
-            return BulkSource(len(data), self._final_pieces(request.sender, p, data))
-        return BulkSource(len(data), [data])
+            return BulkSource(len(data), self._final_pieces(request.sender, p, data), etag=etag)
+        return BulkSource(len(data), [data], etag=etag)
 
     async def _final_pieces(self, sender: str, p: int, data: bytes):
         self.final_streams += 1

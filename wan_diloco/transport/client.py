@@ -10,6 +10,7 @@ final and raised as ``TransportError``.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import math
 import random
@@ -297,40 +298,71 @@ class SyncerClient:
         return LinkSample(rtt_s=rtt_s, rate_gbit_s=rate, nbytes=got[0], transfer_s=transfer_s, at_s=time.monotonic())
 
     async def fetch_bulk(self, request: BulkRequest) -> AsyncIterator[BulkChunk]:
-        """Chunks of a bulk object in order; checks indices, offsets and total size."""
-        data = encode_message(request)
+        """Chunks of a bulk object in order; checks offsets, total size and version (etag).
+
+        A call that breaks with a retryable status (UNAVAILABLE) is tried again with
+        backoff: from the start if no chunk had arrived; else, if the object is
+        resumable (its chunks carry an etag), from the first missing byte, asking
+        for that same etag (counted in ``metrics.resumes``). The retry budget
+        counts time without progress, so a long transfer may resume many times.
+        If the object changed in the meantime the server refuses and this raises
+        TransportError (FAILED_PRECONDITION): the bytes already yielded belong to
+        a version that is gone, and the caller must fetch it again from offset 0.
+        A broken transfer of a non-resumable object raises TransportError.
+        """
         backoff = Backoff(self.config)
-        expected_index = expected_offset = 0
-        total = None
+        received = request.offset  # absolute offset of the next byte expected
+        total = etag = None  # from the first chunk; every later one, resumed calls too, must agree
+        attempt = request
         while True:
             call = self._channel(0).unary_stream(f"/{SERVICE}/Bulk")(
-                data, timeout=self.config.upload_deadline_s(self.config.max_message_bytes),
+                encode_message(attempt), timeout=self.config.upload_deadline_s(self.config.max_message_bytes),
                 metadata=self._call_metadata + (sender_metadata(request.sender),), wait_for_ready=True,
             )
+            index = 0  # chunk indices restart at 0 in every call
             try:
                 async for raw in call:
                     chunk = decode_message(raw, max_bytes=self.config.grpc_message_bytes)
                     if not isinstance(chunk, BulkChunk) or chunk.name != request.name:
                         raise MessageError(f"bulk {request.name!r}: unexpected {type(chunk).__name__}")
-                    total = chunk.total_bytes if total is None else total
-                    if (chunk.index, chunk.offset, chunk.total_bytes) != (expected_index, expected_offset, total):
+                    if total is None:
+                        total, etag = chunk.total_bytes, chunk.etag
+                    if (chunk.index, chunk.offset, chunk.total_bytes, chunk.etag) != (index, received, total, etag):
                         raise MessageError(
                             f"bulk {request.name!r}: got chunk {chunk.index} at offset {chunk.offset} of "
-                            f"{chunk.total_bytes}, expected chunk {expected_index} at {expected_offset} of {total}"
+                            f"{chunk.total_bytes} (etag {chunk.etag[:80]!r}), expected chunk {index} at {received} "
+                            f"of {total} (etag {etag[:80]!r})"
                         )
-                    expected_index, expected_offset = expected_index + 1, expected_offset + len(chunk.payload)
-                    if expected_offset > total:
+                    if index == 0:
+                        backoff.reset()  # progress: the budget is for time without any
+                    index, received = index + 1, received + len(chunk.payload)
+                    if received > total:
                         raise MessageError(f"bulk {request.name!r}: more than the announced {total} bytes")
                     self.metrics.received("Bulk", len(raw))
                     yield chunk
-                if total is None or expected_offset != total:
-                    raise MessageError(f"bulk {request.name!r}: ended after {expected_offset} of {total} bytes")
+                if total is None or received != total:
+                    raise MessageError(f"bulk {request.name!r}: ended after {received} of {total} bytes")
                 return
             except grpc.aio.AioRpcError as e:
                 self.metrics.error("Bulk", e.code().name)
-                # Only a transfer that has not started yet can be retried transparently.
-                if expected_index == 0 and e.code() in RETRYABLE and not self._closed and await backoff.wait():
+                # Nothing arrived yet: try again as asked. Part arrived: only a resumable object
+                # (etag) can continue where it stopped; any other would have to start over,
+                # which the caller (holding the first part) must decide.
+                retry = e.code() in RETRYABLE and not self._closed and (total is None or etag)
+                # The call's deadline is sized for max_message_bytes; an object larger than that (a
+                # learner's whole state) that was still arriving goes on in a new call.
+                retry = retry or (e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and index > 0 and bool(etag)
+                                  and not self._closed)
+                if retry and await backoff.wait():
+                    if total is not None:
+                        attempt = dataclasses.replace(request, offset=received, etag=etag)
+                        self.metrics.resumed("Bulk")
                     continue
+                if attempt is not request and e.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                    raise TransportError("Bulk", e.code(), (
+                        f"bulk {request.name!r} changed while it was being fetched: resuming at byte {received} "
+                        f"of {total} was refused ({e.details() or 'no details'}); the bytes received so far "
+                        "are of a version that is gone")) from None
                 raise TransportError("Bulk", e.code(), e.details() or "") from None
             finally:
                 call.cancel()

@@ -45,7 +45,8 @@ import xxhash
 
 # 2: one generic Frame replaced the protocol-specific kinds of version 1
 # 3: Subscribe names the subscribing process (``instance``)
-WIRE_VERSION = 3
+# 4: bulk transfers resume from an offset (BulkRequest.offset/etag, BulkChunk.etag)
+WIRE_VERSION = 4
 MESSAGE_MAGIC = b"WDLC"
 PRELUDE = struct.Struct("<4sBBHIQ")
 PRELUDE_BYTES = PRELUDE.size  # 20
@@ -117,17 +118,32 @@ class Subscribe:
 
 @dataclasses.dataclass(frozen=True)
 class BulkRequest:
-    """Ask for a named bulk object (e.g. ``"global"``) as seen at or after ``clock``."""
+    """Ask for a named bulk object (e.g. ``"global"``) as seen at or after ``clock``.
+
+    ``offset`` > 0 resumes a broken transfer: only bytes ``[offset, total_bytes)``
+    are sent, and only if the object is still the version ``etag`` names (the
+    ``etag`` of the chunks already received). Otherwise the server refuses
+    (FAILED_PRECONDITION) rather than let the client splice two versions. At
+    offset 0 the etag is not checked.
+    """
 
     KIND: ClassVar[Kind] = Kind.BULK_REQUEST
     sender: str
     name: str
     clock: Clock
+    offset: int = 0
+    etag: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
 class BulkChunk:
-    """One piece of a bulk transfer: bytes [offset, offset+len(payload)) of total_bytes."""
+    """One piece of a bulk transfer: bytes [offset, offset+len(payload)) of total_bytes.
+
+    ``offset`` is absolute within the object, also in a resumed call; ``index``
+    counts the chunks of one call from 0, so a resumed call starts again at 0.
+    ``etag`` names the version of the object the bytes belong to (empty: the
+    object is not resumable); every chunk of a transfer carries the same one.
+    """
 
     KIND: ClassVar[Kind] = Kind.BULK_CHUNK
     sender: str
@@ -136,6 +152,7 @@ class BulkChunk:
     offset: int
     total_bytes: int
     payload: Payload = b""
+    etag: str = ""  # after payload: positional construction of the older fields is unchanged
 
 
 @dataclasses.dataclass(frozen=True)

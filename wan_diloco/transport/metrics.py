@@ -24,6 +24,8 @@ class TransportMetrics:
                                 ["rpc", "direction"], namespace=namespace, registry=self.registry)
         self.errors = Counter("transport_errors", "Calls that ended in an error, by RPC and status code",
                               ["rpc", "code"], namespace=namespace, registry=self.registry)
+        self.resumes = Counter("transport_resumes", "Broken transfers resumed from where they stopped, by RPC",
+                               ["rpc"], namespace=namespace, registry=self.registry)
         self._gauges: dict[str, Gauge] = {}
 
     def received(self, rpc: str, nbytes: int, messages: int = 1) -> None:
@@ -36,6 +38,9 @@ class TransportMetrics:
 
     def error(self, rpc: str, code: str) -> None:
         self.errors.labels(rpc, code).inc()
+
+    def resumed(self, rpc: str) -> None:
+        self.resumes.labels(rpc).inc()
 
     def gauge(self, name: str, documentation: str, labelnames: Sequence[str] = ()) -> Gauge:
         """The gauge ``name`` in this registry, created on first use."""

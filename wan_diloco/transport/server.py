@@ -59,10 +59,18 @@ class Rejected(Exception):
 
 @dataclasses.dataclass(frozen=True)
 class BulkSource:
-    """A bulk object to stream: its exact size and its bytes in any pieces."""
+    """A bulk object to stream: its exact size and its bytes in any pieces.
+
+    ``etag`` names this version of the object and must change whenever its bytes
+    do (a version number, a digest): a client whose transfer broke resumes from
+    the first missing byte only while the etag is the same. Empty: not resumable,
+    a broken transfer starts again from zero. The pieces are always the whole
+    object; the server skips what a resuming client already has.
+    """
 
     total_bytes: int
     pieces: Union[AsyncIterator[Payload], Iterable[Payload]]
+    etag: str = ""
 
 
 class Handler(Protocol):
@@ -85,7 +93,8 @@ class Handler(Protocol):
         """Frames to stream to ``msg.sender`` until it ends (see ``UpdateHub.stream``)."""
 
     async def bulk(self, request: BulkRequest) -> BulkSource:
-        """The named object to stream back in chunks."""
+        """The named object to stream back in chunks, whole even when ``request.offset`` > 0
+        (the server checks the etag and skips the bytes before the offset)."""
 
 
 class TransportServer:
@@ -408,21 +417,28 @@ class TransportServer:
             self._bind(who, req.sender)
             self.metrics.received("Bulk", len(request))
             source = await self.handler.bulk(req)
+            total, etag = source.total_bytes, source.etag
+            if req.offset:
+                _check_resume(req, source)
+            # offset: bytes of the source consumed (skipped or sent); index: chunks sent in this call
             index = offset = 0
             async for piece in _aiter(source.pieces):
                 view = memoryview(piece).cast("B")
+                if offset < req.offset:  # what a resuming client has already: dropped without a copy
+                    skip = min(req.offset - offset, len(view))
+                    view, offset = view[skip:], offset + skip
                 for i in range(0, len(view), self.config.chunk_bytes):
                     part = view[i : i + self.config.chunk_bytes]
-                    if offset + len(part) > source.total_bytes:
-                        raise RuntimeError(f"bulk source {req.name!r} gave more than {source.total_bytes} bytes")
-                    data = encode_message(BulkChunk(self.name, req.name, index, offset, source.total_bytes, part))
+                    if offset + len(part) > total:
+                        raise RuntimeError(f"bulk source {req.name!r} gave more than {total} bytes")
+                    data = encode_message(BulkChunk(self.name, req.name, index, offset, total, part, etag))
                     index, offset = index + 1, offset + len(part)
                     self.metrics.sent("Bulk", len(data))
                     yield data
-            if offset != source.total_bytes:
-                raise RuntimeError(f"bulk source {req.name!r} gave {offset} of {source.total_bytes} bytes")
-            if index == 0:  # an empty object still needs one chunk to announce its size
-                yield encode_message(BulkChunk(self.name, req.name, 0, 0, 0, b""))
+            if offset != total:
+                raise RuntimeError(f"bulk source {req.name!r} gave {offset} of {total} bytes")
+            if index == 0:  # an empty object (or remainder) still needs one chunk to announce size and etag
+                yield encode_message(BulkChunk(self.name, req.name, 0, offset, total, b"", etag))
         except BaseException as e:
             await self._guard(context, "Bulk", e)
 
@@ -468,6 +484,19 @@ class TransportServer:
             sender).set(rtt_ms)
         self.metrics.gauge("link_rate_gbit_s", "Download rate each peer measured from us, Gbit/s", ["peer"]).labels(
             sender).set(rate)
+
+
+def _check_resume(req: BulkRequest, source: BulkSource) -> None:
+    """Refuse to resume at ``req.offset`` unless the source is the version the client began with."""
+    if not source.etag:
+        raise Rejected(f"bulk {req.name!r} is not resumable (its source has no etag): "
+                       "fetch it again from offset 0")
+    if req.etag != source.etag:
+        raise Rejected(f"bulk {req.name!r} changed since the transfer began (etag {req.etag[:80]!r}, "
+                       f"now {source.etag[:80]!r}): fetch it again from offset 0")
+    if req.offset > source.total_bytes:
+        raise Rejected(f"bulk {req.name!r}: offset {req.offset} is past its end ({source.total_bytes} bytes)",
+                       grpc.StatusCode.INVALID_ARGUMENT)
 
 
 async def _aiter(pieces):
