@@ -141,3 +141,27 @@ def test_learners_left_without_a_syncer_stop_with_one_line_after_the_retry_budge
         assert "syncer" in error and "\n" not in error
         lines = (tmp_path / "run" / "learner-0.log").read_text().strip().splitlines()
         assert lines[-1].startswith("learner-0: stopping:") and "Traceback" not in "".join(lines)
+
+
+@pytest.mark.slow  # ~60 s
+def test_learners_in_their_final_sync_rejoin_a_resumed_syncer_and_sync_again(tmp_path):
+    path = config(tmp_path, steps=200)
+    cfg = rt.load(path)
+    with Cluster(cfg, path, tmp_path / "run") as cluster:
+        syncer = cluster.start_syncer()
+        learners = [cluster.start_learner(m) for m in range(2)]
+        wait_for("a complete snapshot", lambda: event(syncer, "snapshot"), timeout_s=120)
+        # Two seconds of steps before the end: a restarted syncer (import, warm-up) takes longer, so both
+        # learners reach their final sync while it is down and upload their finals to the dead incarnation.
+        wait_for("the last steps", lambda: any(e.get("event") == "step" and e["step"] >= cfg.run.steps - 40
+                                              for e in learners[0].events), timeout_s=120)
+        cluster.kill("syncer")
+        resumed = cluster.start_syncer(resume=True)
+        finished(cluster)
+        assert [c.exit_code for c in cluster.children.values()] == [0, 0, 0]
+        final, listening = event(resumed, "final"), event(resumed, "listening")
+        for child in learners:
+            assert event(child, "finishing")["t"] < listening["t"]  # in its final sync when it came back
+            mine = event(child, "final")
+            assert mine["epoch"] == 2 and mine["rejoins"] >= 1
+            assert mine["digests"] == final["digests"] and not mine["digest_mismatch"]

@@ -500,13 +500,38 @@ class Learner:
                 **report}
 
     def final_sync(self) -> dict:
-        """Upload every fragment (flagged final); take the syncer's final fragments, by broadcast or bulk."""
+        """Upload every fragment (flagged final); take the syncer's final fragments, by broadcast or bulk.
+
+        A syncer that resumes from a snapshot meanwhile dropped these uploads (old incarnation): the
+        learner rejoins it and syncs again."""
+        for _ in range(JOIN_TRIES):
+            report = self._final_sync_once()
+            if report is not None:
+                return report
+        raise SyncerLost(f"learner {self.m}: the syncer changed incarnation during each of {JOIN_TRIES} final syncs")
+
+    def _final_sync_once(self) -> dict | None:
         self._drain()
+        rejoins = self.rejoins
         self._handle(self.core.finish())
         budget_s = self.cfg.syncer.final_timeout_s + self.cfg.transport.retry_budget_s
         self.net.wait_uploads(budget_s)
         futs = [self.net.fetch_fragment(f"final/{p}") for p in range(len(self.layout.fragments))]
+        # Until the finals are served, keep reading the update stream: it says when the syncer came back
+        # as a new incarnation (the identity frame; ``_drain`` rejoins it).
+        deadline = time.monotonic() + budget_s
+        while not all(f.done() for f in futs) and time.monotonic() < deadline and not self.stop.is_set():
+            self._drain(block_s=0.1)
+            if self.rejoins != rejoins:
+                for f in futs:
+                    f.cancel()
+                return None
+        if self.stop.is_set():
+            raise Stopped()
         finals = [self._final_fragment(p, fut, budget_s) for p, fut in enumerate(futs)]
+        if any(f.epoch != self.core.epoch for f in finals):  # served by an incarnation it has not joined
+            self._rejoin(finals[0].epoch, finals[0].resumed_from)
+            return None
         # The broadcast of the final merge normally arrives on the update stream; bulk is the fallback.
         deadline = time.monotonic() + 5.0
         while any(self.core.version[f.fragment] < f.version for f in finals) and time.monotonic() < deadline:
