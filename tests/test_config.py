@@ -29,6 +29,12 @@ def test_from_mapping_builds_nested_and_coerces():
     assert cfg.learners == 2 and cfg.inner.rate_gbit_s == 5.0 and cfg.speeds == (1.0, 1.2)
 
 
+def test_a_count_may_be_written_like_2e6():
+    # TOML reads 2e6 as a float; a whole number is still a count, and comes out as an int.
+    cfg = from_mapping(Outer, {"learners": 2e6})
+    assert cfg.learners == 2_000_000 and type(cfg.learners) is int
+
+
 @pytest.mark.parametrize(
     "data, field",
     [
@@ -38,6 +44,8 @@ def test_from_mapping_builds_nested_and_coerces():
         ({"mode": "c"}, "mode"),
         ({"inner": {"rate": 1}}, "inner.rate"),
         ({"learners": True}, "learners"),
+        ({"learners": 2.5}, "learners"),
+        ({"learners": float("inf")}, "learners"),
     ],
 )
 def test_bad_values_name_the_field(data, field):

@@ -63,8 +63,11 @@ def _coerce(value: Any, typ: Any, field: str) -> Any:
         require(math.isfinite(value), field, f"must be a finite number, got {value!r}")
         return float(value)
     if typ is int:
-        require(isinstance(value, int) and not isinstance(value, bool), field, f"must be an integer, got {value!r}")
-        return value
+        # TOML reads 2e6 as a float: a whole number is still a count (steps = 2e6), 2.5 is not.
+        whole = isinstance(value, float) and math.isfinite(value) and value == int(value)
+        require((isinstance(value, int) and not isinstance(value, bool)) or whole, field,
+                f"must be an integer, got {value!r}")
+        return int(value)
     if typ is bool:
         require(isinstance(value, bool), field, f"must be true or false, got {value!r}")
         return value

@@ -46,3 +46,34 @@ def test_cli_bad_flags(argv, msg, capsys):
         cli.main(["simulate", "--quiet", *argv])
     assert e.value.code == 2
     assert msg in capsys.readouterr().err
+
+
+def test_simulate_keeps_its_model_and_it_evaluates_to_the_loss_it_reported(tmp_path, capsys):
+    from wan_diloco import spec as spec_lib
+    from wan_diloco.assemble import Assembly
+    from wan_diloco.checkpoint import load_params
+
+    out, params = tmp_path / "r.json", tmp_path / "params.safetensors"
+    argv = ["simulate", "--preset", "micro", "--learners", "2", "--steps", "8", "--sync-every", "4", "--fragments", "2",
+            "--batch-size", "4", "--quiet", "--json", str(out), "--params-out", str(params)]
+    assert cli.main(argv) == 0
+    reported = json.loads(out.read_text())["final_eval_loss"]
+    spec = spec_lib.from_short(preset="micro", learners=2, steps=8, sync_every=4, fragments=2, batch_size=4)
+    parts = Assembly(spec)
+    loaded, info = load_params(params, like=parts.params0)
+    assert info["final_eval_loss"] == reported
+    assert parts.evaluate(loaded) == reported  # the same parameters, bit for bit, give the same loss
+
+
+@pytest.mark.parametrize("baseline", ["decoupled", "dp"])
+def test_the_progress_bar_hears_of_every_step_not_only_eval_points(baseline):
+    from wan_diloco import sim
+    from wan_diloco import spec as spec_lib
+
+    spec = spec_lib.from_short(preset="micro", learners=2, steps=12, sync_every=4, fragments=2, batch_size=4,
+                               eval_every=6, baseline=baseline)
+    seen = []
+    sim.run(spec, [], progress=lambda fraction, point: seen.append((fraction, point["step"], point["eval_loss"])))
+    fractions = [f for f, _, _ in seen]
+    assert len(seen) >= 12 and fractions == sorted(fractions) and fractions[-1] == 1.0
+    assert len({loss for _, _, loss in seen}) <= 4  # the loss moves only at eval points (0, 6, 12 and the end)

@@ -32,14 +32,27 @@ def test_bandwidth_reports_cu_at_a_given_rate(tmp_path):
     assert set(data["cu_at_bandwidth"]["cu"]) == {"diloco", "decoupled"}
 
 
-def test_bandwidth_recommend_mode(tmp_path):
-    out = tmp_path / "rec.json"
+def test_bandwidth_recommend_mode_names_its_pick_and_plots_it(tmp_path, capsys):
+    out, png = tmp_path / "rec.json", tmp_path / "rec.png"
     argv = ["bandwidth", "--link-gbit", "2.5", "--rtt-ms", "60", "--target-cu", "0.95", "--params", "1e10",
-            "--layers", "48", "--step-time", "0.8", "--json", str(out)]
+            "--layers", "48", "--step-time", "0.8", "--json", str(out), "--plot", str(png)]
     assert main(argv) == 0
     data = json.loads(out.read_text())
     assert data["reached"] and data["recommendations"][0]["cu"] >= 0.95
-    assert set(data["recommendations"][0]) == {"sync_every", "fragments", "tau", "bits", "cu"}
+    assert set(data["recommendations"][0]) == {"sync_every", "fragments", "tau", "bits", "cu", "quality"}
+    pick = data["pick"]
+    assert pick == {k: v for k, v in data["recommendations"][0].items() if k != "quality"}
+    printed = capsys.readouterr().out
+    assert f"pick: H = {pick['sync_every']}, P = {pick['fragments']}, tau = {pick['tau']}, {pick['bits']}-bit" in printed
+    assert png.read_bytes().startswith(PNG_MAGIC)  # --plot used to be ignored in this mode
+
+
+def test_bandwidth_recommend_mode_says_when_nothing_reaches_the_target(tmp_path, capsys):
+    out = tmp_path / "rec.json"
+    argv = ["bandwidth", "--link-gbit", "0.001", "--target-cu", "0.99", "--preset", "10b", "--json", str(out)]
+    assert main(argv) == 1
+    assert "no setting reaches CU 0.99 on 0.001 Gbit/s" in capsys.readouterr().out
+    assert json.loads(out.read_text())["pick"] is None
 
 
 @pytest.mark.parametrize(
@@ -78,9 +91,9 @@ def test_goodput_bad_input_exits_naming_the_field(capsys):
     assert "error: quorum:" in capsys.readouterr().err
 
 
-def test_goodput_refuses_a_plot_it_cannot_draw_before_writing_anything(tmp_path, capsys):
-    out = tmp_path / "g.json"
-    with pytest.raises(SystemExit):
-        main(["goodput", "--chips", "5000", "--json", str(out), "--plot", str(tmp_path / "g.png")])
-    assert "error: plot:" in capsys.readouterr().err
-    assert not out.exists()
+def test_goodput_plots_a_small_cluster_too_and_keeps_the_tape(tmp_path):
+    # 2,048 chips used to be refused ("needs --chips above 16384"), and --tape was lost with it.
+    tape, png = tmp_path / "t.json", tmp_path / "g.png"
+    assert main(["goodput", "--chips", "2048", "--slice-chips", "256", "--days", "1", "--tape", str(tape),
+                 "--plot", str(png)]) == 0
+    assert png.read_bytes().startswith(PNG_MAGIC) and tape.exists()

@@ -9,7 +9,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from wan_diloco.config import ConfigError, require
+from wan_diloco.cli.args import count
+from wan_diloco.config import ConfigError, replace, require
 from wan_diloco.planning.bandwidth import (
     DEFAULT_CU_TARGETS,
     PRESETS,
@@ -30,19 +31,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m = p.add_argument_group("model")
     m.add_argument("--preset", choices=sorted(PRESETS), help="params, layers and step time of a paper model")
     m.add_argument("--params", type=float, help="parameter count, e.g. 1e9")
-    m.add_argument("--layers", type=int, help="transformer layers")
+    m.add_argument("--layers", type=count, help="transformer layers")
     m.add_argument("--step-time", type=float, metavar="S", help="seconds per training step")
     m.add_argument("--tokens-per-step", type=float, help="tokens per step per datacenter (step time from FLOPs)")
     m.add_argument("--mfu", type=float, default=0.4, help="model FLOP utilization (default 0.4)")
     m.add_argument("--peak-tflops", type=float, help="peak TFLOP/s of one datacenter's chips together")
     s = p.add_argument_group("sync")
-    s.add_argument("--datacenters", type=int, default=2, help="sites joined by identical links (default 2)")
+    s.add_argument("--datacenters", type=count, default=2, help="sites joined by identical links (default 2)")
     s.add_argument("--method", default="all", help="'all' (the paper's five columns) or a comma list of: "
                    "data_parallel, diloco, streaming, streaming_overlap, streaming_overlap_4bit, decoupled")
-    s.add_argument("--sync-every", type=int, default=100, metavar="H", help="inner steps per outer sync (default 100)")
-    s.add_argument("--fragments", type=int, metavar="P", help="fragments (default: one per 3 layers)")
-    s.add_argument("--tau", type=int, default=1, help="overlap steps for overlapped methods (default 1)")
-    s.add_argument("--bits", type=int, default=16, choices=(16, 8, 4), help="outer-gradient bits (default 16)")
+    s.add_argument("--sync-every", type=count, default=100, metavar="H", help="inner steps per outer sync (default 100)")
+    s.add_argument("--fragments", type=count, metavar="P", help="fragments (default: one per 3 layers)")
+    s.add_argument("--tau", type=count, default=1, help="overlap steps for overlapped methods (default 1)")
+    s.add_argument("--bits", type=count, default=16, choices=(16, 8, 4), help="outer-gradient bits (default 16)")
     s.add_argument("--rtt-ms", type=float, default=0.0, help="round-trip time between datacenters (default 0)")
     o = p.add_argument_group("question and output")
     o.add_argument("--target-cu", default=",".join(map(str, DEFAULT_CU_TARGETS)), help="comma list of CU targets")
@@ -121,6 +122,17 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+PUBLISHED_MAX_H = 100  # the largest H of published runs at data-parallel quality (Streaming DiLoCo, H = 100)
+
+
+def quality_note(r) -> str:
+    """What the published runs say of a setting's model quality (τ <= 5 and 4-bit outer gradients are
+    within them; H is the one knob that goes past them)."""
+    if r.sync_every <= PUBLISHED_MAX_H:
+        return "as data parallel in published runs"
+    return f"H beyond published runs (<= {PUBLISHED_MAX_H}): expect some loss"
+
+
 def _run_recommend(args, cfg, targets, methods, console) -> int:
     require(len(targets) == 1, "target_cu", "recommendations need exactly one --target-cu")
     require(args.bandwidth_gbit is None, "bandwidth_gbit", "use --link-gbit alone in recommendation mode")
@@ -128,18 +140,59 @@ def _run_recommend(args, cfg, targets, methods, console) -> int:
     require(len(methods) == 1 or args.method == "all", "method", "recommendations take one method")
     require(method in STREAMING_METHODS, "method", f"recommendations cover {', '.join(STREAMING_METHODS)}")
     found, reached = recommend(cfg, args.link_gbit, targets[0], method)
+    pick = found[0]
+    setting = f"H = {pick.sync_every}, P = {pick.fragments}, tau = {pick.tau}, {pick.bits}-bit"
+    if reached:
+        console.print(f"[bold green]pick: {setting}[/]: CU {pick.cu:.3f} on {args.link_gbit:g} Gbit/s; of the settings "
+                      f"that reach CU {targets[0]:g}, it syncs most often, then with the least overlap, then with the "
+                      f"most bits (in that order they cost model quality). {quality_note(pick)}.")
+    else:
+        console.print(f"[bold red]no setting reaches CU {targets[0]:g} on {args.link_gbit:g} Gbit/s[/]; the closest is "
+                      f"{setting} at CU {pick.cu:.3f}: a faster link, a longer step or a lower target.")
     verdict = "reach" if reached else "[red]do not reach[/] (best CU shown)"
     table = Table(title=f"{method} on {args.link_gbit:g} Gbit/s: settings that {verdict} CU {targets[0]:g}")
-    for col in ("H", "P", "tau", "bits", "CU"):
+    for col in ("", "H", "P", "tau", "bits", "CU"):
         table.add_column(col, justify="right")
-    for r in found[:SHOWN_RECOMMENDATIONS]:
-        table.add_row(str(r.sync_every), str(r.fragments), str(r.tau), str(r.bits), f"{r.cu:.3f}")
+    table.add_column("model quality")
+    for i, r in enumerate(found[:SHOWN_RECOMMENDATIONS]):
+        table.add_row("pick" if i == 0 and reached else "", str(r.sync_every), str(r.fragments), str(r.tau),
+                      str(r.bits), f"{r.cu:.3f}", quality_note(r))
     console.print(table)
     if args.json:
         _write_json(args.json, {"method": method, "link_gbit": args.link_gbit, "target_cu": targets[0],
-                                "reached": reached,
-                                "recommendations": [r.__dict__ for r in found[:SHOWN_RECOMMENDATIONS]]})
+                                "reached": reached, "pick": pick.__dict__ if reached else None,
+                                "recommendations": [{**r.__dict__, "quality": quality_note(r)}
+                                                    for r in found[:SHOWN_RECOMMENDATIONS]]})
+    if args.plot:
+        picked = replace(cfg, sync_every=pick.sync_every, fragments=pick.fragments, tau=pick.tau, bits=pick.bits)
+        plot_recommendation(cfg, picked, method, args.link_gbit, targets[0], args.plot)
     return 0 if reached else 1
+
+
+def plot_recommendation(cfg: BandwidthConfig, picked: BandwidthConfig, method: str, link_gbit: float,
+                        target_cu: float, path: Path, points: int = 60) -> None:
+    """PNG of CU against link rate for the settings given and for the pick, with the link and the target."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    grid = np.geomspace(link_gbit / 100, link_gbit * 100, points)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for c, label in ((cfg, f"as given: H {cfg.sync_every}, P {cfg.n_fragments}, tau {cfg.tau}, {cfg.bits}-bit"),
+                     (picked, f"pick: H {picked.sync_every}, P {picked.n_fragments}, tau {picked.tau}, {picked.bits}-bit")):
+        sched = schedule_for(c, method)
+        ax.plot(grid, [compute_utilization(sched, g) for g in grid], label=label)
+    ax.axvline(link_gbit, color="gray", linestyle=":", label=f"link {link_gbit:g} Gbit/s")
+    ax.axhline(target_cu, color="gray", linestyle="--", label=f"target CU {target_cu:g}")
+    ax.set_xscale("log")
+    ax.set_xlabel("bandwidth between datacenters (Gbit/s)")
+    ax.set_ylabel("compute utilization")
+    ax.set_title(f"{method}: {cfg.params:.3g} params, {cfg.layers} layers, step {cfg.step_time_s:.3g} s")
+    from wan_diloco.cli.report import save_figure
+
+    save_figure(fig, ax, path)
 
 
 def _write_json(path: Path, obj: dict) -> None:

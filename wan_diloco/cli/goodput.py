@@ -10,7 +10,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from wan_diloco.config import ConfigError, require
+from wan_diloco.cli.args import count
+from wan_diloco.config import require
 from wan_diloco.planning.goodput import SYSTEMS, GoodputConfig, simulate
 from wan_diloco.planning.tape import save_tape, scale_tape
 
@@ -41,7 +42,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         if f.name == "system":
             p.add_argument(flag, choices=SYSTEMS, default=f.default, help=f"default {f.default}")
         else:
-            p.add_argument(flag, type=hints[f.name], default=f.default, help=f"{_HELP[f.name]} (default {f.default:g})")
+            typ = count if hints[f.name] is int else hints[f.name]
+            p.add_argument(flag, type=typ, default=f.default, help=f"{_HELP[f.name]} (default {f.default:g})")
     p.add_argument("--json", type=Path, metavar="PATH", help="write goodput, uptime and the settings as JSON")
     p.add_argument("--tape", type=Path, metavar="PATH", help="write each learner's outages as a failure tape")
     p.add_argument("--time-scale", type=float, default=1.0,
@@ -59,8 +61,6 @@ def run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     require(args.time_scale > 0, "time_scale", f"must be > 0, got {args.time_scale}")
     require(args.tape is not None or args.time_scale == 1, "time_scale", "only applies with --tape")
-    if args.plot:
-        plot_chip_range(cfg)  # refuse before writing anything
     result = simulate(cfg)
     who = f"decoupled, M={cfg.learners}, K={cfg.quorum}" if cfg.system == "decoupled" else cfg.system
     table = Table(title=f"{cfg.chips:.3g} chips ({cfg.n_slices} slices of {cfg.slice_chips}), "
@@ -92,11 +92,9 @@ def _write(path: Path, text: str) -> None:
 
 
 def plot_chip_range(cfg: GoodputConfig) -> tuple[float, float]:
-    """Chips on the plot's axis: from enough for 16 learners of 4 slices up to ``cfg.chips``."""
-    low = max(1e4, 4 * max(PLOT_LEARNERS) * cfg.slice_chips)
-    if cfg.chips <= low:
-        raise ConfigError(f"plot: needs --chips above {low:g} to span a range, got {cfg.chips:g}")
-    return low, cfg.chips
+    """Chips on the plot's axis: three decades up to ``cfg.chips`` (at least one slice to four)."""
+    low = max(float(cfg.slice_chips), cfg.chips / 1000)
+    return low, max(float(cfg.chips), 4 * low)
 
 
 def plot_goodput_vs_chips(cfg: GoodputConfig, path: Path, points: int = 7) -> None:
@@ -111,8 +109,11 @@ def plot_goodput_vs_chips(cfg: GoodputConfig, path: Path, points: int = 7) -> No
     fig, ax = plt.subplots(figsize=(7, 4.5))
     base = dataclasses.replace(cfg, quorum=1)
     for m in PLOT_LEARNERS:
-        g = [simulate(dataclasses.replace(base, system="decoupled", learners=m, chips=float(c))).goodput for c in chips]
-        ax.plot(chips, g, marker="o", label=f"decoupled M={m}" + (" (= elastic-dp)" if m == 1 else ""))
+        fits = [float(c) for c in chips if c >= m * cfg.slice_chips]  # every learner needs a slice at least
+        if not fits:
+            continue
+        g = [simulate(dataclasses.replace(base, system="decoupled", learners=m, chips=c)).goodput for c in fits]
+        ax.plot(fits, g, marker="o", label=f"decoupled M={m}" + (" (= elastic-dp)" if m == 1 else ""))
     g = [simulate(dataclasses.replace(base, system="dp", learners=1, chips=float(c))).goodput for c in chips]
     ax.plot(chips, g, marker="x", linestyle="--", color="gray", label="dp (no elasticity)")
     ax.set_xscale("log")

@@ -21,6 +21,7 @@ from rich.table import Table
 from wan_diloco import model as model_lib
 from wan_diloco import spec as spec_lib
 from wan_diloco import tree
+from wan_diloco.cli.args import count
 from wan_diloco.config import require
 from wan_diloco.fragments import make_fragments
 from wan_diloco.planning.plan import DEFAULT_MAX_TAU, LinkEstimate, ModelFacts, Plan, links_from_metrics, plan_run
@@ -38,7 +39,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target-cu", type=float, help="compute-utilization target (default: [plan] target_cu, 0.95)")
     p.add_argument("--margin", type=float,
                    help="share of each link's rate and of each step kept in reserve (default: [plan] margin, 0.1)")
-    p.add_argument("--max-tau", type=int,
+    p.add_argument("--max-tau", type=count,
                    help=f"largest overlap tau considered (default: [plan] max_tau, {DEFAULT_MAX_TAU})")
     p.add_argument("--json", type=Path, metavar="OUT", help="write the plan and its inputs as JSON")
 

@@ -5,6 +5,7 @@ import argparse
 import json
 from pathlib import Path
 
+from wan_diloco.cli.args import count
 from wan_diloco.config import ConfigError
 
 # flag -> (spec.SHORT_NAMES name, type, help)
@@ -35,21 +36,10 @@ _FLAGS: dict[str, tuple[str, type, str]] = {
 }
 
 
-def _count(text: str) -> int:
-    """An integer that may be written like 2e6 or 2_000_000."""
-    try:
-        value = float(text.replace("_", ""))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if value != int(value):
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}")
-    return int(value)
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", metavar="TOML", help="the run file (the same one `launch` reads); flags override it")
     for flag, (_, typ, help_text) in _FLAGS.items():
-        p.add_argument(flag, type=_count if typ is int else typ, default=None, help=help_text)
+        p.add_argument(flag, type=count if typ is int else typ, default=None, help=help_text)
     p.add_argument("--grace", dest="grace", action="store_true", default=None, help="adaptive grace window (default)")
     p.add_argument("--no-grace", dest="grace", action="store_false", help="merge as soon as the quorum is reached")
     p.add_argument("--error-feedback", dest="error_feedback", action="store_true", default=None,
@@ -62,6 +52,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rtt-ms", type=float, default=None, help="round-trip time of each link, ms")
     p.add_argument("--failures", metavar="TAPE", help="failure tape: JSON list of {learner, down_at, up_at} (virtual s)")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    p.add_argument("--params-out", metavar="PATH",
+                   help="write the final global parameters (safetensors, as a real run's params.safetensors)")
     p.add_argument("--quiet", action="store_true", help="no progress bar or table")
 
 
@@ -98,4 +90,11 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(result.to_json(), indent=1))
+    if args.params_out:
+        from wan_diloco.checkpoint import save_params
+
+        Path(args.params_out).parent.mkdir(parents=True, exist_ok=True)
+        save_params(args.params_out, result.params, {"source": "simulate", "final_eval_loss": result.final_eval_loss,
+                                                     "global_steps": result.global_steps, "tokens": result.tokens})
+        print(f"final parameters: {args.params_out} (wan-diloco eval --params {args.params_out} --config ...)")
     return 0

@@ -1,6 +1,7 @@
 """What the simulated baselines share: the result record, step times, and uptime."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Iterable
 
@@ -30,9 +31,11 @@ class SimResult:
     mean_quorum: float = 0.0
     mean_grace_s: float = 0.0
     params_count: int = 0
+    # The final global parameters (flat name -> float32 array): what a run's params.safetensors holds.
+    params: dict | None = field(default=None, repr=False, compare=False)
 
     def to_json(self) -> dict:
-        return asdict(self)
+        return {k: v for k, v in asdict(dataclasses.replace(self, params=None)).items() if k != "params"}
 
 
 def step_time(sim: SimulateConfig, speed: float, rng: np.random.Generator) -> float:

@@ -123,7 +123,7 @@ class Simulation:
             curve=self.curve, late_dropped=st.late_dropped, late_carried=st.late_carried,
             mean_quorum=float(np.mean(st.quorum_sizes)) if st.quorum_sizes else 0.0,
             mean_grace_s=float(np.mean(st.grace_s)) if st.grace_s else 0.0,
-            params_count=model_lib.param_count(self.parts.state0.params),
+            params_count=model_lib.param_count(self.parts.state0.params), params=self.syncer.global_params(),
         )
 
     def _global_step(self) -> int:
@@ -135,18 +135,19 @@ class Simulation:
         return self._global_step() >= self.spec.run.steps
 
     def _eval_point(self, force: bool = False) -> None:
+        """An eval point when one is due; the progress callback hears of every step (the bar moves per
+        step, with the latest eval loss)."""
         step = self._global_step()
-        if not force and step < self.next_eval:
-            return
-        while self.next_eval <= step:
-            self.next_eval += self.cfg.eval_every
-        params = tree.unflatten(self.syncer.global_params(), self.parts.state0.params)
-        point = {"step": step, "tokens": self.tokens, "time_s": self.now, "eval_loss": self.parts.evaluate(params)}
-        if not self.curve or point != self.curve[-1]:
-            self.curve.append(point)
+        if force or step >= self.next_eval:
+            while self.next_eval <= step:
+                self.next_eval += self.cfg.eval_every
+            params = tree.unflatten(self.syncer.global_params(), self.parts.state0.params)
+            point = {"step": step, "tokens": self.tokens, "time_s": self.now, "eval_loss": self.parts.evaluate(params)}
+            if not self.curve or point != self.curve[-1]:
+                self.curve.append(point)
         if self.progress:
             budget = self.cfg.tokens or self.spec.run.steps
-            self.progress(min(1.0, (self.tokens if self.cfg.tokens else step) / budget), point)
+            self.progress(min(1.0, (self.tokens if self.cfg.tokens else step) / budget), {**self.curve[-1], "step": step})
 
     # ---- learners -------------------------------------------------------------------
 

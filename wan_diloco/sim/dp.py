@@ -12,6 +12,7 @@ import time
 import numpy as np
 
 from wan_diloco import model as model_lib
+from wan_diloco import tree
 from wan_diloco.assemble import Assembly
 from wan_diloco.planning.tape import Outage
 from wan_diloco.sim.common import Progress, SimResult, step_time
@@ -57,13 +58,13 @@ def run_dp(spec: RunSpec, parts: Assembly, outages: list[Outage], progress: Prog
         now += step_s
         step += 1
         if step % cfg.eval_every == 0 or step == budget_steps:
-            point = {"step": step, "tokens": tokens, "time_s": now, "eval_loss": parts.evaluate(state.params)}
-            curve.append(point)
-            if progress:
-                progress(step / budget_steps, point)
+            curve.append({"step": step, "tokens": tokens, "time_s": now, "eval_loss": parts.evaluate(state.params)})
+        if progress:  # every step: the bar moves with the steps, the loss with the eval points
+            progress(step / budget_steps, {**curve[-1], "step": step})
     return SimResult(
         config=to_document(spec), initial_eval_loss=curve[0]["eval_loss"], final_eval_loss=curve[-1]["eval_loss"],
         tokens=tokens, goodput=useful / (M * now), uptime=busy / now, fragment_syncs=[step],
         bytes_sent=bytes_sent, global_steps=step, virtual_time_s=now, wall_s=time.perf_counter() - t0,
         curve=curve, params_count=model_lib.param_count(parts.state0.params),
+        params={n: np.asarray(a, dtype=np.float32) for n, a in tree.flatten(state.params).items()},
     )
