@@ -23,6 +23,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "launch": ("wan_diloco.cli.launch", "start a syncer and M learners as local processes, with live progress"),
     "eval": ("wan_diloco.cli.eval", "held-out loss of saved parameters (a run's checkpoints/params.safetensors)"),
     "token": ("wan_diloco.cli.token", "a learner's own token when transport.per_learner_tokens is on"),
+    "certs": ("wan_diloco.cli.certs", "a CA and certificates for mutual TLS between the syncer and each learner host"),
     "train": ("wan_diloco.cli.train", "the default local run: syncer + 4 learners in 2 regions on loopback"),
     "wan": ("wan_diloco.cli.wan", "emulated WAN between region namespaces on this machine (needs root)"),
     "chaos": ("wan_diloco.cli.chaos", "a real run under process kills and resumes, against a fault-free run"),
