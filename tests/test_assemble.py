@@ -2,7 +2,8 @@ import numpy as np
 import pytest
 
 from wan_diloco import model, spec as spec_lib
-from wan_diloco.assemble import Assembly, fragment_digest
+from wan_diloco.assemble import Assembly, fragment_digest, preflight
+from wan_diloco.config import ConfigError
 
 
 @pytest.fixture(autouse=True)
@@ -38,6 +39,20 @@ def test_learners_and_syncer_come_from_the_spec():
     assert batch.tokens.shape == (2, 33)
 
 
-def test_too_many_fragments_is_a_clear_error():
-    with pytest.raises(ValueError, match="num_fragments = 64 leaves fragments"):
+def test_too_many_fragments_is_a_config_error_that_says_how_many_fit():
+    with pytest.raises(ConfigError, match=r"^learner.num_fragments: 64 leaves fragments .* empty .*; at most (\d+) fit") as e:
         Assembly(micro(fragments=64)).layout
+    fits = int(e.value.args[0].rsplit("at most ", 1)[1].split()[0])
+    assert len(Assembly(micro(fragments=fits)).layout.fragments) == fits  # the advice works
+    with pytest.raises(ConfigError, match="at most"):
+        Assembly(micro(fragments=fits + 1)).layout
+
+
+def test_preflight_finds_what_would_stop_every_process_without_building_the_model(tmp_path):
+    preflight(micro(fragments=2))  # fine: nothing raised
+    with pytest.raises(ConfigError, match="^learner.num_fragments: 64"):
+        preflight(micro(fragments=64))
+    missing = tmp_path / "nope.txt"
+    with pytest.raises(ConfigError, match=f"^data.corpus: {missing}: no such file"):
+        preflight(micro(corpus=str(missing)))
+    preflight(micro(corpus=str(missing)), data=False)  # a syncer's host needs no corpus

@@ -7,7 +7,6 @@ fragments and codec as a real one.
 from __future__ import annotations
 
 import dataclasses
-
 import hashlib
 from functools import cached_property
 from typing import Mapping
@@ -20,6 +19,7 @@ from wan_diloco import model as model_lib
 from wan_diloco import train as train_lib
 from wan_diloco import tree
 from wan_diloco.compression import CodecConfig, FragmentCodec
+from wan_diloco.config import ConfigError
 from wan_diloco.core import LearnerCore, SyncerCore
 from wan_diloco.fragments import Layout, make_fragments
 from wan_diloco.spec import RunSpec
@@ -37,6 +37,34 @@ def fragment_digest(values: Mapping[str, np.ndarray], names: tuple[str, ...]) ->
         h.update(n.encode())
         h.update(np.ascontiguousarray(values[n], dtype="<f4").tobytes())
     return h.hexdigest()
+
+
+def fragments_of(spec: RunSpec, sizes: Mapping[str, int]) -> list[tuple[str, ...]]:
+    """The run's fragments of a model with these tensor sizes; ConfigError if some would be empty."""
+    def split(p: int):
+        return make_fragments(spec.run.fragmenter, sizes, p, model_lib.layer_index)
+
+    P = spec.learner.num_fragments
+    frags = split(P)
+    empty = [p for p, f in enumerate(frags) if not f]
+    if empty:
+        fits = next((p for p in range(P - 1, 0, -1) if all(split(p))), 1)
+        raise ConfigError(
+            f"learner.num_fragments: {P} leaves fragments {empty[:8]}{'...' if len(empty) > 8 else ''} empty with "
+            f"the {spec.run.fragmenter!r} fragmenter on this model ({len(sizes)} tensors); at most {fits} fit")
+    return frags
+
+
+def preflight(spec: RunSpec, data: bool = True) -> None:
+    """What would stop every process at start, checked before any starts (no compile, no allocation):
+    the fragments fit the model, and (``data``: on a host that trains) the corpus is there."""
+    shapes = tree.flatten(model_lib.abstract_params(spec.model))
+    fragments_of(spec, {n: int(np.prod(a.shape)) for n, a in shapes.items()})
+    if data:
+        try:
+            data_lib.check_corpus(spec.data)
+        except ConfigError as e:
+            raise ConfigError(f"data.{e}") from None
 
 
 class Assembly:
@@ -64,14 +92,7 @@ class Assembly:
 
     @cached_property
     def layout(self) -> Layout:
-        sizes = {n: int(a.size) for n, a in self.flat0.items()}
-        frags = make_fragments(self.spec.run.fragmenter, sizes, self.spec.learner.num_fragments,
-                               model_lib.layer_index)
-        empty = [p for p, f in enumerate(frags) if not f]
-        if empty:
-            raise ValueError(
-                f"learner.num_fragments = {self.spec.learner.num_fragments} leaves fragments {empty} empty with "
-                f"the {self.spec.run.fragmenter!r} fragmenter on this model ({len(sizes)} tensors); use fewer")
+        frags = fragments_of(self.spec, {n: int(a.size) for n, a in self.flat0.items()})
         return Layout(frags, {n: a.shape for n, a in self.flat0.items()})
 
     @cached_property

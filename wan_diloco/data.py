@@ -123,19 +123,27 @@ def _load_bin(path: Path, cfg: DataConfig) -> Corpus:
     return _split_tail(tokens, cfg, str(path))
 
 
+def check_corpus(cfg: DataConfig) -> None:
+    """What can be told of the corpus without reading it (it exists; a byte corpus fits the vocabulary):
+    ConfigError before any process starts rather than in each learner."""
+    cfg.validate()
+    path = Path(cfg.corpus)
+    if cfg.corpus != "stdlib":
+        require(path.exists(), "corpus", f"{path}: no such file or directory")
+    if cfg.corpus == "stdlib" or not (path.is_file() and path.suffix == ".bin"):
+        _require_bytes_vocab(cfg)
+
+
 def load_corpus(cfg: DataConfig) -> Corpus:
     """Read the configured corpus; missing, empty or out-of-vocabulary input raises ConfigError."""
-    cfg.validate()
+    check_corpus(cfg)
     if cfg.corpus == "stdlib":
-        _require_bytes_vocab(cfg)
         root = stdlib_root()
         name = f"stdlib-{sys.version_info.major}.{sys.version_info.minor}"
         return _load_dir(root, cfg, name, ".py", _STDLIB_SKIP_DIRS)
     path = Path(cfg.corpus)
-    require(path.exists(), "corpus", f"{path}: no such file or directory")
     if path.is_file() and path.suffix == ".bin":
         return _load_bin(path, cfg)
-    _require_bytes_vocab(cfg)
     if path.is_dir():
         return _load_dir(path, cfg, str(path), None, frozenset({"__pycache__"}))
     with open(path, "rb") as f:

@@ -146,7 +146,9 @@ def init_params(cfg: ModelConfig, key: jax.Array) -> Params:
 
 def abstract_params(cfg: ModelConfig) -> Params:
     """Shapes and dtypes of :func:`init_params` (``jax.ShapeDtypeStruct`` leaves), no allocation."""
-    return jax.eval_shape(lambda k: init_params(cfg, k), jax.random.key(0))
+    # The key is made inside the trace: a concrete one would start a backend (threads) in processes that
+    # only plan, such as the launcher before it forks its children.
+    return jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
 
 
 def _plain(tree: Any) -> Any:

@@ -66,6 +66,9 @@ class RunConfig:
     token: str = ""  # bearer token; empty: taken from $WAN_DILOCO_TOKEN
     tick_s: float = 1.0  # liveness check period of the syncer
     report_every_s: float = 0.5  # progress lines on stdout at most this often
+    # Networked runs: the global model's held-out loss every this many steps (0: at start and end only).
+    # The learners take turns (the one with id (step / eval_every) mod M), so one that is down costs points.
+    eval_every: int = 0
     min_step_s: float = 0.0  # learners pace their steps to at least this long (emulates slower chips)
     run_dir: str = "runs"  # launcher: where metrics.jsonl and logs go
     # The run's identity in every message; empty: the syncer makes one at a fresh start (a resume keeps
@@ -84,6 +87,7 @@ class RunConfig:
         require(self.min_step_s >= 0, "min_step_s", f"must be >= 0, got {self.min_step_s}")
         require(self.tick_s > 0, "tick_s", f"must be > 0, got {self.tick_s}")
         require(self.report_every_s > 0, "report_every_s", f"must be > 0, got {self.report_every_s}")
+        require(self.eval_every >= 0, "eval_every", f"must be >= 0 (0: off), got {self.eval_every}")
         require(len(self.run_id) <= 64 and all(c.isascii() and (c.isalnum() or c in "._-") for c in self.run_id),
                 "run_id", f"must be at most 64 of A-Z a-z 0-9 . _ -, got {self.run_id[:70]!r}")
 
@@ -339,6 +343,7 @@ host = "127.0.0.1"
 port = 0                           # 0: any free port; the launcher passes it to the learners
 status_port = 0                    # /status and /metrics of the syncer
 run_dir = "runs"
+eval_every = 50                    # the global model's held-out loss every 50 steps (loss.png, the table)
 
 [model]
 preset = "tiny"

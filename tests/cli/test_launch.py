@@ -42,3 +42,21 @@ def test_plan_inputs_without_plan_are_refused(monkeypatch, capsys):
     seen = _capture(monkeypatch)
     assert main(["launch", "--config", LOCAL, "--step-time", "0.1", "--quiet"]) == 2
     assert not seen and "go with --plan" in capsys.readouterr().err
+
+
+def test_a_config_every_process_would_die_of_is_one_line_before_any_starts(tmp_path, capsys):
+    # Before: each learner died on its own ("every learner died (learner-0: 2, ...)") after ~30 s of start-up.
+    missing = tmp_path / "missing.txt"
+    for old, new, message in (
+            ("num_fragments = 4 ", "num_fragments = 64 ", "learner.num_fragments: 64 leaves fragments"),
+            ('corpus = "stdlib"', f'corpus = "{missing}"', f"data.corpus: {missing}: no such file")):
+        path = tmp_path / "run.toml"
+        path.write_text(Path(LOCAL).read_text().replace(old, new))
+        try:
+            code = main(["launch", "--config", str(path), "--run-dir", str(tmp_path / "run"), "--quiet"])
+        except SystemExit as e:
+            code = e.code
+        err = capsys.readouterr().err
+        assert code == 2 and err.startswith("wan-diloco launch: error: ") and message in err, err
+        assert len(err.strip().splitlines()) == 1
+        assert not (tmp_path / "run").exists()  # nothing started, nothing written

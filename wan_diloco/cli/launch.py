@@ -12,12 +12,13 @@ import os
 from pathlib import Path
 
 from rich.live import Live
+from rich.markup import escape
 from rich.table import Table
 
 from wan_diloco.cli.report import human_bytes, console, out
 from wan_diloco import spec as spec_lib
 from wan_diloco.cli import plan as plan_cli
-from wan_diloco.runtime.launch import RunState, launch
+from wan_diloco.runtime.launch import RunState, last_line, launch
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -56,6 +57,9 @@ def table(mon: RunState) -> Table:
     s = mon.syncer
     t.add_row("syncer", "", str(s.get("global_step", "")), "", "", human_bytes(s.get("bytes_out", 0)), "", "",
               f"versions {s.get('versions', '')}")
+    if mon.evals:
+        last = mon.evals[-1]
+        t.caption = f"global model: eval loss {last['eval_loss']:.3f} at step {last['step']} (run.eval_every)"
     return t
 
 
@@ -77,6 +81,7 @@ def print_summary(s: dict) -> None:
         ("final fragments bit-identical", "yes" if s["bit_identical"] else "NO"),
         ("snapshots (run id)", f"{s.get('snapshots', 0)} ({s.get('run_id')})"),
         ("final parameters", _short_path(s.get("params_path")) or "not written (checkpoint.dir is empty)"),
+        ("loss curve", _short_path(s.get("loss_png")) or "not drawn"),
         ("wall time", f"{s['wall_s']:.1f} s"),
     ]
     for k, v in rows:
@@ -105,9 +110,11 @@ def launch_and_show(cfg: spec_lib.RunSpec, config_text: str, run_dir: str | None
     for line in summary.get("emulator", {}).get("namespaces", []):
         console.print(f"emulated WAN: {line}")
     for name, (exit_code, log) in summary.get("failed_learners", {}).items():
-        console.print(f"[yellow]wan-diloco: {name} did not finish (exit code {exit_code}); see {log}[/yellow]")
+        said = last_line(Path(log))  # a log line is text, not rich markup
+        console.print(f"[yellow]wan-diloco: {name} did not finish (exit code {exit_code})"
+                      f"{': ' + escape(said) if said else ''}; see {escape(log)}[/yellow]", highlight=False)
     if "error" in summary:
-        console.print(f"[red]wan-diloco: run failed: {summary['error']}[/red]")
+        console.print(f"[red]wan-diloco: run failed: {escape(summary['error'])}[/red]", highlight=False)
     return code, summary
 
 

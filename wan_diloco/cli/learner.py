@@ -21,6 +21,9 @@ def run(args: argparse.Namespace) -> int:
     cfg = spec_lib.load(args.config)
     require(0 <= args.id < cfg.run.learners, "id", f"must be in 0..{cfg.run.learners - 1}, got {args.id}")
     target = args.syncer.removeprefix("http://").removeprefix("https://")
+    from wan_diloco.assemble import preflight
     from wan_diloco.runtime.learner import run_learner
+
+    preflight(cfg)  # ConfigError: one line from cli.main, exit code 2, before connecting
 
     return run_learner(cfg, args.id, target, cfg.token(), resume=args.resume)

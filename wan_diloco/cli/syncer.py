@@ -90,6 +90,9 @@ def run(args: argparse.Namespace) -> int:
         # Before the config and the model: a mistyped port should not cost the seconds of JAX start-up.
         check_port(args.port, "--port")  # ConfigError: one line from cli.main, exit code 2
     cfg = spec_lib.load(args.config)
+    from wan_diloco.assemble import preflight
+
+    preflight(cfg, data=False)  # the syncer reads no data: its host need not have the corpus
     try:
         return run_loop(serve(cfg, cfg.token(), args.port, args.resume))
     except ResumeError as e:

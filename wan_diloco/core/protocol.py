@@ -74,6 +74,8 @@ class Metadata:
     # Where its data stream is (opaque to the syncer, which keeps the latest and hands it back to a learner
     # that rejoins without its own snapshot part, so the stream goes on instead of replaying from the seed).
     data: str = ""
+    loss: float | None = None  # its latest training loss (for /metrics; the syncer does not act on it)
+    tokens: int = 0  # tokens this learner process trained on so far (tokens/s on /metrics)
 
 
 @dataclass(frozen=True)

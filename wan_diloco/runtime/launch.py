@@ -93,13 +93,25 @@ def learner_of(name: str) -> int:
     return int(match.group(1))
 
 
-def last_line(path: Path) -> str:
-    """The last non-empty line of a log file (what a process said before it died), or ''."""
+def last_lines(path: Path, n: int = 1) -> list[str]:
+    """The last ``n`` non-empty lines of a log file (what a process said before it died)."""
     try:
         lines = [ln for ln in path.read_text(errors="replace").splitlines() if ln.strip()]
     except OSError:
-        return ""
-    return lines[-1].strip()[:300] if lines else ""
+        return []
+    return [ln.rstrip()[:300] for ln in lines[-n:]]
+
+
+def last_line(path: Path) -> str:
+    return (last_lines(path) or [""])[0].strip()
+
+
+def died(child: "Child", lines: int = 5) -> str:
+    """``NAME exited with code C``, then the last lines of its log, indented (the launcher's account of a
+    dead process: the reason is usually there, not in the exit code)."""
+    tail = last_lines(child.log_path, lines)
+    said = "".join(f"\n    {ln}" for ln in tail) if tail else " (its log is empty)"
+    return f"{child.name} exited with code {child.exit_code}; the end of {child.log_path}:{said}"
 
 
 class Cluster:
@@ -249,6 +261,8 @@ class RunState:
         self.syncer_final: dict | None = None
         self.finals: dict[int, dict] = {}
         self.starts: dict[int, dict] = {}
+        self.evals: list[dict] = []  # the global model's eval points (run.eval_every), in step order
+        self.losses: dict[int, list[tuple[int, float]]] = {m: [] for m in range(cfg.run.learners)}
 
     def fold(self, name: str, e: dict) -> None:
         kind = e.get("event")
@@ -265,6 +279,10 @@ class RunState:
             row["status"] = "training"
         elif kind == "step":
             row.update(e)
+            self.losses[m].append((e["step"], e["loss"]))
+        elif kind == "eval":
+            self.evals.append({k: e[k] for k in ("step", "eval_loss", "tokens")})
+            self.evals.sort(key=lambda x: x["step"])
         elif kind == "finishing":
             row["status"] = "final sync"
         elif kind == "link":
@@ -308,6 +326,7 @@ def summarize(mon: RunState, wall_s: float) -> dict:
         "merge_lag_steps": sum(lags) / len(lags) if lags else None,
         "run_id": sf.get("run_id"), "params_path": sf.get("params_path"),
         "snapshots": sf.get("snapshots_complete", 0), "syncer_epoch": sf.get("epoch"),
+        "eval_curve": mon.evals,
     }
 
 
@@ -344,6 +363,9 @@ def launch(cfg: RunSpec, config_text: str, run_dir: str | None = None,
 
     With ``resume`` (``run_dir`` required, ``cfg`` read from its config.toml) every process starts
     from the newest complete snapshot under the run's checkpoint.dir."""
+    from wan_diloco.assemble import preflight  # JAX and the model: not for `wan-diloco --help`
+
+    preflight(cfg)  # a missing corpus or too many fragments: one ConfigError, before any process starts
     rdir = Path(run_dir) if run_dir else Path(cfg.run.run_dir) / time.strftime("%Y%m%d-%H%M%S")
     rdir.mkdir(parents=True, exist_ok=True)
     cfg = cfg if resume else run_spec(cfg, rdir)
@@ -412,15 +434,25 @@ def _run(cfg: RunSpec, rdir: Path, watch: Callable[[RunState], None] | None,
                 learners = [c for n, c in cluster.children.items() if n != "syncer"]
                 if sync.exit_code is not None:
                     if sync.exit_code != 0 or mon.syncer_final is None:
-                        raise RunFailed(f"the syncer died (exit code {sync.exit_code}); see {sync.log_path}")
+                        raise RunFailed(f"the syncer died: {died(sync)}")
                     if all(c.exit_code is not None for c in learners) and cluster.events.empty():
                         break
                 elif all(c.exit_code is not None and c.exit_code != 0 for c in learners):
-                    codes = ", ".join(f"{c.name}: {c.exit_code}" for c in learners)
-                    raise RunFailed(f"every learner died ({codes}); see the logs in {rdir}")
+                    raise RunFailed("every learner died:\n" + "\n".join(died(c, lines=3) for c in learners))
         failed = {c.name: (c.exit_code, str(c.log_path)) for n, c in cluster.children.items()
                   if n != "syncer" and c.exit_code != 0}
-        return 0, {**summarize(mon, time.monotonic() - t0), "run_dir": str(rdir), "failed_learners": failed}
+        summary = {**summarize(mon, time.monotonic() - t0), "run_dir": str(rdir), "failed_learners": failed}
+        try:
+            from wan_diloco.runtime.run_plot import plot_run
+
+            plot_run(mon.losses, mon.evals, [s["eval_loss"] for s in mon.starts.values()],
+                     [(f["steps"], f["final_eval_loss"]) for f in mon.finals.values()], rdir / "loss.png",
+                     title=f"{cfg.run.learners} learners, {cfg.run.steps} steps ({cfg.preset})")
+            summary["loss_png"] = str(rdir / "loss.png")
+        except (OSError, ValueError) as e:  # a picture is not worth failing a finished run for
+            summary["loss_png"] = None
+            print(f"wan-diloco: could not draw the loss curve: {e}", file=sys.stderr)
+        return 0, summary
     except RunFailed as e:
         return (128 + stop["sig"] if stop["sig"] else 1), {"error": str(e), "run_dir": str(rdir)}
     finally:

@@ -21,12 +21,14 @@ import concurrent.futures
 import dataclasses
 import hashlib
 import json
+import math
 import queue
 import signal
 import sys
 import threading
 import time
 
+import grpc
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -46,6 +48,7 @@ from wan_diloco.runtime.events import emit
 from wan_diloco.runtime.netthread import NetThread
 from wan_diloco.spec import RunSpec
 from wan_diloco.transport import MessageError, TransportError
+from wan_diloco.transport.reach import diagnose
 
 
 REPLAN_MIN_STEPS = 5  # steps timed before τ is planned from a link (τ counts steps)
@@ -73,12 +76,15 @@ class Learner:
         self.step_fn = parts.step_fn
         self.batches = parts.batches(learner)
         self.evaluate = lambda: parts.evaluate(self.state.params)
+        self.evaluate_params = parts.evaluate
         # Room for a few rounds of every fragment's update between two steps, and never less than 64 MiB.
+        self.target = target
         self.net = NetThread(target, token, cfg.transport, learner_node(learner), self.region, self.codec,
                              parts.bulk_codec, inbox_bytes=max(4 * sum(self.layout.nbytes), 64 << 20))
         self.stop = threading.Event()
         self.pending_resync: dict[int, concurrent.futures.Future] = {}
         self.tokens = 0
+        self.loss = float("nan")  # the latest training loss
         self.compute_s = 0.0
         self.raw_bytes = 0  # fp32 size of what was uploaded: numerator of the compression ratio
         self.payload_bytes = 0
@@ -214,7 +220,9 @@ class Learner:
         position = json.dumps(self.batches.position(), separators=(",", ":")) if self.position_known else ""
         if len(position) > serde.MAX_STR_CHARS:  # never for the built-in streams; a custom one just loses it
             position = ""
-        self.net.send_metadata(dataclasses.replace(msg, data=position, recovering=recovering))
+        loss = self.loss if math.isfinite(self.loss) else None  # a diverged step is the syncer's to see, not a crash
+        self.net.send_metadata(dataclasses.replace(msg, data=position, recovering=recovering, loss=loss,
+                                                   tokens=self.tokens))
 
     def _take_up_data_position(self) -> None:
         """(Re)joined a run in progress without its own snapshot part: go on with the data stream where
@@ -428,6 +436,7 @@ class Learner:
         return first
 
     def run(self) -> dict:
+        self._reach_syncer()  # first: an unreachable syncer is said in seconds, not after a compile and a deadline
         # Compile before joining: the first step on a shared CPU can take longer than the liveness timeout.
         jax.block_until_ready(self.step_fn(self.state, self.batches.next().tokens))
         self.on_compiled()
@@ -439,6 +448,27 @@ class Learner:
         finally:
             self.writer.shutdown(wait=True)  # a part being written is finished, not torn
             self.net.stop()
+
+    def _reach_syncer(self) -> None:
+        """Before the first call: if the syncer cannot be reached, say why at once (one line naming the
+        address and the cause), then try again with backoff for ``transport.retry_budget_s``; SyncerLost
+        after that. gRPC alone would wait out a call deadline and say DEADLINE_EXCEEDED."""
+        t = self.cfg.transport
+        deadline, wait_s, said = time.monotonic() + t.retry_budget_s, t.backoff_initial_s, None
+        while (why := diagnose(self.target, t.tls, timeout_s=min(5.0, t.call_timeout_s))) is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise SyncerLost(f"cannot reach the syncer at {self.target}: {why}; gave up after "
+                                 f"{t.retry_budget_s:g} s (transport.retry_budget_s)")
+            if why != said:  # each new reason once, not a line per retry
+                said = why
+                print(f"learner-{self.m}: cannot reach the syncer at {self.target}: {why}; retrying for up to "
+                      f"{left:.0f} s", file=sys.stderr, flush=True)
+                emit({"event": "warning", "role": "learner", "learner": self.m,
+                      "what": f"cannot reach the syncer at {self.target}: {why}"})
+            if self.stop.wait(min(wait_s, max(left, 0.0))):
+                raise Stopped()
+            wait_s = min(2 * wait_s, t.backoff_max_s)
 
     def _run(self) -> dict:
         joined = self.join(self.cfg.transport.call_timeout_s + self.cfg.transport.retry_budget_s)
@@ -465,7 +495,7 @@ class Learner:
             batch = self.batches.next()
             self.core.begin_step(t0)
             self.state, metrics = self.step_fn(self.state, batch.tokens)
-            loss = float(metrics["loss"])  # also waits for the step to finish
+            loss = self.loss = float(metrics["loss"])  # also waits for the step to finish
             if self.cfg.run.min_step_s:
                 time.sleep(max(0.0, self.cfg.run.min_step_s - (time.monotonic() - t0)))
             t1 = time.monotonic()
@@ -474,6 +504,7 @@ class Learner:
             self._handle(self.core.step_done(t1, batch.n_tokens))
             if self.unplanned is not None and self.core.step >= REPLAN_MIN_STEPS:
                 self._replan(self.unplanned, fresh=False)
+            self._maybe_eval()
             if t1 - last_report >= self.cfg.run.report_every_s:
                 last_report = t1
                 emit({"event": "step", "role": "learner", "learner": self.m, "step": self.core.step,
@@ -498,6 +529,18 @@ class Learner:
                 "snapshot_stall_s": self.snapshot_stall_s, "stale_updates": self.core.stale_updates,
                 "recovery": self.recovery,
                 **report}
+
+    def _maybe_eval(self) -> None:
+        """Every ``run.eval_every`` steps, one learner in turn evaluates the global model as it holds it (its
+        global view Θ, not its local parameters): the run's eval curve (``eval`` events)."""
+        every, step = self.cfg.run.eval_every, self.core.step
+        if not every or step % every or (step // every) % self.cfg.run.learners != self.m:
+            return
+        t0 = time.monotonic()
+        flat = {n: v for fragment in self.core.base for n, v in fragment.items()}
+        loss = float(self.evaluate_params(tree.unflatten(flat, self.state.params)))
+        emit({"event": "eval", "role": "learner", "learner": self.m, "step": step, "eval_loss": loss,
+              "versions": list(self.core.version), "tokens": self.tokens, "eval_s": round(time.monotonic() - t0, 3)})
 
     def final_sync(self) -> dict:
         """Upload every fragment (flagged final); take the syncer's final fragments, by broadcast or bulk.
@@ -593,8 +636,13 @@ def run_learner(cfg: RunSpec, learner: int, target: str, token: str, resume: boo
     try:
         result = lrn.run()
     except (IncarnationError, SyncerLost, TransportError, MessageError) as e:  # the network, not a bug: one line
-        emit({"event": "error", "role": "learner", "learner": learner, "error": str(e)})
-        print(f"learner-{learner}: stopping: {e}", file=sys.stderr)
+        why = str(e)
+        if isinstance(e, TransportError) and e.code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+            why = (f"the syncer at {target} refused this learner's token ({e.code.name}): the run's token is "
+                   f"$WAN_DILOCO_TOKEN or run.token; with transport.per_learner_tokens, `wan-diloco token --learner "
+                   f"{learner}` on the syncer's host gives this learner's")
+        emit({"event": "error", "role": "learner", "learner": learner, "error": why})
+        print(f"learner-{learner}: stopping: {why}", file=sys.stderr)
         return 3
     emit(result)
     if result.get("digest_mismatch"):

@@ -106,6 +106,7 @@ class SyncerService:
         self.max_state_bytes = serde.max_state_bytes(sum(self.layout.nbytes))
         self.donated_ready: dict[int, asyncio.Event] = {}
         self.positions: dict[int, str] = {}  # learner -> its data position as of its latest metadata
+        self.progress: dict[int, dict] = {}  # learner -> its latest loss and tokens/s (``_on_progress``)
         self.recovery_bytes = 0
         if resume:
             self._resume()
@@ -336,6 +337,7 @@ class SyncerService:
             self._log_notices()
             raise self._reject(e) from None
         self.regions[meta.learner] = meta.region
+        self._on_progress(meta)
         if meta.data:
             self.positions[meta.learner] = meta.data
         if meta.snapshot and self.snap_pending and meta.epoch == self.core.epoch:
@@ -528,11 +530,36 @@ class SyncerService:
             **self.summary(),
         }
 
+    def _on_progress(self, meta) -> None:
+        """A learner's loss and tokens/s, as its metadata reports them (what /metrics shows)."""
+        now, m = self.now(), meta.learner
+        prev = self.progress.get(m)
+        rate = None
+        if prev is not None and meta.tokens >= prev["tokens"] and now - prev["t"] >= 1.0:
+            rate = (meta.tokens - prev["tokens"]) / (now - prev["t"])
+        elif prev is not None and meta.tokens >= prev["tokens"]:
+            return  # less than a second since the last reading: keep its window
+        self.progress[m] = {"t": now, "tokens": meta.tokens, "loss": meta.loss,
+                            "tokens_per_s": rate if rate is not None else (prev or {}).get("tokens_per_s")}
+
     def refresh_gauges(self) -> None:
         g = self.metrics.gauge("fragment_version", "Global version of each fragment", ["fragment"])
         for p, v in enumerate(self.core.version):
             g.labels(str(p)).set(v)
         self.metrics.gauge("learners_alive", "Learners not known to be down").set(len(self.core.alive()))
         self.metrics.gauge("global_step", "Highest learner step seen").set(self.core.global_step)
+        sizes = self.core.stats.quorum_sizes
+        self.metrics.gauge("last_quorum", "Learners merged in the latest round").set(sizes[-1] if sizes else 0)
+        self.metrics.gauge("mean_quorum", "Mean learners merged per round").set(sum(sizes) / len(sizes) if sizes else 0)
+        loss = self.metrics.gauge("learner_loss", "Latest training loss each learner reported", ["learner"])
+        rate = self.metrics.gauge("learner_tokens_per_s", "Tokens a second each learner trains", ["learner"])
+        alive, total = set(self.core.alive()), 0.0
+        for m, p in self.progress.items():
+            if p["loss"] is not None:
+                loss.labels(str(m)).set(p["loss"])
+            if p["tokens_per_s"] is not None:
+                rate.labels(str(m)).set(p["tokens_per_s"] if m in alive else 0.0)
+                total += p["tokens_per_s"] if m in alive else 0.0
+        self.metrics.gauge("tokens_per_s", "Tokens a second all live learners train").set(total)
 
 

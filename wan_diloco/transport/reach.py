@@ -1,0 +1,89 @@
+"""Why a syncer cannot be reached, in words a person can act on (before gRPC's own retries hide it).
+
+gRPC waits for a channel to become ready until a call's deadline and then says
+only DEADLINE_EXCEEDED or UNAVAILABLE. A learner asks :func:`diagnose` first:
+a plain TCP connection tells a refused port from a silent address or a name
+that does not resolve, and the first bytes of the handshake tell a TLS syncer
+from a cleartext one and an untrusted certificate from a missing one.
+"""
+from __future__ import annotations
+
+import socket
+import ssl
+
+from .config import TlsConfig
+
+# HTTP/2 connection preface and an empty SETTINGS frame: a cleartext gRPC server answers with SETTINGS.
+_H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"
+_TLS_RECORD_TYPES = (0x15, 0x16)  # alert, handshake: what a TLS server sends to bytes that are not TLS
+
+
+def split_target(target: str) -> tuple[str, int]:
+    """``host:port`` or ``[v6]:port`` -> (host, port); ValueError naming the target otherwise."""
+    host, sep, port = target.rpartition(":")
+    if not sep or not port.isdigit() or not host:
+        raise ValueError(f"{target!r} is not HOST:PORT")
+    return host.strip("[]"), int(port)
+
+
+def diagnose(target: str, tls: TlsConfig | None, timeout_s: float = 5.0) -> str | None:
+    """None if ``target`` answers as a gRPC server with the TLS setting ``tls`` expects; else why not."""
+    try:
+        host, port = split_target(target)
+    except ValueError as e:
+        return str(e)
+    try:
+        sock = socket.create_connection((host, port), timeout=timeout_s)
+    except socket.gaierror:
+        return f"cannot resolve the name {host!r}"
+    except ConnectionRefusedError:
+        return "connection refused (no syncer listening on that port: not started yet, or another port?)"
+    except (socket.timeout, TimeoutError):
+        return f"no answer within {timeout_s:g} s (a firewall, a wrong address, or the host is down?)"
+    except OSError as e:
+        return f"cannot connect: {e.strerror or e}"
+    with sock:
+        sock.settimeout(timeout_s)
+        return _tls_handshake(sock, host, tls) if tls is not None else _cleartext(sock)
+
+
+def _cleartext(sock: socket.socket) -> str | None:
+    try:
+        sock.sendall(_H2_PREFACE)
+        first = sock.recv(9)
+    except (socket.timeout, TimeoutError):
+        return "the syncer accepted the connection but did not answer HTTP/2 (is that port the syncer's gRPC port?)"
+    except ConnectionResetError:
+        first = b""
+    except OSError as e:
+        return f"connection failed: {e.strerror or e}"
+    if first and first[0] in _TLS_RECORD_TYPES:
+        return "the syncer expects TLS but this learner has no [transport.tls] (set it on both sides or neither)"
+    if len(first) >= 4 and first[3] == 0x04:  # a SETTINGS frame: an HTTP/2 server
+        return None
+    if not first:
+        return "the syncer closed the connection at once (does it expect TLS? [transport.tls] must match)"
+    return "something that is not a gRPC server answered on that port"
+
+
+def _tls_handshake(sock: socket.socket, host: str, tls: TlsConfig) -> str | None:
+    ctx = ssl.create_default_context(cafile=tls.ca_file or None)
+    ctx.set_alpn_protocols(["h2"])
+    if tls.cert_file:
+        ctx.load_cert_chain(tls.cert_file, tls.key_file)
+    try:
+        with ctx.wrap_socket(sock, server_hostname=tls.server_name or host):
+            return None
+    except ssl.SSLCertVerificationError as e:
+        return (f"TLS: the syncer's certificate is not trusted here ({e.verify_message}); check ca_file"
+                f"{' and server_name' if not tls.server_name else ''} in [transport.tls]")
+    except ssl.SSLError as e:
+        if "WRONG_VERSION_NUMBER" in str(e) or "record layer failure" in str(e):
+            return "the syncer does not speak TLS but this learner has [transport.tls] (set it on both sides or neither)"
+        if "CERTIFICATE_REQUIRED" in str(e) or "HANDSHAKE_FAILURE" in str(e):
+            return "TLS: the syncer wants a client certificate this learner did not give (cert_file/key_file, mutual)"
+        return f"TLS handshake failed: {e.reason or e}"
+    except (socket.timeout, TimeoutError):
+        return "TLS handshake: no answer (is that port the syncer's gRPC port?)"
+    except OSError as e:
+        return f"TLS handshake failed: {e.strerror or e}"
