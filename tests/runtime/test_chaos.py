@@ -307,3 +307,32 @@ def test_the_cli_writes_the_report_and_says_whether_the_run_finished(tmp_path, m
     report = json.loads((tmp_path / "r" / "chaos.json").read_text())
     assert SCHEMA <= set(report) and report["syncer_resumes"] == 1
     assert "kill_syncer" in capsys.readouterr().out
+
+
+def test_the_fault_free_loss_is_read_at_the_tokens_the_faulty_run_trained():
+    # A fault-free run: two learners, 100 tokens a step each, 0.1 s steps, eval points every 100 steps.
+    t0, ev = 0.0, []
+    for m in (0, 1):
+        for step in range(1, 401):
+            ev.append({"source": f"learner-{m}", "t": step * 0.1, "pid": 10 + m, "event": "step", "step": step,
+                       "tokens": 100 * step})
+        ev.append({"source": f"learner-{m}", "t": 40.5, "pid": 10 + m, "event": "final", "final_eval_loss": 2.0,
+                   "tokens": 40_000})
+    for step, loss in ((100, 4.0), (200, 3.0), (300, 2.5)):
+        ev.append({"source": "learner-0", "t": step * 0.1 + 0.01, "pid": 10, "event": "eval", "step": step,
+                   "eval_loss": loss})
+    procs = [{"name": f"learner-{m}", "pid": 10 + m, "spawn_t": -1, "exit_t": 41, "exit_code": 0, "killed": False}
+             for m in (0, 1)]
+    base = chaos.RunRecord(t0=t0, t_end=41, learners=2, steps=400, events=ev, procs=procs, faults=[],
+                           tokens_per_step=100)
+    from wan_diloco.runtime.chaos.report import eval_curve, loss_at_tokens
+
+    curve = eval_curve(base)
+    assert curve == [(20_000, 4.0), (40_000, 3.0), (60_000, 2.5), (80_000, 2.0)]  # both learners' tokens by then
+    assert loss_at_tokens(curve, 50_000) == 2.75 and loss_at_tokens(curve, 90_000) == 2.0
+    assert loss_at_tokens(curve, 10_000) == 4.0 and loss_at_tokens([], 5) is None
+    rec = made_up_record()  # a few thousand tokens: before the fault-free run's first point
+    report = chaos.analyze(rec, base)
+    assert report["fault_free_eval_loss"] == 4.0 and report["notes"]["compared_at"] == "equal tokens"
+    assert report["notes"]["fault_free_eval_loss_equal_steps"] == 2.0
+    assert report["loss_ratio"] == round(report["final_eval_loss"] / 4.0, 5)

@@ -219,17 +219,42 @@ def _step_at_resume(record: RunRecord, proc: dict, t: float, until: float) -> in
     return None  # joined the resumed syncer directly (or never trained): nothing of it was rolled back
 
 
-def tokens_trained(record: RunRecord) -> int:
-    """Tokens every learner process trained on: its last report (step or final) minus its first step report,
-    plus that first step (``tokens_per_step``). A learner's own counter restarts with each process, or
-    at a snapshot's count, so the final events alone undercount a run with restarts."""
+def tokens_trained(record: RunRecord, until_t: float = math.inf) -> int:
+    """Tokens every learner process trained on (by wall time ``until_t``): its last report (step or
+    final) minus its first step report, plus that first step (``tokens_per_step``). A learner's own
+    counter restarts with each process, or at a snapshot's count, so the final events alone undercount
+    a run with restarts."""
     total = 0
     for p in record.procs:
         reports = [e for e in record.events if e.get("pid") == p["pid"] and e.get("event") in ("step", "final")
-                   and "tokens" in e]
+                   and "tokens" in e and e["t"] <= until_t]
         if reports and reports[0]["event"] == "step":
             total += int(reports[-1]["tokens"]) - int(reports[0]["tokens"]) + record.tokens_per_step
     return total
+
+
+def eval_curve(record: RunRecord) -> list[tuple[int, float]]:
+    """(tokens the run had trained, eval loss of the global model) at each ``eval`` event (``run.eval_every``),
+    and at the end; empty without eval events."""
+    evals = record.events_of(kind="eval")
+    if not evals:
+        return []
+    points = [(tokens_trained(record, e["t"]), float(e["eval_loss"])) for e in evals]
+    final = final_eval_loss(record)
+    if final is not None:
+        points.append((tokens_trained(record), final))
+    return sorted(points)
+
+
+def loss_at_tokens(curve: list[tuple[int, float]], tokens: int) -> float | None:
+    """The eval loss a run had when it had trained ``tokens`` (linear between the two points around it;
+    past the last point, the last one's)."""
+    if not curve:
+        return None
+    for (t0, l0), (t1, l1) in zip(curve, curve[1:]):
+        if t0 <= tokens <= t1:
+            return l0 if t1 == t0 else l0 + (l1 - l0) * (tokens - t0) / (t1 - t0)
+    return curve[-1][1] if tokens > curve[-1][0] else curve[0][1]
 
 
 def learner_down_s(record: RunRecord, faults: list[dict]) -> float:
@@ -292,9 +317,10 @@ def analyze(record: RunRecord, baseline: RunRecord | None = None, min_window_s: 
       time until its restart is stepping again is lost. Rolled-back work is not subtracted (see lost_s).
     - ``recovery_bytes``: ``recovery_bytes`` (restart joins + rejoins after a syncer resume).
     - ``final_eval_loss``: mean final eval loss of the learners' last processes; ``fault_free_eval_loss``
-      the same for the fault-free run of the same config and step budget (equal global steps: the
-      faulty run trained fewer tokens, ``notes.tokens``, ``tokens_trained``); ``loss_ratio`` the first
-      over the second.
+      the fault-free run's (same config and step budget) eval loss at the tokens the faulty run trained
+      (it trains fewer, ``notes.tokens``, ``tokens_trained``), read off its eval curve (``eval_curve``,
+      ``loss_at_tokens``: needs ``run.eval_every``; without one, its final loss at equal steps,
+      ``notes.compared_at``); ``loss_ratio`` the first over the second.
     - ``syncer_resumes``: syncer processes started with a resumed snapshot.
     - ``snapshot_interval_s``: mean time between the syncer's complete-snapshot events.
     - ``lost_s``: learner-seconds of training lost: each learner's time from a kill or stop until it
@@ -306,8 +332,11 @@ def analyze(record: RunRecord, baseline: RunRecord | None = None, min_window_s: 
     rolled = rolled_back_steps(record)
     lost = learner_down_s(record, faults) + rolled * (step_s or 0.0)
     loss = final_eval_loss(record)
-    base = final_eval_loss(baseline) if baseline is not None else None
     tokens = lambda r: tokens_trained(r) if r is not None else None  # noqa: E731
+    base_steps = final_eval_loss(baseline) if baseline is not None else None
+    # At equal tokens (the faulty run trained fewer), read off the fault-free run's eval curve when it has one.
+    base_tokens = loss_at_tokens(eval_curve(baseline), tokens_trained(record)) if baseline is not None else None
+    base = base_tokens if base_tokens is not None else base_steps
     report = {
         "faults": [{"t_s": round(f["t_s"], 3), "kind": f["kind"], "target": f["target"],
                     "recovered_s": f["recovered_s"]} for f in faults],
@@ -324,6 +353,9 @@ def analyze(record: RunRecord, baseline: RunRecord | None = None, min_window_s: 
             "uptime_alive": _round(alive_uptime(record)), "uptime_window_s": round(window, 3),
             "step_s": _round(step_s), "rolled_back_steps": rolled,
             "tokens": tokens(record), "baseline_tokens": tokens(baseline),
+            "compared_at": "equal tokens" if base_tokens is not None else "equal steps (no eval curve)",
+            "fault_free_eval_loss_equal_steps": _round(base_steps, 5),
+            "loss_ratio_equal_steps": _round(loss / base_steps, 5) if loss is not None and base_steps else None,
             "skipped": [f"{f['kind']} {f['target']} at {f['t_s']} s: {f['skipped']}" for f in faults if f["skipped"]],
             "actual_fault_t_s": [round(f["fired_t"] - record.t0, 3) for f in faults],
             "run_dir": record.run_dir,
