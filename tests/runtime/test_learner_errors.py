@@ -42,7 +42,7 @@ def test_a_token_the_syncer_refuses_is_named_as_the_reason(tmp_path):
         cluster.start_syncer()
         wrong = tmp_path / "wrong.toml"
         wrong.write_text(path.read_text().replace('token = "', 'token = "not-the-'))
-        code, err, _ = learner(wrong, cluster.syncer_target())
+        code, err, _ = learner(wrong, cluster.syncer_target)
     assert code == 3 and not any("Traceback" in ln for ln in err), err
-    assert err[-1].startswith(f"learner-0: stopping: the syncer at {cluster.syncer_target()} refused this learner's token "
+    assert err[-1].startswith(f"learner-0: stopping: the syncer at {cluster.syncer_target} refused this learner's token "
                              "(UNAUTHENTICATED)"), err
