@@ -1,5 +1,8 @@
 """Core messages <-> transport frames <-> bytes, and bulk fragments (no sockets)."""
+import asyncio
+import contextlib
 import dataclasses
+import threading
 
 import numpy as np
 import pytest
@@ -306,93 +309,91 @@ class CoreHandler:
         return transport.BulkSource(len(data), [data])
 
 
+NET_CFG = transport.TransportConfig(chunk_bytes=64 * 1024, max_message_bytes=4 << 20, call_timeout_s=10.0,
+                                    retry_budget_s=5.0, backoff_initial_s=0.05, backoff_max_s=0.2)
+
+
+@contextlib.contextmanager
+def core_server():
+    """A CoreHandler behind a real transport server on its own loop thread: (loop, handler, server); stopped
+    on the way out, also when the test fails."""
+    loop = transport.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    handler = CoreHandler()
+    server = transport.TransportServer(handler, TOKEN, NET_CFG, "127.0.0.1:0")
+    asyncio.run_coroutine_threadsafe(server.start(), loop).result(10)
+    try:
+        yield loop, handler, server
+    finally:
+        asyncio.run_coroutine_threadsafe(server.stop(0), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+
+
 def test_netthread_speaks_core_messages_over_loopback():
-    import asyncio
-    import threading
     import time
 
     from wan_diloco.runtime.netthread import NetThread
 
-    cfg = transport.TransportConfig(chunk_bytes=64 * 1024, max_message_bytes=4 << 20, call_timeout_s=10.0,
-                                    retry_budget_s=5.0, backoff_initial_s=0.05, backoff_max_s=0.2)
-    loop = transport.new_event_loop()
-    threading.Thread(target=loop.run_forever, daemon=True).start()
-    on_loop = lambda coro: asyncio.run_coroutine_threadsafe(coro, loop).result(10)  # noqa: E731
-    handler = CoreHandler()
-    server = transport.TransportServer(handler, TOKEN, cfg, "127.0.0.1:0")
-    on_loop(server.start())
-    net = NetThread(server.target, TOKEN, cfg, "learner-1", "eu", FP32, BULK).start()
-    try:
-        m = metadata(learner=1)
-        net.send_metadata(m)
-        up = upload(learner=1)
-        assert net.upload(up).result(10).global_step == 1
-        assert_same(handler.uploads[0], up, "delta")
-        deadline = time.monotonic() + 10
-        while not (handler.metadata and "learner-1" in handler.hub.subscribers) and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert handler.metadata == [m]
+    with core_server() as (loop, handler, server):
+        net = NetThread(server.target, TOKEN, NET_CFG, "learner-1", "eu", FP32, BULK).start()
+        try:
+            m = metadata(learner=1)
+            net.send_metadata(m)
+            up = upload(learner=1)
+            assert net.upload(up).result(10).global_step == 1
+            assert_same(handler.uploads[0], up, "delta")
+            deadline = time.monotonic() + 10
+            while not (handler.metadata and "learner-1" in handler.hub.subscribers) and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert handler.metadata == [m]
 
-        g = update()
-        bad = transport.Frame("syncer", 1, {"to_version": 1}, b"")  # refused, counted, not in the inbox
-        loop.call_soon_threadsafe(handler.hub.publish, bad)
-        loop.call_soon_threadsafe(handler.hub.publish, serde.to_frame(g))
-        kind, (arrived_s, got) = net.inbox.get(timeout=10)
-        assert kind == "update" and arrived_s <= time.monotonic()
-        assert_same(got, g, "update")
-        assert net.bad_updates == 1 and net.inbox.empty()
+            g = update()
+            bad = transport.Frame("syncer", 1, {"to_version": 1}, b"")  # refused, counted, not in the inbox
+            loop.call_soon_threadsafe(handler.hub.publish, bad)
+            loop.call_soon_threadsafe(handler.hub.publish, serde.to_frame(g))
+            kind, (arrived_s, got) = net.inbox.get(timeout=10)
+            assert kind == "update" and arrived_s <= time.monotonic()
+            assert_same(got, g, "update")
+            assert net.bad_updates == 1 and net.inbox.empty()
 
-        p, version, step, out = net.fetch_fragment("fragment/0").result(10)[:4]
-        assert (p, version, step) == (0, 5, 40) and all(out[n].tobytes() == values(4)[n].tobytes() for n in out)
-        with pytest.raises(ProtocolError, match="FragmentUpload.payload"):
-            net.upload(upload(learner=1, payload=None))  # refused on the caller's thread, nothing sent
-        net.wait_uploads(5)
-        assert net.bytes_sent > up.nbytes and net.bytes_received > 0 and len(handler.uploads) == 1
-    finally:
-        net.stop()
-        on_loop(server.stop(0))
-        loop.call_soon_threadsafe(loop.stop)
+            p, version, step, out = net.fetch_fragment("fragment/0").result(10)[:4]
+            assert (p, version, step) == (0, 5, 40) and all(out[n].tobytes() == values(4)[n].tobytes() for n in out)
+            with pytest.raises(ProtocolError, match="FragmentUpload.payload"):
+                net.upload(upload(learner=1, payload=None))  # refused on the caller's thread, nothing sent
+            net.wait_uploads(5)
+            assert net.bytes_sent > up.nbytes and net.bytes_received > 0 and len(handler.uploads) == 1
+        finally:
+            net.stop()
 
 
 def test_a_learner_that_does_not_take_its_updates_holds_back_the_stream_not_its_memory():
-    import asyncio
     import queue
-    import threading
     import time
 
     from wan_diloco.runtime.netthread import NetThread
 
-    cfg = transport.TransportConfig(chunk_bytes=64 * 1024, max_message_bytes=4 << 20, call_timeout_s=10.0,
-                                    retry_budget_s=5.0, backoff_initial_s=0.05, backoff_max_s=0.2)
-    loop = transport.new_event_loop()
-    threading.Thread(target=loop.run_forever, daemon=True).start()
-    on_loop = lambda coro: asyncio.run_coroutine_threadsafe(coro, loop).result(10)  # noqa: E731
-    handler = CoreHandler()
-    server = transport.TransportServer(handler, TOKEN, cfg, "127.0.0.1:0")
-    on_loop(server.start())
     one = update().nbytes
-    net = NetThread(server.target, TOKEN, cfg, "learner-1", "eu", FP32, BULK, inbox_bytes=2 * one).start()
-    try:
-        deadline = time.monotonic() + 10
-        while "learner-1" not in handler.hub.subscribers and time.monotonic() < deadline:
-            time.sleep(0.02)
-        for v in range(5, 45):  # forty versions of fragment 0, nobody taking them
-            loop.call_soon_threadsafe(handler.hub.publish, serde.to_frame(update(from_version=v - 1, to_version=v)))
-        time.sleep(1.0)
-        assert net.inbox.qsize() == 2 and net.queued_bytes() == 2 * one  # the bound, not forty
-        got = []
-        while True:
-            try:
-                kind, (_, u) = net.take(block_s=1.0)
-            except queue.Empty:
-                break
-            got.append(u.to_version)
-        # What was held back stayed in the syncer's mailbox, which keeps the newest of each fragment.
-        assert got[-1] == 44 and len(got) < 40 and got == sorted(got) and net.queued_bytes() == 0
-    finally:
-        net.stop()
-        on_loop(server.stop(0))
-        loop.call_soon_threadsafe(loop.stop)
+    with core_server() as (loop, handler, server):
+        net = NetThread(server.target, TOKEN, NET_CFG, "learner-1", "eu", FP32, BULK, inbox_bytes=2 * one).start()
+        try:
+            deadline = time.monotonic() + 10
+            while "learner-1" not in handler.hub.subscribers and time.monotonic() < deadline:
+                time.sleep(0.02)
+            for v in range(5, 45):  # forty versions of fragment 0, nobody taking them
+                loop.call_soon_threadsafe(handler.hub.publish, serde.to_frame(update(from_version=v - 1, to_version=v)))
+            time.sleep(1.0)
+            assert net.inbox.qsize() == 2 and net.queued_bytes() == 2 * one  # the bound, not forty
+            got = []
+            while True:
+                try:
+                    kind, (_, u) = net.take(block_s=1.0)
+                except queue.Empty:
+                    break
+                got.append(u.to_version)
+            # What was held back stayed in the syncer's mailbox, which keeps the newest of each fragment.
+            assert got[-1] == 44 and len(got) < 40 and got == sorted(got) and net.queued_bytes() == 0
+        finally:
+            net.stop()
 
 
 def test_control_frames_round_trip_and_updates_are_not_control_frames():
