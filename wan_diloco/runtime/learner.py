@@ -77,8 +77,8 @@ class Learner:
         self.batches = parts.batches(learner)
         self.evaluate = lambda: parts.evaluate(self.state.params)
         self.evaluate_params = parts.evaluate
-        # Room for a few rounds of every fragment's update between two steps, and never less than 64 MiB.
         self.target = target
+        # Room for a few rounds of every fragment's update between two steps, and never less than 64 MiB.
         self.net = NetThread(target, token, cfg.transport, learner_node(learner), self.region, self.codec,
                              parts.bulk_codec, inbox_bytes=max(4 * sum(self.layout.nbytes), 64 << 20))
         self.stop = threading.Event()
