@@ -123,3 +123,24 @@ def test_a_state_in_parts_survives_its_donor_dying_half_way_and_stays_until_it_i
         return service.donations.replaced, service.donations.served
 
     assert run(asyncio.wait_for(main(), 60)) == (1, 1)
+
+
+def test_a_fetch_that_arrives_before_the_recovering_metadata_still_gets_the_state(tmp_path):
+    # The recipient sends both at once; in a full chaos run the fetch came first, waited on an event the
+    # metadata then replaced, and ran into its deadline (the newcomer went on with a fresh optimizer).
+    cfg = rt.load(micro_config(tmp_path, learners=3))
+    service = SyncerService(cfg, TransportMetrics())
+
+    async def main():
+        stream0 = service.subscribe(Subscribe("learner-0", cfg.region(0), "i0"))
+        await anext(stream0)
+        await service.on_metadata(metadata(0, 30))
+        fetch = asyncio.ensure_future(service.bulk(BulkRequest("learner-2", "donation/2", {})))
+        await asyncio.sleep(0.05)  # the fetch is waiting at the syncer before the metadata arrives
+        await service.on_metadata(metadata(2, 0, recovering=True))
+        state = b"learner 0's state"
+        await service.on_fragment(next(serde.donation_frames(0, 2, (0, 0), state)))
+        source = await asyncio.wait_for(fetch, 5)
+        return b"".join(bytes(p) for p in source.pieces) == state
+
+    assert run(asyncio.wait_for(main(), 30))

@@ -250,19 +250,28 @@ class Learner:
         t0 = time.monotonic()
         state_bytes = sum(getattr(a, "nbytes", 0) for a in jax.tree_util.tree_leaves((self.state, self.core.base)))
         self._send_metadata(self.core.metadata(), recovering=True)
-        fut = self.net.fetch_bytes(f"donation/{self.m}", serde.max_state_bytes(sum(self.layout.nbytes)))
         # Each donor gets donor_timeout_s without progress; the state crosses two links (donor -> syncer ->
         # here), each at least at the transport's slowest planned rate.
         t = self.cfg.transport
-        wait_s = 2 * self.cfg.syncer.donor_timeout_s + t.call_timeout_s + 2 * t.upload_deadline_s(state_bytes)
+        deadline = time.monotonic() + 2 * self.cfg.syncer.donor_timeout_s + t.call_timeout_s + \
+            2 * t.upload_deadline_s(state_bytes)
+        fut = None
         try:
-            data = self._wait(fut, wait_s)
+            while True:  # the syncer answers UNAVAILABLE "still arriving" while a donor is at work: ask again
+                fut = self.net.fetch_bytes(f"donation/{self.m}", serde.max_state_bytes(sum(self.layout.nbytes)))
+                try:
+                    data = self._wait(fut, max(0.0, deadline - time.monotonic()))
+                    break
+                except TransportError as e:
+                    if "still arriving" not in e.details or time.monotonic() >= deadline:
+                        raise
             tensors, info = decode_state(data, "donation", what="peer state")
             params = tree.from_named(tensors, "params", self.state.params, "peer state")
             opt = tree.from_named(tensors, "opt", self.state.opt_state, "peer state")
             self.core.adopt(tensors, info)
         except (TransportError, MessageError, ValueError, KeyError, concurrent.futures.TimeoutError) as e:
-            fut.cancel()
+            if fut is not None:
+                fut.cancel()
             self.recovery = {"from_peer": False, "why": str(e) or type(e).__name__}
             emit({"event": "warning", "role": "learner", "learner": self.m,
                   "what": f"no peer state ({self.recovery['why']}): going on from the global parameters "

@@ -262,19 +262,21 @@ class SyncerService:
         return Ack(sender="syncer", global_step=self.core.global_step, detail="donation")
 
     async def _donation_source(self, recipient: int) -> BulkSource:
+        """The state donated for ``recipient``, once it is there. Each call waits at most half a call
+        timeout (within any client's deadline) and then answers UNAVAILABLE while a donor is still at
+        work, so the recipient asks again rather than hitting DEADLINE_EXCEEDED on a slow donor."""
         ready = self.donated_ready.setdefault(recipient, asyncio.Event())
-        superseded = Rejected("superseded by a newer recovery request", grpc.StatusCode.UNAVAILABLE)
-        while not ready.is_set():
-            try:
-                await asyncio.wait_for(ready.wait(), self.cfg.syncer.donor_timeout_s)
-            except asyncio.TimeoutError:
-                if self.donated_ready.get(recipient) is not ready:
-                    raise superseded from None
-                if recipient not in self.donations.pending:  # nobody is sending it anything
-                    raise Rejected("no peer state arrived in time", grpc.StatusCode.UNAVAILABLE) from None
+        try:
+            await asyncio.wait_for(ready.wait(), self.cfg.transport.call_timeout_s / 2)
+        except asyncio.TimeoutError:
+            if recipient in self.donations.pending:
+                got = self.incoming.get(recipient)
+                arrived = f"{got.received} of {got.total_bytes} bytes" if got else "no part yet"
+                raise Rejected(f"peer state still arriving ({arrived}): ask again", grpc.StatusCode.UNAVAILABLE) from None
+            raise Rejected("no peer state arrived in time", grpc.StatusCode.UNAVAILABLE) from None
         state = self.donated.get(recipient)
         if state is None or self.donated_ready.get(recipient) is not ready:
-            raise superseded
+            raise Rejected("superseded by a newer recovery request", grpc.StatusCode.UNAVAILABLE)
         if isinstance(state, str):
             raise Rejected(f"no peer state: {state}", grpc.StatusCode.NOT_FOUND)
         digest, data = state
@@ -345,8 +347,11 @@ class SyncerService:
         if not meta.recovering and meta.learner in self.donated:
             self._donation_taken(meta.learner)
         if meta.recovering and meta.learner not in self.donations.pending:
-            self._donation_taken(meta.learner)  # what an earlier attempt left
-            self.donated_ready[meta.learner] = asyncio.Event()
+            # What an earlier attempt left goes; the event stays the same object: the recipient's fetch may
+            # have arrived before this metadata (both are sent at once) and be waiting on it already.
+            self.donated.pop(meta.learner, None)
+            self.incoming.pop(meta.learner, None)
+            self.donated_ready.setdefault(meta.learner, asyncio.Event()).clear()
             self._donation_act(self.donations.request(self.now(), meta.learner, tuple(self.core.version),
                                                       self._candidates(), self._regions_of()[meta.learner]))
         return Ack(sender="syncer", global_step=self.core.global_step)
