@@ -40,7 +40,10 @@ def test_three_learners_end_bit_identical_to_the_syncer(tmp_path, bits):
     turns = {(10, 1), (20, 2), (30, 0), (40, 1)}
     assert len(evals) >= 2 and all((e["step"], e["learner"]) in turns for e in evals), evals
     assert summary["eval_curve"] == [{k: e[k] for k in ("step", "eval_loss", "tokens")} for e in evals]
-    assert summary["initial_eval_loss"] > evals[0]["eval_loss"] > summary["final_eval_loss"] - 0.5
+    # A point taken after merges reached its learner is the trained global model (on a loaded machine the
+    # first points may come before any merge: the initial model, exactly).
+    assert all(e["eval_loss"] < summary["initial_eval_loss"] for e in evals if sum(e["versions"]) > 0), evals
+    assert all(e["eval_loss"] <= summary["initial_eval_loss"] for e in evals), evals
     assert (tmp_path / "run" / "loss.png").read_bytes().startswith(b"\x89PNG")
     if bits == 4:
         assert summary["compression_ratio"] > 5  # NF4 + scales + zstd on the fragment traffic

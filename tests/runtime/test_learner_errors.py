@@ -7,6 +7,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from wan_diloco import spec as rt
 from wan_diloco.runtime.launch import Cluster
 
@@ -35,6 +37,7 @@ def test_nobody_listening_is_said_at_once_and_the_learner_gives_up_after_its_ret
     assert took_s < 30  # seconds, not a call deadline (82 s before)
 
 
+@pytest.mark.slow  # ~25 s (a real syncer); the transport's UNAUTHENTICATED is tested by default in test_tls.py
 def test_a_token_the_syncer_refuses_is_named_as_the_reason(tmp_path):
     path = micro_config(tmp_path, learners=2)
     cfg = rt.load(path)

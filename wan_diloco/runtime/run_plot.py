@@ -14,8 +14,6 @@ def plot_run(losses: dict[int, list[tuple[int, float]]], evals: list[dict], star
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from wan_diloco.cli.report import save_figure
-
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for m, points in sorted(losses.items()):
         if points:
@@ -29,4 +27,8 @@ def plot_run(losses: dict[int, list[tuple[int, float]]], evals: list[dict], star
     ax.set_xlabel("global step")
     ax.set_ylabel("loss (nats per byte-token)")
     ax.set_title(title or "networked run")
-    save_figure(fig, ax, path)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
