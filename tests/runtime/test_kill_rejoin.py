@@ -63,6 +63,7 @@ def test_killed_learner_rejoins_and_contributes_again(tmp_path):
         rejoined = cluster.start_learner(2)
         start = wait_for("the rejoin", lambda: next((e for e in rejoined.events if e.get("event") == "start"), None))
         assert start["step"] > 0  # took up the global step from the syncer instead of starting at 0
+        assert start["schedule_step"] >= start["step"]  # and the learning-rate schedule with it
         # Its data stream goes on from where its metadata last left it, not from the seed's first windows.
         position = next(e for e in rejoined.events if e.get("event") == "data_position")
         assert position["restored"] and position["batches"] >= 1 + trained_before_kill // batch_tokens >= 6  # a fresh stream: 1

@@ -149,8 +149,13 @@ class Learner:
         self._take_up_step()
 
     def _take_up_step(self) -> None:
-        if self.core.step > int(self.state.step):  # a (re)joining learner took up the global schedule
+        """A (re)joining or resynced learner takes up the global step: its step counter and its
+        learning-rate schedule. A fresh inner optimizer (no peer state, or peer recovery off) would
+        otherwise warm up again and train at the peak rate while the others have decayed."""
+        if self.core.step > int(self.state.step):
             self.state = self.state.replace(step=jnp.asarray(self.core.step, jnp.int32))
+        if self.core.step > int(train_lib.schedule_step(self.state)):
+            self.state = train_lib.set_schedule_step(self.state, self.core.step)
 
     def _wait(self, fut: concurrent.futures.Future, timeout_s: float):
         """``fut.result(timeout_s)``, but a stop signal ends the wait (``Stopped``) at once."""
@@ -299,6 +304,15 @@ class Learner:
             tensors, info = self.store.load_part(snap, f"learner-{self.m}", "learner")
             if info.get("run_id") != self.core.run_id or info.get("learner") != self.m:
                 raise CheckpointError(f"the part is of run {info.get('run_id')!r}, learner {info.get('learner')}")
+            lived_past = [i for i in self.store.ids() if i > snap and self.store.part(i, f"learner-{self.m}").exists()]
+            if lived_past:
+                # The syncer resumed from this snapshot and this learner trained on past it (it wrote a part
+                # of snapshot lived_past[-1]) before it died: its optimizer, residuals and data position in
+                # snapshot `snap` are older than its peers' (the data since would be read again).
+                emit({"event": "warning", "role": "learner", "learner": self.m,
+                      "what": f"{what}: it trained past snapshot {snap} (it wrote a part of snapshot "
+                              f"{lived_past[-1]}): recovering from a peer instead of going back"})
+                return False
             opt = tree.from_named(tensors, "opt", self.state.opt_state, "learner part")
             self.batches.restore(info["data"])
             self.core.restore_feedback(tensors)
@@ -493,7 +507,8 @@ class Learner:
         self.net.start_probing()
         initial_loss = self.evaluate()
         emit({"event": "start", "role": "learner", "learner": self.m, "region": self.region,
-              "step": self.core.step, "eval_loss": initial_loss, "bytes_sent": self.net.bytes_sent,
+              "step": self.core.step, "schedule_step": int(train_lib.schedule_step(self.state)),
+              "eval_loss": initial_loss, "bytes_sent": self.net.bytes_sent,
               "bytes_received": self.net.bytes_received})
         t_start, last_report, loss = time.monotonic(), 0.0, float("nan")
         while self.core.step < self.cfg.run.steps and not self.stop.is_set():

@@ -1,0 +1,58 @@
+"""What a (re)starting learner takes up: the global step's learning-rate schedule, and its own snapshot
+part only while that part is the newest state it had."""
+import json
+import types
+
+import jax
+import numpy as np
+
+from wan_diloco import train as tr
+from wan_diloco import tree
+from wan_diloco.checkpoint import SnapshotStore
+from wan_diloco.model import ModelConfig
+from wan_diloco.runtime.learner import Learner
+
+MICRO = ModelConfig(d_model=32, n_layers=2, n_heads=2, d_ff=64, seq_len=16)
+TRAIN = tr.TrainConfig(lr=1e-2, warmup_steps=5, total_steps=400)
+
+
+def bare_learner(step: int) -> Learner:
+    lrn = object.__new__(Learner)  # only the take-up bookkeeping is exercised
+    lrn.m, lrn.state = 0, tr.init_state(MICRO, TRAIN, jax.random.key(0))
+    lrn.core = types.SimpleNamespace(step=step, run_id="run-a", restore_feedback=lambda tensors: None)
+    lrn.batches = types.SimpleNamespace(restore=lambda position: None)
+    return lrn
+
+
+def test_a_learner_that_takes_up_the_global_step_takes_up_the_learning_rate_schedule_too():
+    # A learner that rejoins without a peer's state has a fresh inner optimizer whose schedule is at 0:
+    # late in a run it would warm up again and train at the peak rate while the others have decayed.
+    lrn = bare_learner(step=300)
+    lrn._take_up_step()
+    assert int(lrn.state.step) == 300 and int(tr.schedule_step(lrn.state)) == 300
+    assert float(tr.lr_schedule(TRAIN)(300)) < 0.25 * TRAIN.lr  # where the others are: decayed
+
+    lrn.state = tr.set_schedule_step(lrn.state, 350)  # a donor's optimizer ahead of the global step stays
+    lrn._take_up_step()
+    assert int(tr.schedule_step(lrn.state)) == 350
+
+
+def test_a_learner_that_trained_past_the_resumed_snapshot_recovers_from_a_peer_instead(tmp_path, capsys):
+    # The syncer resumed from snapshot 3; this learner then trained on (it wrote a part of snapshot 5) and
+    # was killed. Going back to its part of 3 would rewind its optimizer, residuals and data position.
+    store = SnapshotStore(tmp_path)
+    info = {"run_id": "run-a", "learner": 0, "train_step": 10, "step": 10, "tokens": 100,
+            "data": {"batches": 3}}
+    lrn = bare_learner(step=40)
+    part = {k: np.asarray(v) for k, v in tree.to_named(lrn.state.opt_state, "opt").items()}
+    for snap in (3, 5):
+        store.save_part(snap, "learner-0", part, info, "learner")
+    lrn.store, before = store, lrn.state
+    assert lrn._restore_part(3) is False
+    assert lrn.state is before and lrn.core.step == 40  # nothing taken up
+    warning = [json.loads(line) for line in capsys.readouterr().out.splitlines()][-1]
+    assert warning["event"] == "warning" and "trained past snapshot 3" in warning["what"] and "peer" in warning["what"]
+
+    # A learner that has not lived past it (a whole run resumed from 3) takes its part up.
+    store.part(5, "learner-0").unlink()
+    assert lrn._restore_part(3) is True and int(lrn.state.step) == 40
