@@ -1,4 +1,7 @@
 import math
+import re
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -95,3 +98,57 @@ def test_flops_per_token_counts_matmul_params(params):
     matmul = sum(x.size for n, x in flat.items() if x.ndim == 2 and not m.is_embedding(n))
     attention = 6 * MICRO.n_layers * MICRO.seq_len * MICRO.d_model
     assert m.flops_per_token(MICRO) == 6 * matmul + attention
+
+
+# ---- the user's own flax module -------------------------------------------------------------------
+
+USER = Path(__file__).parent / "fixtures" / "user_model.py"
+
+
+def user_cfg(factory: str = "make", where: str | None = None) -> m.ModelConfig:
+    return m.ModelConfig(vocab_size=256, seq_len=16, module=f"{where or USER}:{factory}")
+
+
+def test_a_user_module_from_a_file_trains_like_a_preset():
+    cfg = user_cfg()
+    params = m.init_params(cfg, jax.random.key(0))
+    names = set(flatten(params))
+    assert "mix/kernel" in names and "layers_1/kernel" in names and "Embed_0/embedding" in names
+    assert "block_0/attn/qkv/kernel" not in names  # not the built-in transformer
+    assert m.is_embedding("Embed_0/embedding") and m.layer_index("layers_1/kernel") == 1
+    tokens = jax.random.randint(jax.random.key(1), (2, 17), 0, 256)
+    assert m.apply(params, cfg, tokens[:, :-1]).shape == (2, 16, 256)
+    assert abs(float(m.loss_fn(params, cfg, tokens)) - math.log(256)) < 0.5  # near uniform at init
+    abstract = m.abstract_params(cfg)
+    assert {n: a.shape for n, a in flatten(abstract).items()} == {n: a.shape for n, a in flatten(params).items()}
+    assert m.flops_per_token(cfg) == 6 * m.param_count(params)
+
+
+def test_a_user_module_by_dotted_name_is_imported_from_the_working_directory(tmp_path, monkeypatch):
+    (tmp_path / "my_lm.py").write_text(USER.read_text())
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    params = m.init_params(m.ModelConfig(vocab_size=256, seq_len=16, module="my_lm:make"), jax.random.key(0))
+    assert "mix/kernel" in flatten(params)
+
+
+@pytest.mark.parametrize("cfg, message", [
+    (m.ModelConfig(module="no_colon_here"), "must be 'package.module:factory'"),
+    (m.ModelConfig(module="/nowhere/model.py:make"), "/nowhere/model.py: no such file"),
+    (m.ModelConfig(module="wan_diloco_no_such_pkg.mod:make"), "cannot load 'wan_diloco_no_such_pkg.mod' (ModuleNotFoundError"),
+    (user_cfg("missing"), "has no callable 'missing'"),
+    (user_cfg("not_a_module"), "returned str, not a flax.linen.Module"),
+    (user_cfg("wrong_logits"), "expected float logits of shape (1, 16, 256)"),
+    (user_cfg("with_stats"), "variable collections ['batch_stats'] besides 'params'"),
+    (user_cfg("half_precision"), "is bfloat16; parameters must be float32"),
+])
+def test_a_user_module_that_does_not_fit_is_a_config_error_naming_what(cfg, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        m.abstract_params(cfg)
+
+
+def test_a_user_module_file_that_raises_is_reported_in_one_line(tmp_path):
+    bad = tmp_path / "broken.py"
+    bad.write_text("import flax\nraise RuntimeError('the user forgot something')\n")
+    with pytest.raises(ConfigError, match=r"cannot load .*broken.py' \(RuntimeError: the user forgot something\)"):
+        m.init_params(m.ModelConfig(module=f"{bad}:make"), jax.random.key(0))

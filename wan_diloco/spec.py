@@ -210,6 +210,9 @@ def _model(table: Mapping[str, Any]) -> tuple[str, ModelConfig]:
     name = table.pop("preset", "tiny")
     require(isinstance(name, str), "model.preset", f"must be a string, got {name!r}")
     base = model_lib.preset(name)
+    where, sep, attr = str(table.get("module", "")).rpartition(":")
+    if where.endswith(".py"):  # children and resumes run from elsewhere: the run's config names the file absolutely
+        table["module"] = f"{Path(where).resolve()}{sep}{attr}"
     return name, from_mapping(ModelConfig, {**dataclasses.asdict(base), **table}, prefix="model.")
 
 

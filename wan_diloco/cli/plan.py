@@ -49,7 +49,9 @@ def model_facts(spec: RunSpec) -> ModelFacts:
     shapes = tree.flatten(model_lib.abstract_params(spec.model))
     sizes = {n: math.prod(a.shape) for n, a in shapes.items()}
     frags = make_fragments(spec.run.fragmenter, sizes, spec.learner.num_fragments, model_lib.layer_index)
-    return ModelFacts(params=sum(sizes.values()), layers=spec.model.n_layers,
+    layers = spec.model.n_layers if not spec.model.module else \
+        max(1, len({i for n in sizes if (i := model_lib.layer_index(n)) is not None}))
+    return ModelFacts(params=sum(sizes.values()), layers=layers,
                       fragment_params=tuple(sum(sizes[n] for n in f) for f in frags))
 
 
