@@ -29,9 +29,12 @@ def test_stdlib_deterministic_and_disjoint(stdlib):
     assert len(stdlib.eval_files) == n // 10
 
 
-def test_max_bytes_caps_corpus():
+def test_max_bytes_caps_corpus(stdlib):
     small = d.load_corpus(d.DataConfig(max_bytes=2_000_000))
     assert len(small.train) + len(small.eval) <= 2_000_000
+    # The cut is told, with where it stopped; the default (0) reads everything and says nothing.
+    assert small.truncated.startswith("max_bytes=2000000 stopped reading at ") and "files" in small.truncated
+    assert d.DataConfig().max_bytes == 0 and stdlib.truncated == ""
 
 
 def test_shards_disjoint_and_cover():
@@ -177,12 +180,15 @@ def test_too_few_files_for_eval(tmp_path):
         d.load_corpus(d.DataConfig(corpus=str(tmp_path)))
 
 
-@pytest.mark.parametrize("bad,field", [({"max_bytes": 0}, "max_bytes"), ({"eval_fraction": 1.0}, "eval_fraction"),
+@pytest.mark.parametrize("bad,field", [({"max_bytes": -1}, "max_bytes"), ({"eval_fraction": 1.0}, "eval_fraction"),
                                        ({"token_dtype": "int8"}, "token_dtype"),
+                                       ({"token_dtype": "float32"}, "token_dtype"), ({"text_field": ""}, "text_field"),
                                        ({"eval_every_nth_file": 1}, "eval_every_nth_file")])
 def test_config_validation(bad, field):
     with pytest.raises(ConfigError, match=field):
         from_mapping(d.DataConfig, bad)
+    with pytest.raises(ConfigError, match=field):  # also when built in code, not from TOML
+        d.DataConfig(**bad).validate()
 
 
 def test_byte_corpus_needs_byte_vocab():

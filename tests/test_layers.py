@@ -13,7 +13,7 @@ PKG = Path(__file__).resolve().parents[1] / "wan_diloco"
 # (the "parts" and the two drivers are independent); the foundation layers may.
 LAYERS: list[tuple[set[str], bool]] = [  # (units, may units of this layer import each other)
     ({"config", "tree", "clock"}, True),
-    ({"model", "data", "train"}, True),
+    ({"model", "data", "data_sources", "train"}, True),
     ({"fragments", "merge", "outer", "feedback"}, True),
     ({"core", "compression", "transport", "planning", "regions", "checkpoint"}, False),
     ({"spec"}, False),
