@@ -25,6 +25,7 @@ stopped see the new incarnation in the next update and rejoin.
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import logging
 import secrets
@@ -45,6 +46,8 @@ from wan_diloco.transport import Ack, BulkSource, Rejected, TransportMetrics, Up
 
 log = logging.getLogger(__name__)
 Emit = Callable[[dict], None]
+LOSS_POINTS = 256  # per learner on /status: the whole run's curve, thinned as it grows (``LossCurve``)
+EVENTS = 200  # learners joined, lost, rejoined and warnings on /status (merges are in ``history``)
 
 
 class ResumeError(RuntimeError):
@@ -107,6 +110,9 @@ class SyncerService:
         self.donated_ready: dict[int, asyncio.Event] = {}
         self.positions: dict[int, str] = {}  # learner -> its data position as of its latest metadata
         self.progress: dict[int, dict] = {}  # learner -> its latest loss and tokens/s (``_on_progress``)
+        self.loss_history: dict[int, LossCurve] = {}  # learner -> its loss curve (the dashboard's)
+        self.events: collections.deque = collections.deque(maxlen=EVENTS)
+        self._liveness: dict[int, bool] = {}  # as of the last event: what ``_note_liveness`` compares with
         self.recovery_bytes = 0
         if resume:
             self._resume()
@@ -293,6 +299,7 @@ class SyncerService:
             what = self.core.notices.popleft()
             log.warning("%s", what)
             emit({"event": "warning", "role": "syncer", "what": what})
+            self._event("warning", None, what)
 
     # ---- plumbing -------------------------------------------------------------------
 
@@ -302,6 +309,7 @@ class SyncerService:
 
     def _act(self, actions: list) -> None:
         self._log_notices()
+        self._note_liveness()
         for a in actions:
             if isinstance(a, Broadcast):
                 self.hub.publish(serde.to_frame(a.msg))
@@ -519,6 +527,8 @@ class SyncerService:
                 "step_s": info.step_s if info else None,
                 "sync_s": info.sync_s if info else None,
                 "streams": self.streams.get(m, 0),
+                "loss": self.progress.get(m, {}).get("loss"),
+                "tokens_per_s": self.progress.get(m, {}).get("tokens_per_s"),
             }
         st = self.core.stats
         history = [{"closed_s": round(t - self.started_s, 3), "fragment": p, "due_step": d, "contributors": list(c)}
@@ -532,6 +542,8 @@ class SyncerService:
             "fragment_bytes": list(self.layout.nbytes), "final_done": self.final_done.is_set(),
             "links": {sender: {"rtt_ms": v["rtt_ms"], "rate_gbit_s": v["rate_gbit_s"],
                                "age_s": round(now - v["at_s"], 3)} for sender, v in self.peer_links.items()},
+            "loss_history": {str(m): curve.points() for m, curve in self.loss_history.items()},
+            "events": list(self.events),
             **self.summary(),
         }
 
@@ -546,6 +558,25 @@ class SyncerService:
             return  # less than a second since the last reading: keep its window
         self.progress[m] = {"t": now, "tokens": meta.tokens, "loss": meta.loss,
                             "tokens_per_s": rate if rate is not None else (prev or {}).get("tokens_per_s")}
+        if meta.loss is not None:
+            self.loss_history.setdefault(m, LossCurve()).add([meta.step, meta.loss, round(now - self.started_s, 3)])
+
+    def _event(self, kind: str, learner: int | None, what: str) -> None:
+        self.events.append({"at_s": round(self.now() - self.started_s, 3), "kind": kind,
+                            "learner": learner, "what": what})
+
+    def _note_liveness(self) -> None:
+        """Turn the core's liveness changes into events: the core keeps only the current state."""
+        for m, info in self.core.learners.items():
+            was = self._liveness.get(m)
+            if was == info.alive:
+                continue
+            self._liveness[m] = info.alive
+            if not info.alive:
+                self._event("lost", m, f"learner {m} lost")
+            else:
+                kind = "joined" if was is None else "rejoined"
+                self._event(kind, m, f"learner {m} {kind} ({self.regions.get(m) or self.cfg.region(m)})")
 
     def refresh_gauges(self) -> None:
         g = self.metrics.gauge("fragment_version", "Global version of each fragment", ["fragment"])
@@ -568,3 +599,29 @@ class SyncerService:
         self.metrics.gauge("tokens_per_s", "Tokens a second all live learners train").set(total)
 
 
+class LossCurve:
+    """A learner's [step, loss, uptime_s] readings, at most ``cap`` (+ the latest) of them.
+
+    When full, every other point goes and from then on only every other reading is kept: the
+    points stay evenly spread over the whole run, however long, and memory stays bounded.
+    """
+
+    def __init__(self, cap: int = LOSS_POINTS):
+        self.cap, self.stride, self.seen = cap, 1, 0
+        self.kept: list[list] = []
+        self.latest: list | None = None
+
+    def add(self, point: list) -> None:
+        self.latest = point
+        if self.seen % self.stride == 0:
+            self.kept.append(point)
+            if len(self.kept) > self.cap:
+                del self.kept[1::2]
+                self.stride *= 2
+        self.seen += 1
+
+    def points(self) -> list[list]:
+        """What /status shows: the kept points, and the latest reading so the curve ends at now."""
+        if self.kept and self.kept[-1] is self.latest:
+            return list(self.kept)
+        return self.kept + [self.latest]

@@ -1,14 +1,22 @@
-"""HTTP/1.1 status server (aiohttp): /healthz, /status (JSON), /metrics (Prometheus).
+"""HTTP/1.1 status server (aiohttp): / (dashboard), /healthz, /status (JSON), /metrics (Prometheus).
 
 /status and /metrics need the run's bearer token (``Authorization: Bearer
 <token>``) and are served over HTTPS when given the gRPC port's ``TlsConfig``.
+/ is a static page (``dashboard.html``) that holds no data: it is served without
+the token, reads it from the URL fragment (``/#token=...``, which browsers never
+send) and polls /status with it.
 """
 from __future__ import annotations
 
+import base64
+import functools
+import hashlib
 import inspect
 import json
 import logging
+import re
 import ssl
+from importlib import resources
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Mapping, Union
 
@@ -25,6 +33,23 @@ from .security import bearer_matches, check_port, check_token, is_loopback, list
 log = logging.getLogger(__name__)
 
 StatusFn = Callable[[], Union[Mapping[str, Any], Awaitable[Mapping[str, Any]]]]
+DASHBOARD = "dashboard.html"
+
+
+def _hashes(html: str, tag: str) -> str:
+    """CSP source expressions allowing exactly the inline ``<tag>`` blocks of ``html``."""
+    blocks = re.findall(rf"<{tag}>(.*?)</{tag}>", html, re.S)
+    return " ".join("'sha256-%s'" % base64.b64encode(hashlib.sha256(b.encode()).digest()).decode() for b in blocks)
+
+
+@functools.lru_cache(maxsize=1)
+def dashboard_page() -> tuple[bytes, str]:
+    """The dashboard's HTML and a Content-Security-Policy under which only its own inline
+    style and script run and it may talk to nothing but its own origin (no CDN, no beacon)."""
+    html = resources.files(__package__).joinpath(DASHBOARD).read_text(encoding="utf-8")
+    csp = (f"default-src 'none'; script-src {_hashes(html, 'script')}; style-src {_hashes(html, 'style')}; "
+           "connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
+    return html.encode(), csp
 
 
 class _QuietBadRequests(logging.LoggerAdapter):
@@ -98,6 +123,7 @@ class StatusServer:
     async def start(self) -> int:
         """Start listening; returns the bound port (useful with port 0)."""
         app = web.Application()
+        app.router.add_get("/", self._dashboard)
         app.router.add_get("/healthz", self._healthz)
         app.router.add_get("/status", self._status_handler)
         app.router.add_get("/metrics", self._metrics)
@@ -156,6 +182,18 @@ class StatusServer:
         # Open on purpose: load balancers and orchestration probes cannot hold the run's
         # secret, and the answer reveals nothing but that the process is alive.
         return web.Response(text="ok\n")
+
+    async def _dashboard(self, request: web.Request) -> web.Response:
+        # Open like /healthz: the page is the same static file for everyone and carries no run
+        # data; its fetches of /status are what the token guards.
+        try:
+            body, csp = dashboard_page()
+        except OSError as e:
+            return web.Response(status=500, text=f"the dashboard page ({DASHBOARD}) is missing from the installed "
+                                f"wan_diloco package: {e}; /status and /metrics still work\n")
+        return web.Response(body=body, content_type="text/html", charset="utf-8", headers={
+            "Content-Security-Policy": csp, "X-Content-Type-Options": "nosniff",
+            "Referrer-Policy": "no-referrer", "X-Frame-Options": "DENY", "Cache-Control": "no-cache"})
 
     async def _status_handler(self, request: web.Request) -> web.Response:
         if (refused := self._refuse(request)) is not None:
