@@ -19,7 +19,7 @@ from wan_diloco import model as model_lib
 from wan_diloco import train as train_lib
 from wan_diloco import tree
 from wan_diloco.compression import CodecConfig, FragmentCodec
-from wan_diloco.config import ConfigError
+from wan_diloco.config import ConfigError, require
 from wan_diloco.core import LearnerCore, SyncerCore
 from wan_diloco.fragments import Layout, make_fragments
 from wan_diloco.spec import RunSpec
@@ -122,7 +122,14 @@ class Assembly:
 
     @cached_property
     def mesh(self):
-        return train_lib.local_mesh()
+        """This process's devices (``run.devices``, indices into ``jax.local_devices()``; all when empty)."""
+        ids = self.spec.run.devices
+        if not ids:
+            return train_lib.local_mesh()
+        devices = jax.local_devices()
+        require(max(ids) < len(devices), "run.devices",
+                f"{list(ids)}, but this process has {len(devices)} devices: {', '.join(map(str, devices))}")
+        return train_lib.local_mesh([devices[i] for i in ids])
 
     @cached_property
     def step_fn(self):

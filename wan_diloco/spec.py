@@ -71,6 +71,14 @@ class RunConfig:
     eval_every: int = 0
     min_step_s: float = 0.0  # learners pace their steps to at least this long (emulates slower chips)
     run_dir: str = "runs"  # launcher: where metrics.jsonl and logs go
+    tensorboard: bool = False  # launcher: also TensorBoard scalars in RUN_DIR/tensorboard (needs tensorboardX)
+    # The learners' JAX platform under `launch`: "cpu" (they share this host's cores), "gpu" (NVIDIA, the [cuda]
+    # extra), "auto" (JAX picks). The syncer always runs on the CPU.
+    platform: Literal["cpu", "gpu", "auto"] = "cpu"
+    # launch, platform "gpu": learner m sees GPUs m*N .. m*N+N-1 only (CUDA_VISIBLE_DEVICES); 0: all of them.
+    devices_per_learner: int = 0
+    # A learner's devices: indices into its jax.local_devices() (`learner --devices 0,1`); empty: all of them.
+    devices: tuple[int, ...] = ()
     # The run's identity in every message; empty: the syncer makes one at a fresh start (a resume keeps
     # the snapshot's). A learner given one refuses a syncer serving another.
     run_id: str = ""
@@ -88,6 +96,9 @@ class RunConfig:
         require(self.tick_s > 0, "tick_s", f"must be > 0, got {self.tick_s}")
         require(self.report_every_s > 0, "report_every_s", f"must be > 0, got {self.report_every_s}")
         require(self.eval_every >= 0, "eval_every", f"must be >= 0 (0: off), got {self.eval_every}")
+        require(self.devices_per_learner >= 0, "devices_per_learner", f"must be >= 0, got {self.devices_per_learner}")
+        require(len(set(self.devices)) == len(self.devices) and all(isinstance(i, int) and i >= 0 for i in self.devices),
+                "devices", f"must be distinct device indices >= 0, got {list(self.devices)}")
         require(len(self.run_id) <= 64 and all(c.isascii() and (c.isalnum() or c in "._-") for c in self.run_id),
                 "run_id", f"must be at most 64 of A-Z a-z 0-9 . _ -, got {self.run_id[:70]!r}")
 

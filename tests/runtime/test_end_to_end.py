@@ -17,6 +17,8 @@ def test_three_learners_end_bit_identical_to_the_syncer(tmp_path, bits):
     # loaded cores, and a learner that trains the whole run alone leaves nothing to merge along the way.
     path = micro_config(tmp_path, learners=3, steps=40, min_step_s=0.05, extra=extra)
     path.write_text(path.read_text().replace("[run]\n", "[run]\neval_every = 10\n"))
+    if bits == 32:  # and TensorBoard scalars beside metrics.jsonl
+        path.write_text(path.read_text().replace("[run]\n", "[run]\ntensorboard = true\n"))
     if bits == 4:  # and each learner with its own token (#13): launch hands each only its own
         path.write_text(path.read_text().replace("[transport]\n", "[transport]\nper_learner_tokens = true\n"))
     code, summary = launch(rt.load(path), path.read_text(), str(tmp_path / "run"))
@@ -39,12 +41,21 @@ def test_three_learners_end_bit_identical_to_the_syncer(tmp_path, bits):
     evals = [e for e in events if e["event"] == "eval"]
     turns = {(10, 1), (20, 2), (30, 0), (40, 1)}
     assert len(evals) >= 2 and all((e["step"], e["learner"]) in turns for e in evals), evals
-    assert summary["eval_curve"] == [{k: e[k] for k in ("step", "eval_loss", "tokens")} for e in evals]
+    # In step order (learners' events interleave in the file as they arrive).
+    assert summary["eval_curve"] == sorted(({k: e[k] for k in ("step", "eval_loss", "tokens")} for e in evals),
+                                           key=lambda x: x["step"])
     # A point taken after merges reached its learner is the trained global model (on a loaded machine the
     # first points may come before any merge: the initial model, exactly).
     assert all(e["eval_loss"] < summary["initial_eval_loss"] for e in evals if sum(e["versions"]) > 0), evals
     assert all(e["eval_loss"] <= summary["initial_eval_loss"] for e in evals), evals
     assert (tmp_path / "run" / "loss.png").read_bytes().startswith(b"\x89PNG")
+    if bits == 32:
+        from .test_tb_log import read_scalars
+
+        scalars = read_scalars(tmp_path / "run" / "tensorboard")
+        assert {"learner-0/train_loss", "learner-2/train_loss", "syncer/versions"} <= set(scalars)
+        assert sorted(scalars["global/eval_loss"])[:len(evals)] == sorted(
+            (e["step"], round(e["eval_loss"], 4)) for e in evals)
     if bits == 4:
         assert summary["compression_ratio"] > 5  # NF4 + scales + zstd on the fragment traffic
 

@@ -43,12 +43,15 @@ def add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quiet", action="store_true", help="no live table")
 
 
-def table(mon: RunState) -> Table:
+def table(mon: RunState, learners: list[int] | None = None) -> Table:
+    """The live table; ``learners``: only these rows (a standalone learner shows its own)."""
     cfg = mon.cfg
     t = Table(title=f"wan-diloco: {cfg.run.learners} learners, step budget {cfg.run.steps}")
     for col in ("process", "region", "step", "loss", "tokens", "sent", "link", "tau", "status"):
         t.add_column(col, justify="left" if col in ("process", "region", "link", "status") else "right")
     for m, r in mon.learners.items():
+        if learners is not None and m not in learners:
+            continue
         loss, link = r.get("loss"), r.get("link")
         t.add_row(f"learner-{m}", r["region"], str(r.get("step", "")), f"{loss:.3f}" if loss is not None else "",
                   f"{r.get('tokens', 0):,}", human_bytes(r.get("bytes_sent", 0)),

@@ -23,10 +23,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=None, help="override run.port (0: any free port)")
     p.add_argument("--resume", action="store_true",
                    help="resume from the newest complete snapshot in checkpoint.dir; running learners rejoin")
+    add_view_arguments(p)
 
 
-async def serve(cfg: spec_lib.RunSpec, token: str, port: int | None = None, resume: bool = False) -> int:
-    """Run the syncer; returns 0 after a completed final sync, 143 when stopped by a signal."""
+def add_view_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--table", dest="table", action="store_true", default=None,
+                   help="a live table and a summary, the JSON events to --events (default when stdout is a terminal)")
+    p.add_argument("--no-table", dest="table", action="store_false",
+                   help="the JSON events on stdout, one per line (default when piped, as under launch)")
+    p.add_argument("--events", metavar="PATH",
+                   help="with the table: where the JSON events go (default: run.run_dir/<process>-<time>.jsonl)")
+
+
+async def serve(cfg: spec_lib.RunSpec, token: str, port: int | None = None, resume: bool = False,
+                view=None) -> int:
+    """Run the syncer; returns 0 after a completed final sync, 143 when stopped by a signal. ``view``
+    (cli.live.ProcessView) is shown the learners as the syncer sees them at each report."""
     from wan_diloco.runtime.syncer import SyncerService
 
     metrics = TransportMetrics()
@@ -68,6 +80,8 @@ async def serve(cfg: spec_lib.RunSpec, token: str, port: int | None = None, resu
                 last_report = time.monotonic()
                 emit({"event": "progress", "role": "syncer", "versions": list(service.core.version),
                       "alive": service.core.alive(), **service.summary()})
+                if view is not None:
+                    view.watch_syncer(service.status(), service.progress)
         if service.final_report is not None:
             emit({**service.final_report, **service.summary()})
         return 0 if service.final_done.is_set() else 143
@@ -93,8 +107,13 @@ def run(args: argparse.Namespace) -> int:
     from wan_diloco.assemble import preflight
 
     preflight(cfg, data=False)  # the syncer reads no data: its host need not have the corpus
+    from wan_diloco.cli import live
+
     try:
-        return run_loop(serve(cfg, cfg.token(), args.port, args.resume))
+        if not live.wanted(args.table):
+            return run_loop(serve(cfg, cfg.token(), args.port, args.resume))
+        with live.ProcessView(cfg, "syncer", live.events_path(cfg, "syncer", args.events)) as view:
+            return run_loop(serve(cfg, cfg.token(), args.port, args.resume, view))
     except ResumeError as e:
         print(f"wan-diloco syncer: cannot resume: {e}", file=sys.stderr)
         return 2

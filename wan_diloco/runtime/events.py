@@ -8,11 +8,23 @@ import threading
 import time
 
 _lock = threading.Lock()
+_sink = None  # set_sink: where events go instead of stdout (a person watching a table)
+
+
+def set_sink(sink) -> None:
+    """Send every event (the dict, with ``t`` and ``pid``) to ``sink`` instead of stdout; None: stdout again.
+    The sink is called under the events lock, one event at a time."""
+    global _sink
+    with _lock:
+        _sink = sink
 
 
 def emit(event: dict) -> None:
     """Write ``event`` (with a wall-clock ``t``) as one JSON line on stdout and flush."""
-    line = json.dumps({"t": round(time.time(), 3), "pid": os.getpid(), **event}, separators=(",", ":"), default=float)
+    full = {"t": round(time.time(), 3), "pid": os.getpid(), **event}
     with _lock:
-        sys.stdout.write(line + "\n")
+        if _sink is not None:
+            _sink(full)
+            return
+        sys.stdout.write(json.dumps(full, separators=(",", ":"), default=float) + "\n")
         sys.stdout.flush()

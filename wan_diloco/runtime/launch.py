@@ -146,7 +146,7 @@ class Cluster:
                 [*self.wrap(name), sys.executable, "-m", "wan_diloco.cli", *args], stdout=subprocess.PIPE, stderr=log,
                 # Own process group: Ctrl-C reaches only the launcher. The child stops when we die
                 # (die_with_parent), also by SIGKILL.
-                env={**self.env, **self._own_token(name), PARENT_ENV: str(os.getpid())}, start_new_session=True,
+                env=self._env_of(name), start_new_session=True,
             )
         finally:
             log.close()
@@ -154,6 +154,20 @@ class Cluster:
         child.reader = threading.Thread(target=self._read, args=(child,), daemon=True)
         child.reader.start()
         return child
+
+    def _env_of(self, name: str) -> dict:
+        env = {**self.env, **self._own_token(name), PARENT_ENV: str(os.getpid())}
+        run = self.cfg.run
+        if name == "syncer" or run.platform == "cpu":
+            env["JAX_PLATFORMS"] = "cpu"  # the syncer merges on the CPU; it needs no accelerator of its own
+        elif run.platform == "gpu":
+            env["JAX_PLATFORMS"] = "cuda"
+            if run.devices_per_learner:
+                n, m = run.devices_per_learner, learner_of(name)
+                env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in range(m * n, (m + 1) * n))
+        else:
+            env.pop("JAX_PLATFORMS", None)
+        return env
 
     def _own_token(self, name: str) -> dict:
         """With per-learner credentials a learner gets only its own token; the syncer keeps the run's."""
@@ -263,6 +277,7 @@ class RunState:
         self.starts: dict[int, dict] = {}
         self.evals: list[dict] = []  # the global model's eval points (run.eval_every), in step order
         self.losses: dict[int, list[tuple[int, float]]] = {m: [] for m in range(cfg.run.learners)}
+        self.tokens: dict[int, list[tuple[float, int]]] = {m: [] for m in range(cfg.run.learners)}  # (t, tokens)
 
     def fold(self, name: str, e: dict) -> None:
         kind = e.get("event")
@@ -280,6 +295,8 @@ class RunState:
         elif kind == "step":
             row.update(e)
             self.losses[m].append((e["step"], e["loss"]))
+            if "t" in e:
+                self.tokens[m].append((e["t"], e["tokens"]))
         elif kind == "eval":
             self.evals.append({k: e[k] for k in ("step", "eval_loss", "tokens")})
             self.evals.sort(key=lambda x: x["step"])
@@ -366,6 +383,10 @@ def launch(cfg: RunSpec, config_text: str, run_dir: str | None = None,
     from wan_diloco.assemble import preflight  # JAX and the model: not for `wan-diloco --help`
 
     preflight(cfg)  # a missing corpus or too many fragments: one ConfigError, before any process starts
+    if cfg.run.tensorboard:
+        from wan_diloco.runtime.tb_log import writer_class
+
+        writer_class()  # ConfigError now, not after the processes started
     rdir = Path(run_dir) if run_dir else Path(cfg.run.run_dir) / time.strftime("%Y%m%d-%H%M%S")
     rdir.mkdir(parents=True, exist_ok=True)
     cfg = cfg if resume else run_spec(cfg, rdir)
@@ -410,6 +431,11 @@ def _run(cfg: RunSpec, rdir: Path, watch: Callable[[RunState], None] | None,
         stop["sig"] = signum
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    tb = None
+    if cfg.run.tensorboard:
+        from wan_diloco.runtime.tb_log import TensorBoardLog
+
+        tb = TensorBoardLog(rdir / "tensorboard")
     try:
         with Cluster(cfg, rdir / "config.toml", rdir, wrap=wrap) as cluster, \
                 open(rdir / "metrics.jsonl", "a" if resume else "w") as mf:
@@ -426,6 +452,8 @@ def _run(cfg: RunSpec, rdir: Path, watch: Callable[[RunState], None] | None,
                     name, e = cluster.events.get(timeout=0.25)
                     mf.write(json.dumps({"source": name, **e}) + "\n")
                     mon.fold(name, e)
+                    if tb is not None:
+                        tb.write(name, e)
                     if watch is not None:
                         watch(mon)
                 except queue.Empty:
@@ -441,13 +469,14 @@ def _run(cfg: RunSpec, rdir: Path, watch: Callable[[RunState], None] | None,
                     raise RunFailed("every learner died:\n" + "\n".join(died(c, lines=3) for c in learners))
         failed = {c.name: (c.exit_code, str(c.log_path)) for n, c in cluster.children.items()
                   if n != "syncer" and c.exit_code != 0}
-        summary = {**summarize(mon, time.monotonic() - t0), "run_dir": str(rdir), "failed_learners": failed}
+        summary = {**summarize(mon, time.monotonic() - t0), "run_dir": str(rdir), "failed_learners": failed,
+                   "tensorboard": str(rdir / "tensorboard") if tb is not None else None}
         try:
             from wan_diloco.runtime.run_plot import plot_run
 
             plot_run(mon.losses, mon.evals, [s["eval_loss"] for s in mon.starts.values()],
                      [(f["steps"], f["final_eval_loss"]) for f in mon.finals.values()], rdir / "loss.png",
-                     title=f"{cfg.run.learners} learners, {cfg.run.steps} steps ({cfg.preset})")
+                     title=f"{cfg.run.learners} learners, {cfg.run.steps} steps ({cfg.preset})", tokens=mon.tokens)
             summary["loss_png"] = str(rdir / "loss.png")
         except (OSError, ValueError) as e:  # a picture is not worth failing a finished run for
             summary["loss_png"] = None
@@ -456,5 +485,7 @@ def _run(cfg: RunSpec, rdir: Path, watch: Callable[[RunState], None] | None,
     except RunFailed as e:
         return (128 + stop["sig"] if stop["sig"] else 1), {"error": str(e), "run_dir": str(rdir)}
     finally:
+        if tb is not None:
+            tb.close()
         for s, h in old.items():
             signal.signal(s, h)

@@ -1,0 +1,134 @@
+"""What a person sees of a standalone `syncer` or `learner`: the live table `launch` shows and a summary at
+the end, with the process's JSON events written to a file instead of the terminal (nothing lost).
+
+Only when stdout is a terminal (or asked for): under `launch`, or piped, the process writes its JSON
+events on stdout as before, for the launcher to read.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table
+
+from wan_diloco.cli.launch import table
+from wan_diloco.cli.report import console as stderr_console
+from wan_diloco.cli.report import human_bytes
+from wan_diloco.runtime import events
+from wan_diloco.runtime.launch import RunState
+from wan_diloco.spec import RunSpec
+
+
+def wanted(flag: bool | None) -> bool:
+    """``--table`` / ``--no-table``; neither: a table when stdout is a terminal."""
+    return sys.stdout.isatty() if flag is None else flag
+
+
+def events_path(cfg: RunSpec, name: str, given: str | None) -> Path:
+    return Path(given) if given else Path(cfg.run.run_dir) / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}.jsonl"
+
+
+class ProcessView:
+    """A context: while open, every event of this process goes to ``path`` (JSON lines, with its source)
+    and into the table; on close, the summary of its final event."""
+
+    def __init__(self, cfg: RunSpec, name: str, path: Path, console: Console | None = None):
+        self.cfg, self.name, self.path = cfg, name, path
+        self.console = console or stderr_console
+        self.mon = RunState(cfg)
+        self.final: dict | None = None
+        self.error: str | None = None
+        self._lock = threading.Lock()  # events arrive on the process's threads; rich renders on its own
+
+    def __enter__(self) -> "ProcessView":
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(self.path, "a", encoding="utf-8")
+        self.console.print(f"{self.name}: events go to {self.path}", highlight=False)
+        self._live = Live(get_renderable=self._render, console=self.console, refresh_per_second=2)
+        self._live.start()
+        events.set_sink(self._take)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        events.set_sink(None)
+        self._live.stop()
+        self._file.close()
+        self.print_summary()
+
+    def _take(self, event: dict) -> None:
+        self._file.write(json.dumps({"source": self.name, **event}, separators=(",", ":"), default=float) + "\n")
+        self._file.flush()
+        with self._lock:
+            try:
+                self.mon.fold(self.name, event)
+            except (KeyError, TypeError, ValueError):
+                pass  # an event the table cannot show: the file has it, and a display must not stop training
+            if event.get("event") == "final":
+                self.final = event
+            elif event.get("event") == "error":
+                self.error = event.get("error")
+
+    def watch_syncer(self, status: dict, progress: dict) -> None:
+        """The syncer's view of its learners (``SyncerService.status()`` and its ``progress``) as their rows:
+        a standalone syncer sees no learner events, only what their metadata says."""
+        with self._lock:
+            for key, seen in status["learners"].items():
+                row, m = self.mon.learners[int(key)], int(key)
+                row["step"] = seen["step"]
+                row["status"] = {True: "training", False: "lost", None: "not seen"}[seen["alive"]]
+                got = progress.get(m) or {}
+                if got.get("loss") is not None:
+                    row["loss"] = got["loss"]
+                row["tokens"] = got.get("tokens", row.get("tokens", 0))
+            for sender, link in status.get("links", {}).items():
+                if sender.startswith("learner-") and sender[8:].isdigit() and int(sender[8:]) in self.mon.learners:
+                    self.mon.learners[int(sender[8:])]["link"] = {k: link[k] for k in ("rtt_ms", "rate_gbit_s")}
+
+    def _render(self) -> Table:
+        with self._lock:
+            mine = None if self.name == "syncer" else [int(self.name.rpartition("-")[2])]
+            return table(self.mon, learners=mine)
+
+    def print_summary(self) -> None:
+        rows = SYNCER_ROWS if self.name == "syncer" else LEARNER_ROWS
+        t = Table(title=f"{self.name}: summary", show_header=False)
+        if self.final is None:
+            t.add_row("ended", self.error or "before its final sync (stopped, or see the lines above)")
+        else:
+            for label, fmt in rows:
+                try:
+                    t.add_row(label, fmt(self.final))
+                except (KeyError, TypeError, ValueError, ZeroDivisionError):
+                    continue  # a figure this run did not produce
+        t.add_row("events", str(self.path))
+        self.console.print(t)
+
+
+def _loss(f: dict) -> str:
+    return f"{f['initial_eval_loss']:.4f} -> {f['final_eval_loss']:.4f}"
+
+
+LEARNER_ROWS = [
+    ("eval loss (global model)", _loss),
+    ("steps, tokens", lambda f: f"{f['steps']:,}, {f['tokens']:,}"),
+    ("train time (computing)", lambda f: f"{f['train_s']:.1f} s ({f['compute_s'] / f['train_s']:.0%})"),
+    ("bytes sent / received", lambda f: f"{human_bytes(f['bytes_sent'])} / {human_bytes(f['bytes_received'])}"),
+    ("compression ratio", lambda f: f"{f['raw_bytes'] / f['payload_bytes']:.2f}x"),
+    ("resyncs, rejoins", lambda f: f"{f['resyncs']}, {f['rejoins']}"),
+    ("final fragments equal the syncer's", lambda f: "NO: " + str(f["digest_mismatch"]) if f.get("digest_mismatch") else "yes"),
+]
+
+SYNCER_ROWS = [
+    ("global steps", lambda f: str(f["global_step"])),
+    ("fragment syncs", lambda f: " ".join(map(str, f["fragment_syncs"]))),
+    ("mean quorum (late Δs carried)", lambda f: f"{f['mean_quorum']:.2f} ({f['late_carried']})"),
+    ("learners in the final sync", lambda f: ", ".join(map(str, f["final_learners"])) or "none"),
+    ("bytes in / out", lambda f: f"{human_bytes(f['bytes_in'])} / {human_bytes(f['bytes_out'])}"),
+    ("snapshots (run id, incarnation)", lambda f: f"{f['snapshots_complete']} ({f['run_id']}, {f['epoch']})"),
+    ("final parameters", lambda f: f["params_path"] or "not written (checkpoint.dir is empty)"),
+]
