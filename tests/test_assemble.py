@@ -56,3 +56,45 @@ def test_preflight_finds_what_would_stop_every_process_without_building_the_mode
     with pytest.raises(ConfigError, match=f"^data.corpus: {missing}: no such file"):
         preflight(micro(corpus=str(missing)))
     preflight(micro(corpus=str(missing)), data=False)  # a syncer's host needs no corpus
+
+
+def regional(tmp_path, eu_path):
+    (tmp_path / "us.txt").write_bytes(bytes(range(32, 127)) * 400)
+    (tmp_path / "run.toml").write_text(f"""
+[run]
+learners = 3
+batch_size = 2
+eval_batches = 1
+[model]
+preset = "micro"
+[data]
+corpus = "{tmp_path / 'us.txt'}"
+[data.regions]
+eu-west = "{eu_path}"
+""")
+    return spec_lib.load(tmp_path / "run.toml")
+
+
+def test_each_region_reads_its_own_corpus_split_among_its_learners(tmp_path):
+    (tmp_path / "eu.txt").write_bytes(b"eu " * 9000)
+    spec = regional(tmp_path, tmp_path / "eu.txt")
+    assert [spec.region(m) for m in range(3)] == ["us-east", "eu-west", "us-east"]
+    us, eu = Assembly(spec, 0), Assembly(spec, 1)
+    assert us.peers == [0, 2] and eu.peers == [1] and len(us.shards) == 2 and len(eu.shards) == 1
+    assert set(np.unique(eu.corpus.train)) == set(b"eu ")  # learner 1 reads only its region's file
+    assert ord("z") in set(np.unique(us.corpus.train))  # and the others data.corpus
+    assert len(eu.batches(1).next().tokens) == 2 and set(np.unique(eu.batches(1).next().tokens)) <= set(b"eu ")
+    assert Assembly(spec, 2).batches(2).next().tokens.max() >= ord("z")  # us-east text has letters past 'u'
+    # The run's copy of the config keeps the table.
+    again = spec_lib.from_document(spec_lib.to_document(spec))
+    assert again.data.regions == (("eu-west", str(tmp_path / "eu.txt")),)
+
+
+def test_a_region_whose_corpus_is_missing_is_named_before_any_process_starts(tmp_path):
+    spec = regional(tmp_path, tmp_path / "nowhere.txt")
+    with pytest.raises(ConfigError, match=r"data.regions.eu-west: .*nowhere.txt: no such file"):
+        preflight(spec)
+    preflight(spec, learner=0)  # a us-east host does not need the eu-west file
+    with pytest.raises(ConfigError, match="data.regions.mars: no such region"):
+        (tmp_path / "run.toml").write_text((tmp_path / "run.toml").read_text().replace("eu-west =", "mars ="))
+        spec_lib.load(tmp_path / "run.toml")

@@ -55,23 +55,31 @@ def fragments_of(spec: RunSpec, sizes: Mapping[str, int]) -> list[tuple[str, ...
     return frags
 
 
-def preflight(spec: RunSpec, data: bool = True) -> None:
+def preflight(spec: RunSpec, data: bool = True, learner: int | None = None) -> None:
     """What would stop every process at start, checked before any starts (no compile, no allocation):
-    the fragments fit the model, and (``data``: on a host that trains) the corpus is there."""
+    the fragments fit the model, and (``data``: on a host that trains) the corpus is there: that
+    ``learner``'s, or every learner's (``launch``: all on this host)."""
     shapes = tree.flatten(model_lib.abstract_params(spec.model))
     fragments_of(spec, {n: int(np.prod(a.shape)) for n, a in shapes.items()})
-    if data:
+    if not data:
+        return
+    learners = range(spec.run.learners) if learner is None else [learner]
+    for corpus in dict.fromkeys(spec.data_of(m).corpus for m in learners):
+        where = next((f"data.regions.{r}" for r, c in spec.data.regions if c == corpus), "data.corpus")
         try:
-            data_lib.check_corpus(spec.data)
+            data_lib.check_corpus(dataclasses.replace(spec.data, corpus=corpus))
         except ConfigError as e:
-            raise ConfigError(f"data.{e}") from None
+            field, _, why = str(e).partition(": ")
+            raise ConfigError(f"{where if field == 'corpus' else 'data.' + field}: {why}") from None
 
 
 class Assembly:
     """The parts of one run. Cheap to make: each part is built on first use and kept."""
 
-    def __init__(self, spec: RunSpec):
-        self.spec = spec
+    def __init__(self, spec: RunSpec, learner: int | None = None):
+        """``learner``: the parts as that learner's process has them (its region's corpus, ``[data.regions]``);
+        None: one corpus for every learner (``data.corpus``, as the simulator reads it)."""
+        self.spec, self.learner = spec, learner
 
     # ---- model and fragments ----------------------------------------------------------
 
@@ -136,18 +144,28 @@ class Assembly:
         return train_lib.make_train_step(self.spec.model, self.spec.train, self.mesh)
 
     @cached_property
+    def data(self) -> data_lib.DataConfig:
+        return self.spec.data if self.learner is None else self.spec.data_of(self.learner)
+
+    @cached_property
+    def peers(self) -> list[int]:
+        """The learners that split this corpus: all of them, or those of regions that read this path."""
+        return list(range(self.spec.run.learners)) if self.learner is None else self.spec.data_peers(self.learner)
+
+    @cached_property
     def corpus(self) -> data_lib.Corpus:
-        return data_lib.load_corpus(self.spec.data)
+        return data_lib.load_corpus(self.data)
 
     @cached_property
     def shards(self) -> list[np.ndarray]:
-        M, block = self.spec.run.learners, self.spec.data.shard_block_tokens
-        return [data_lib.shard(self.corpus.train, m, M, block).tokens for m in range(M)]
+        n, block = len(self.peers), self.data.shard_block_tokens
+        return [data_lib.shard(self.corpus.train, i, n, block).tokens for i in range(n)]
 
     def batches(self, m: int) -> data_lib.FailoverBatches:
         """Learner m's batches: its own shard, and down learners' shards when told who is down."""
         r = self.spec.run
-        return data_lib.FailoverBatches(self.shards, m, r.batch_size, self.spec.model.seq_len, seed=r.seed * 1009 + m)
+        return data_lib.FailoverBatches(self.shards, self.peers.index(m), r.batch_size, self.spec.model.seq_len,
+                                        seed=r.seed * 1009 + m)
 
     @cached_property
     def tokens_per_step(self) -> int:

@@ -64,6 +64,13 @@ class DataConfig:
     eval_fraction: float = 0.05  # single text file / *.bin / *.npy: the tail fraction is held out
     # 0: contiguous shards (learners see different files); > 0: blocks of this many tokens dealt round-robin.
     shard_block_tokens: int = 0
+    # (region, corpus) pairs, the TOML table [data.regions]: the learners of that region read that corpus
+    # (their own data, or the same data at another path) instead of `corpus`, split among themselves.
+    regions: tuple[tuple[str, str], ...] = ()
+
+    def corpus_of(self, region: str) -> str:
+        """The corpus the learners of ``region`` read."""
+        return dict(self.regions).get(region, self.corpus)
 
     def validate(self) -> None:
         require(self.corpus != "", "corpus", "must be 'stdlib' or a path")
@@ -75,6 +82,9 @@ class DataConfig:
         require(self.eval_every_nth_file >= 2, "eval_every_nth_file",
                 f"must be >= 2, got {self.eval_every_nth_file}")
         require(0.0 < self.eval_fraction < 1.0, "eval_fraction", f"must be in (0, 1), got {self.eval_fraction}")
+        for pair in self.regions:
+            require(len(pair) == 2 and all(isinstance(x, str) and x for x in pair), "regions",
+                    f"each entry is a region name and its corpus path, got {list(pair)}")
         require(self.shard_block_tokens >= 0, "shard_block_tokens", f"must be >= 0, got {self.shard_block_tokens}")
 
 

@@ -182,6 +182,15 @@ class RunSpec:
         """The region learner ``learner`` runs in."""
         return self.regions.region_of(learner)
 
+    def data_of(self, learner: int) -> DataConfig:
+        """What learner ``learner`` reads: ``data`` with its region's corpus (``[data.regions]``)."""
+        return dataclasses.replace(self.data, corpus=self.data.corpus_of(self.region(learner)))
+
+    def data_peers(self, learner: int) -> list[int]:
+        """The learners that read the same corpus as ``learner`` (its own included): they split it."""
+        mine = self.data_of(learner).corpus
+        return [m for m in range(self.run.learners) if self.data_of(m).corpus == mine]
+
     def token(self) -> str:
         """The bearer token: ``run.token``, else ``$WAN_DILOCO_TOKEN``; a missing one is a ConfigError."""
         token = self.run.token or os.environ.get(TOKEN_ENV, "")
@@ -235,6 +244,8 @@ def from_document(doc: Mapping[str, Any]) -> RunSpec:
     preset, model = _model(_table(doc, "model"))
     data_t = _table(doc, "data")
     _derived(data_t, "vocab_size", model.vocab_size, "data", "model.vocab_size")
+    if isinstance(data_t.get("regions"), Mapping):  # [data.regions]: region = "path"
+        data_t["regions"] = [[k, v] for k, v in data_t["regions"].items()]
     data = from_mapping(DataConfig, data_t, prefix="data.")
     learner = from_mapping(LearnerConfig, _table(doc, "learner"), prefix="learner.")
     syncer_t = _table(doc, "syncer")
@@ -256,6 +267,8 @@ def from_document(doc: Mapping[str, Any]) -> RunSpec:
     require(not codec.stochastic_rounding, "codec.stochastic_rounding",
             "not available in runs yet (the learners and the syncer encode without a PRNG key)")
     regions = regions_from_mapping(_table(doc, "regions"))
+    for name, _ in data.regions:
+        require(name in regions.names, f"data.regions.{name}", f"no such region; [regions] names {list(regions.names)}")
     require(not regions.learners or len(regions.learners) == run.learners, "regions.learners",
             f"names the region of {len(regions.learners)} learners, run.learners = {run.learners}")
     plan = from_mapping(PlanConfig, _table(doc, "plan"), prefix="plan.")
@@ -278,6 +291,7 @@ def to_document(spec: RunSpec) -> dict[str, Any]:
         table = dataclasses.asdict(getattr(spec, name))
         doc[name] = {k: list(v) if isinstance(v, tuple) else v for k, v in table.items()}
     doc["model"]["preset"] = spec.preset
+    doc["data"]["regions"] = dict(spec.data.regions)
     for table, key in (("data", "vocab_size"), ("syncer", "num_learners"), ("syncer", "tau"), ("train", "total_steps")):
         doc[table].pop(key)
     doc["transport"] = {k: v for k, v in doc["transport"].items() if v is not None}

@@ -33,7 +33,7 @@ def run(args: argparse.Namespace) -> int:
     from wan_diloco.assemble import preflight
     from wan_diloco.runtime.learner import run_learner
 
-    preflight(cfg)  # ConfigError: one line from cli.main, exit code 2, before connecting
+    preflight(cfg, learner=args.id)  # ConfigError: one line from cli.main, exit code 2, before connecting
 
     from wan_diloco.cli import live
 

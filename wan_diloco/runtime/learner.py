@@ -68,7 +68,7 @@ class Learner:
                  resume: bool = False):
         self.cfg, self.m = cfg, learner
         self.region = cfg.region(learner)
-        parts = parts or Assembly(cfg)
+        parts = parts or Assembly(cfg, learner)
         self.state = parts.state0
         self.layout = parts.layout
         self.codec = parts.codec
