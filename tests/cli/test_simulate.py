@@ -25,6 +25,11 @@ def test_cli_simulate_writes_json(tmp_path, capsys):
     assert data["config"]["simulate"]["data_failover"] is False and data["config"]["learner"]["keep_local"] is True
     assert data["config"]["simulate"]["speeds"] == [1.0, 1.2]
     assert "goodput" in capsys.readouterr().out
+    # Its picture beside the JSON: eval loss against tokens and, below, throughput.
+    import matplotlib.image
+
+    picture = matplotlib.image.imread(tmp_path / "r.png")
+    assert picture.shape[0] >= picture.shape[1] and len(data["curve"]) >= 2  # two panels: taller than wide
 
 
 def test_tokens_flag_takes_scientific_notation(tmp_path):

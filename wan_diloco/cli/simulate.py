@@ -51,7 +51,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speeds", default=None, help="comma-separated step-time factors per learner, e.g. 1,1,1,1.2")
     p.add_argument("--rtt-ms", type=float, default=None, help="round-trip time of each link, ms")
     p.add_argument("--failures", metavar="TAPE", help="failure tape: JSON list of {learner, down_at, up_at} (virtual s)")
-    p.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    p.add_argument("--json", metavar="PATH", help="write the results as JSON (and its picture beside it, PATH.png)")
+    p.add_argument("--plot", metavar="PNG", help="where the picture goes: eval loss against tokens, throughput "
+                                                 "against virtual time (default: beside --json)")
     p.add_argument("--params-out", metavar="PATH",
                    help="write the final global parameters (safetensors, as a real run's params.safetensors)")
     p.add_argument("--quiet", action="store_true", help="no progress bar or table")
@@ -90,6 +92,10 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(result.to_json(), indent=1))
+    plot = args.plot or (str(Path(args.json).with_suffix(".png")) if args.json else None)
+    if plot:
+        plot_result(result, plot)
+        print(f"picture: {plot}")
     if args.params_out:
         from wan_diloco.checkpoint import save_params
 
@@ -98,3 +104,27 @@ def run(args: argparse.Namespace) -> int:
                                                      "global_steps": result.global_steps, "tokens": result.tokens})
         print(f"final parameters: {args.params_out} (wan-diloco eval --params {args.params_out} --config ...)")
     return 0
+
+
+def plot_result(result, path: str) -> None:
+    """The simulated run's eval curve against tokens, and its throughput (tokens per virtual second)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from wan_diloco.cli.report import save_figure
+    from wan_diloco.runtime.run_plot import rates
+
+    points = [(p["time_s"], p["tokens"]) for p in result.curve]
+    fig, (ax, tax) = plt.subplots(2, 1, figsize=(7, 7), height_ratios=(3, 2))
+    ax.plot([p["tokens"] for p in result.curve], [p["eval_loss"] for p in result.curve], marker="o",
+            label=f"{result.config['simulate']['baseline']}, M = {result.config['run']['learners']}")
+    ax.set_xlabel("tokens")
+    ax.set_ylabel("held-out eval loss")
+    speed = rates(points)
+    tax.plot([t for t, _ in speed], [r for _, r in speed], label="all learners")
+    tax.set_xlabel("virtual time (s)")
+    tax.set_ylabel("tokens / virtual s")
+    tax.grid(True, alpha=0.3)
+    save_figure(fig, ax, path)
