@@ -1,8 +1,13 @@
-"""The inner step: AdamW on one learner, data parallel over its local devices.
+"""The inner step: AdamW on one learner, data parallel over its devices.
 
 ``make_train_step`` returns a pure jitted ``(state, tokens) -> (state,
 metrics)``: the batch is split along the mesh axis ``"data"``, parameters and
-optimizer state are replicated, and XLA inserts the gradient all-reduce.
+optimizer state are replicated, and XLA inserts the gradient all-reduce. The
+mesh may span the processes of a multi-host learner (``runtime.multihost``);
+the same functions then run in every process, each given the global batch as
+one sharded array (``multihost.global_batch``). A host array works there too,
+but must be the same on every process, which JAX checks with a collective on
+each call.
 """
 from __future__ import annotations
 
