@@ -73,7 +73,10 @@ def test_killed_learner_rejoins_and_contributes_again(tmp_path):
         donated = wait_for("the donor's report", lambda: next(
             (e for e in learners[recovered["donor"]].events if e.get("event") == "donated" and e["recipient"] == 2),
             None))
-        assert donated["opt_digest"] == recovered["opt_digest"]  # its inner optimizer is the donor's, bit for bit
+        # Its inner optimizer is the donor's, bit for bit, as it arrived; then only the learning-rate schedule
+        # position moves to the global step it joined at (under load the donor's own count can lag it).
+        assert donated["opt_digest"] == recovered["opt_digest"]
+        assert recovered["schedule_step"] >= recovered["step"]
         wait_for("a merge with learner 2 after its restart", lambda: any(
             2 in h["contributors"] and h["closed_s"] > restarted_s for h in status(cluster)["history"]))
         wait_for("the end of the run", lambda: all(c.exit_code is not None for c in cluster.children.values()),

@@ -284,12 +284,14 @@ class Learner:
             return
         self.state = self.state.replace(params=jax.tree_util.tree_map(jnp.asarray, params),
                                         opt_state=jax.tree_util.tree_map(jnp.asarray, opt))
+        # The donor's optimizer as it came, bit for bit; only its schedule position moves (_take_up_step).
+        opt_digest = named_digest(tree.to_named(self.state.opt_state, "opt"), "opt/")
         self.core.step = max(self.core.step, int(info.get("train_step", 0)))
         self._take_up_step()
         replayed = self.net.inbox.qsize()
         self._drain()  # the updates that arrived while the state travelled, in the order they came
-        self.recovery = {"from_peer": True, "donor": info.get("donor"), "bytes": len(data),
-                         "opt_digest": named_digest(tree.to_named(self.state.opt_state, "opt"), "opt/"),
+        self.recovery = {"from_peer": True, "donor": info.get("donor"), "bytes": len(data), "opt_digest": opt_digest,
+                         "schedule_step": int(train_lib.schedule_step(self.state)),
                          "seconds": round(time.monotonic() - t0, 3), "replayed": replayed}
         emit({"event": "recovered", "role": "learner", "learner": self.m, "step": self.core.step, **self.recovery})
 
