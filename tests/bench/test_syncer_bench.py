@@ -1,0 +1,48 @@
+"""The syncer benchmark (#15) runs end to end on a tiny layout and writes its schema, with consistent figures."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SPLIT = {"transport", "decode", "merge", "outer", "encode"}
+ROW = {"shards", "learners", "fragments_per_s", "merged_gb_s", "merged_gb_s_per_core", "in_gbit_s", "out_gbit_s",
+       "round_latency_ms", "cpu_split"}
+
+
+def test_bench_syncer_tiny_run(tmp_path):
+    out = tmp_path / "syncer.json"
+    subprocess.run([sys.executable, "-m", "bench.syncer", "--layout", "tiny", "--fragments", "2", "--learners", "2",
+                    "--reps", "1", "--rounds", "4", "--warmup-rounds", "2", "--max-seconds", "20", "--out", str(out)],
+                   cwd=ROOT, check=True, timeout=300, capture_output=True)
+    doc = json.loads(out.read_text())
+    assert out.with_suffix(".png").stat().st_size > 0
+    assert [(r["shards"], r["learners"]) for r in doc["rows"]] == [(1, 2)]
+    row = doc["rows"][0]
+    assert ROW <= set(row) and set(row["cpu_split"]) == SPLIT
+    for key in ROW - {"shards", "learners", "cpu_split"}:
+        assert row[key] > 0, key
+    assert all(v >= 0 for v in row["cpu_split"].values()) and row["cpu_split"]["merge"] > 0
+
+    # Every round merges all M = 2 learners' fragments (K = M): fragments = rounds x M.
+    assert row["uploads"] == 2 * row["rounds"] >= 2 and row["contributors_per_round"] == [2]
+    assert row["learner_upload_errors"] == 0 and not row["syncer_transport_errors"]
+    assert row["fragments_per_s"] == pytest.approx(2 * row["rounds_per_s"])
+    # Merged bytes = fragments x their fp32 size: the mean merged size is one of the fragments' sizes.
+    sizes = doc["layout"]["fragment_fp32_bytes"]
+    mean_bytes = row["merged_gb_s"] * 1e9 / row["fragments_per_s"]
+    assert min(sizes) * (1 - 1e-9) <= mean_bytes <= max(sizes) * (1 + 1e-9)
+    # The split accounts for all the syncer's CPU: its sum is the inverse of GB merged per CPU second.
+    assert sum(row["cpu_split"].values()) * row["merged_gb_s_per_core"] == pytest.approx(1.0, rel=1e-6)
+    assert row["merged_gb_s"] / row["syncer_cpu_cores_busy"] == pytest.approx(row["merged_gb_s_per_core"])
+    assert row["round_latency_ms"] > 0 and row["round_latency_to_publish_ms"] > 0
+
+    assert {r["learners"] for r in doc["inprocess"]} == {2}
+    for r in doc["inprocess"]:
+        assert all(r["stage_cpu_ms"][k] > 0 for k in ("decode", "merge", "outer", "encode"))
+    ceiling = doc["ceiling"]["per_learners"][0]
+    assert ceiling["learners"] == 2 and ceiling["wire_in_gbit_s"] > 0
+    assert ceiling["per_learner_link_gbit_s"] == pytest.approx(ceiling["wire_in_gbit_s"] / 2)
+    assert doc["planner"]["merged_fp32_gb_s_by_learners"] == {"2": row["merged_gb_s"]}
