@@ -30,6 +30,7 @@ def load(tmp_path, extra=""):
     return spec.load(tmp_path / "run.toml")
 
 
+@pytest.mark.slow  # a fresh JAX process with two host devices: ~20 s
 def test_a_learner_trains_on_the_devices_it_is_given(tmp_path):
     # Two host devices stand in for two GPUs: the mesh holds the chosen one only, and a step runs on it.
     load(tmp_path, "devices = [1]\n")

@@ -12,6 +12,7 @@ ROW = {"shards", "learners", "fragments_per_s", "merged_gb_s", "merged_gb_s_per_
        "round_latency_ms", "cpu_split"}
 
 
+@pytest.mark.slow  # a syncer and learner processes: 22-35 s
 def test_bench_syncer_tiny_run(tmp_path):
     out = tmp_path / "syncer.json"
     subprocess.run([sys.executable, "-m", "bench.syncer", "--layout", "tiny", "--fragments", "2", "--learners", "2",

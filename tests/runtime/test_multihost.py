@@ -93,7 +93,8 @@ def run_all(jobs: list[tuple[list[str], dict]], out: Path, timeout_s: float,
             for i, p in enumerate(procs)]
 
 
-@pytest.mark.parametrize("devices_per_process", [1, pytest.param(2, marks=pytest.mark.slow)])
+@pytest.mark.slow  # 3 JAX processes: 35-110 s on 2 shared cores; `pytest -m slow` runs it
+@pytest.mark.parametrize("devices_per_process", [1, 2])
 def test_two_process_learner_trains_like_one_process(tmp_path, devices_per_process):
     port = str(free_port())
     worker = ["-c", _WORKER]
