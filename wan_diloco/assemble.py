@@ -16,6 +16,7 @@ import numpy as np
 
 from wan_diloco import data as data_lib
 from wan_diloco import model as model_lib
+from wan_diloco import shards as shards_lib
 from wan_diloco import train as train_lib
 from wan_diloco import tree
 from wan_diloco.compression import CodecConfig, FragmentCodec
@@ -117,14 +118,21 @@ class Assembly:
         return LearnerCore(self.spec.learner, m, self.layout.fragments, self.flat0, self.codec,
                            region=self.spec.region(m))
 
-    def syncer_core(self, bounded: bool = False) -> SyncerCore:
+    @cached_property
+    def shard_plan(self) -> list[int]:
+        """The syncer shard of each fragment (``shards.owners``, balanced by bytes)."""
+        return shards_lib.owners(self.layout.nbytes, self.spec.syncer.shards)
+
+    def syncer_core(self, bounded: bool = False, shard: int | None = None) -> SyncerCore:
         """``bounded``: refuse learner steps past the run's budget (a networked run, where learners stop
-        there; the simulator's live learners may take more steps when others drop out)."""
+        there; the simulator's live learners may take more steps when others drop out). ``shard``:
+        the core of that syncer shard, owning its fragments only; None: every fragment."""
         cfg = self.spec.syncer
         if bounded:
             # A learner may adopt the global step + 1 after a late merge: one sync period of slack.
             cfg = dataclasses.replace(cfg, max_step=self.spec.run.steps + self.spec.learner.sync_every)
-        return SyncerCore(cfg, self.layout.fragments, self.flat0, model_lib.is_embedding, self.codec)
+        owned = None if shard is None else shards_lib.owned(self.shard_plan, shard)
+        return SyncerCore(cfg, self.layout.fragments, self.flat0, model_lib.is_embedding, self.codec, owned)
 
     # ---- training -----------------------------------------------------------------------
 

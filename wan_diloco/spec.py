@@ -252,6 +252,9 @@ def from_document(doc: Mapping[str, Any]) -> RunSpec:
     _derived(syncer_t, "num_learners", run.learners, "syncer", "run.learners")
     _derived(syncer_t, "tau", learner.tau, "syncer", "learner.tau")
     syncer = from_mapping(SyncerConfig, syncer_t, prefix="syncer.")
+    require(syncer.shards <= learner.num_fragments, "syncer.shards",
+            f"must be at most learner.num_fragments ({learner.num_fragments}): a shard owns whole fragments, "
+            f"got {syncer.shards}")
     simulate = from_mapping(SimulateConfig, _table(doc, "simulate"), prefix="simulate.")
     require(not simulate.speeds or len(simulate.speeds) == run.learners, "simulate.speeds",
             f"needs one factor per learner (run.learners = {run.learners}), got {len(simulate.speeds)}")

@@ -233,3 +233,47 @@ def test_final_timer_merges_what_arrived():
     [timer] = s.on_fragment(1.0, final(0, 0))
     assert s.on_timer(timer.at_s, timer.key) != [] and s.final_done
     assert s.version == [1, 0]  # only fragment 0 had a final upload
+
+
+def test_a_shard_merges_its_fragments_only_and_refuses_the_others():
+    full, shard1 = make(quorum=1, grace=False), SyncerCore(
+        SyncerConfig(num_learners=3, tau=2, quorum=1, grace=False), FRAGS, PARAMS, is_embedding, CODEC, owned=[1])
+    assert shard1.theta[0] == {} and set(shard1.outer.states) == {1}
+    with pytest.raises(ProtocolError, match=r"this syncer shard owns fragments \[1\] only"):
+        shard1.on_fragment(0.0, upload(0, fragment=0))
+    assert shard1.stats.bytes_in == 0 and shard1.version == [0, 0]
+    [a] = full.on_fragment(0.0, upload(0, fragment=1))
+    [b] = shard1.on_fragment(0.0, upload(0, fragment=1))
+    assert a.msg.update.keys() == b.msg.update.keys()
+    for n in a.msg.update:  # the same merge as an unsharded syncer's, bit for bit
+        assert (a.msg.update[n] == b.msg.update[n]).all()
+    assert shard1.version == [0, 1]
+
+
+def test_a_shards_final_sync_waits_for_its_fragments_only():
+    s = SyncerCore(SyncerConfig(num_learners=2, tau=2, quorum=1), FRAGS, PARAMS, is_embedding, CODEC, owned=[0])
+    first = s.on_fragment(0.0, dataclasses.replace(upload(0, fragment=0), final=True))
+    assert [type(a) for a in first] == [SetTimer]
+    [b] = s.on_fragment(0.1, dataclasses.replace(upload(1, fragment=0), final=True))
+    assert isinstance(b, Broadcast) and b.msg.final and b.msg.fragment == 0 and s.final_done
+
+
+def test_a_shards_snapshot_restores_into_the_same_shard_only():
+    cfg = SyncerConfig(num_learners=3, tau=2, quorum=1, grace=False)
+    s = SyncerCore(cfg, FRAGS, PARAMS, is_embedding, CODEC, owned=[1])
+    s.on_fragment(0.0, upload(0, fragment=1))
+    tensors, info = s.export()
+    assert all(k.startswith(("theta/1/", "outer/1")) for k in tensors)
+    again = SyncerCore(cfg, FRAGS, PARAMS, is_embedding, CODEC, owned=[1])
+    again.restore(tensors, info)
+    assert again.version == [0, 1] and (again.theta[1]["embed/embedding"] == s.theta[1]["embed/embedding"]).all()
+    other = SyncerCore(cfg, FRAGS, PARAMS, is_embedding, CODEC, owned=[0])
+    with pytest.raises(ValueError, match="owning fragments \\[1\\], this one owns \\[0\\]"):
+        other.restore(tensors, info)
+    assert other.version == [0, 0]
+
+
+@pytest.mark.parametrize("owned", [[], [2], [-1]])
+def test_owned_fragments_must_be_a_subset(owned):
+    with pytest.raises(ValueError, match="owned fragments must be a non-empty subset of 0..1"):
+        SyncerCore(SyncerConfig(num_learners=3, tau=2), FRAGS, PARAMS, is_embedding, CODEC, owned=owned)

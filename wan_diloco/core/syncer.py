@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -63,6 +63,9 @@ class SyncerConfig:
     max_delta_ratio: float = 10.0
     quarantine_s: float = 60.0
     donor_timeout_s: float = 60.0  # peer recovery: a donor that has not sent its state by then is replaced
+    # S syncer shards, each a process owning the fragments ``shards.owners`` gives it (balanced by bytes),
+    # with its own rounds, outer state and versions: one CPU box need not take in every learner's bytes.
+    shards: int = 1
 
     def validate(self) -> None:
         require(self.num_learners >= 1, "num_learners", f"must be >= 1, got {self.num_learners}")
@@ -80,6 +83,7 @@ class SyncerConfig:
         require(self.quarantine_s >= 0 and math.isfinite(self.quarantine_s), "quarantine_s",
                 f"must be a finite number >= 0, got {self.quarantine_s}")
         require(self.donor_timeout_s > 0, "donor_timeout_s", f"must be > 0, got {self.donor_timeout_s}")
+        require(isinstance(self.shards, int) and self.shards >= 1, "shards", f"must be an integer >= 1, got {self.shards!r}")
         self.outer.validate()
 
 
@@ -131,15 +135,24 @@ class SyncerCore:
         params: Tensors,
         is_embedding: Callable[[str], bool],
         codec: Codec,
+        owned: Sequence[int] | None = None,
     ):
+        """``owned``: the fragments this core merges (a syncer shard's); None: all of them. Θ and
+        outer state exist only for those; ``params`` needs only their tensors."""
         cfg.validate()
         self.cfg = cfg
         self.fragments = fragments
         self.is_embedding = is_embedding
         self.codec = codec
-        self.theta = [{n: np.array(params[n], dtype=np.float32) for n in f} for f in fragments]
+        P = len(fragments)
+        self.owned = tuple(range(P)) if owned is None else tuple(sorted(set(owned)))
+        if not self.owned or not all(isinstance(p, int) and 0 <= p < P for p in self.owned):
+            raise ValueError(f"owned fragments must be a non-empty subset of 0..{P - 1}, got {owned!r}")
+        mine = set(self.owned)
+        self.theta = [{n: np.array(params[n], dtype=np.float32) for n in f} if p in mine else {}
+                      for p, f in enumerate(fragments)]
         self.version = [0] * len(fragments)
-        self.outer = OuterOptimizer(cfg.outer, dict(enumerate(self.theta)))
+        self.outer = OuterOptimizer(cfg.outer, {p: self.theta[p] for p in self.owned})
         self.rounds: dict[tuple[int, int], _Round] = {}
         self.carried: list[dict[int, FragmentUpload]] = [{} for _ in fragments]  # per fragment, per learner
         self.last_closed_due = [0] * len(fragments)
@@ -272,8 +285,8 @@ class SyncerCore:
 
     def warm_up(self) -> None:
         """Compile the outer step of every fragment now, not on the first merge (seconds on a loaded CPU)."""
-        for p, theta in enumerate(self.theta):
-            self.outer.warm_up(p, theta)
+        for p in self.owned:
+            self.outer.warm_up(p, self.theta[p])
 
     def alive(self) -> list[int]:
         """Learners not known to be down; one never heard from is still expected."""
@@ -332,6 +345,9 @@ class SyncerCore:
                                 f"run's {self.cfg.max_step} steps")
         if not 0 <= msg.fragment < len(self.fragments):
             raise ProtocolError(f"fragment {msg.fragment} out of range 0..{len(self.fragments) - 1}")
+        if msg.fragment not in self.outer.states:
+            raise ProtocolError(f"fragment {msg.fragment} from learner {msg.learner}: this syncer shard owns "
+                                f"fragments {list(self.owned)} only (a learner with another shard plan?)")
         if msg.c_steps < 0 or msg.c_tokens < 0 or msg.due_step < 1 or msg.base_version < 0:
             raise ProtocolError(f"fragment upload from learner {msg.learner}: negative counters or step")
         theta = self.theta[msg.fragment]
@@ -469,8 +485,7 @@ class SyncerCore:
         return actions
 
     def _finals_complete(self) -> bool:
-        P = len(self.fragments)
-        return all(all((m, p) in self.finals for p in range(P)) for m in self.alive())
+        return all(all((m, p) in self.finals for p in self.owned) for m in self.alive())
 
     def _final_sync(self, now_s: float) -> list:
         """Merge every fragment from all final uploads at once, quorum and grace aside."""
@@ -480,7 +495,7 @@ class SyncerCore:
         for key in list(self.rounds):  # open rounds end unmerged: their learners sent finals instead
             self.rounds.pop(key)
         actions: list = []
-        for p in range(len(self.fragments)):
+        for p in self.owned:
             ups = [u for (m, q), u in sorted(self.finals.items()) if q == p]
             if not ups:
                 continue
@@ -501,15 +516,15 @@ class SyncerCore:
         """(tensors, info) of the state a resume needs: Θ and outer momentum per fragment, versions,
         counters, identity. Θ arrays are shared, not copied: the core replaces them, never writes into them."""
         tensors: dict[str, np.ndarray] = {}
-        for p, theta in enumerate(self.theta):
-            tensors.update({f"theta/{p}/{n}": a for n, a in theta.items()})
+        for p in self.owned:
+            tensors.update({f"theta/{p}/{n}": a for n, a in self.theta[p].items()})
             tensors.update(tree.to_named(self.outer.states[p], f"outer/{p}"))
         info = {
             "run_id": self.run_id, "epoch": self.epoch, "snapshot": self.snapshot_id, "versions": list(self.version),
             "global_step": self.global_step, "last_closed_due": list(self.last_closed_due),
             "clock": self.clock.to_dict(), "fragment_syncs": list(self.stats.fragment_syncs),
             "merged_at": [[m, p, v] for (m, p), v in sorted(self.merged_at.items())],
-            "fragments": [list(f) for f in self.fragments],
+            "fragments": [list(f) for f in self.fragments], "owned": list(self.owned),
         }
         return tensors, info
 
@@ -519,10 +534,13 @@ class SyncerCore:
         P = len(self.fragments)
         if info.get("fragments") != [list(f) for f in self.fragments]:
             raise ValueError("snapshot: its fragments differ from this run's (another model or num_fragments?)")
+        if list(info.get("owned", range(P))) != list(self.owned):
+            raise ValueError(f"snapshot: of a syncer shard owning fragments {info.get('owned')}, this one owns "
+                             f"{list(self.owned)} (another syncer.shards?)")
         theta = []
         for p, names in enumerate(self.fragments):
             frag = {}
-            for n in names:
+            for n in names if p in self.outer.states else ():
                 a = tensors.get(f"theta/{p}/{n}")
                 if a is None or a.shape != self.theta[p][n].shape or a.dtype != np.float32:
                     raise ValueError(f"snapshot: tensor theta/{p}/{n} missing or of the wrong shape or dtype")
@@ -530,7 +548,7 @@ class SyncerCore:
                     raise ValueError(f"snapshot: tensor theta/{p}/{n} is not finite")
                 frag[n] = np.array(a)
             theta.append(frag)
-        outer = {p: tree.from_named(tensors, f"outer/{p}", self.outer.states[p], "snapshot") for p in range(P)}
+        outer = {p: tree.from_named(tensors, f"outer/{p}", self.outer.states[p], "snapshot") for p in self.owned}
         ints = lambda key: [int(x) for x in info[key]]  # noqa: E731
         versions, last_due, syncs = ints("versions"), ints("last_closed_due"), ints("fragment_syncs")
         if not len(versions) == len(last_due) == len(syncs) == P:
