@@ -1,7 +1,7 @@
 #!/usr/bin/env python
-"""Syncer throughput: how many learner fragments one syncer shard decodes, merges, steps and re-encodes.
+"""Syncer throughput: how many learner fragments S syncer shards decode, merge, step and re-encode.
 
-Two measurements of today's single syncer (issue #15; ``shards`` = 1, see ``SHARDS`` below):
+Two measurements (issue #15):
 
 1. In process (``inprocess``): one ``SyncerCore`` over two fragments of the layout, fed M
    pre-encoded int4 payloads (random normal outer gradients, one per learner) per round;
@@ -9,8 +9,9 @@ Two measurements of today's single syncer (issue #15; ``shards`` = 1, see ``SHAR
    ``time.process_time`` (CPU of the whole process): decode (int4 + zstd), validate (shape,
    NaN and norm checks), merge (token-weighted RDA), outer (optax Nesterov step + applying
    it to Θ), encode (the update, int4 + zstd). Medians over repeats.
-2. End to end over loopback (``rows``): the runtime's ``SyncerService`` behind a
-   ``TransportServer`` in its own process, and M learner processes that upload pre-encoded
+2. End to end over loopback (``rows``): S shards, each the runtime's ``SyncerService`` of
+   its fragments (``wan_diloco.shards.owners``) behind a ``TransportServer`` in its own
+   process, and M learner processes that upload pre-encoded
    int4 fragments of every fragment in turn as fast as the protocol lets them (a fragment's
    next Δ goes once the learner has its previous update; two uploads in flight per learner),
    subscribed to the broadcasts. No training. The syncer's stages are timed the same way
@@ -60,7 +61,6 @@ THETA0 = 0.01  # Θ's value everywhere: the cost of every stage is independent o
 DELTA_STD = 1e-4  # per-element std of the synthetic outer gradients (norms well inside max_delta_ratio)
 TOKENS_PER_STEP = 4096
 UPLOADS_IN_FLIGHT = 2  # per learner: the next fragment is on the wire while the syncer works on this one
-SHARDS = (1,)  # shard counts this script can run today; S > 1 plugs in at ``owners`` and ``start_shards``
 GB = 1e9
 STREAM_IDLE_TIMEOUT_S = [600.0]  # the syncer's; set from --idle-timeout-s
 
@@ -112,9 +112,10 @@ def theta0(layout) -> dict[str, np.ndarray]:
     return {n: np.broadcast_to(np.float32(THETA0), s) for n, s in layout.shapes.items()}
 
 
-def shard_owners(num_fragments: int, shards: int) -> list[int]:
-    """Which shard owns each fragment (round robin). S = 1 today; a sharded syncer decides this itself."""
-    return [p % shards for p in range(num_fragments)]
+def shard_owners(layout, shards: int) -> list[int]:
+    """Which shard owns each fragment: the run's own plan (balanced by bytes)."""
+    from wan_diloco import shards as shards_lib
+    return shards_lib.owners(layout.nbytes, shards)
 
 
 # ---- stage timing -----------------------------------------------------------------------------
@@ -150,8 +151,9 @@ class Stages:
 
 def instrument_core(core, stages: Stages) -> None:
     """Time the syncer core's stages by wrapping them on this instance (and the module's merge):
-    validate = upload checks + norm check; close = the whole merge of a round, which holds merge,
-    outer_step and encode (the rest of close is applying the update to Θ and bookkeeping)."""
+    validate = upload checks + NaN and norm check; close = the whole merge of a round, which holds merge,
+    outer_step (update + commit of the momentum) and encode (the rest of close is applying the update
+    to Θ, the norm of the new Θ and bookkeeping)."""
     import wan_diloco.core.syncer as core_syncer
     if not getattr(core_syncer.merge_fragment, "_bench_timed", False):
         original = core_syncer.merge_fragment
@@ -165,7 +167,8 @@ def instrument_core(core, stages: Stages) -> None:
     core._validate_upload = stages.wrap("validate_upload", core._validate_upload)
     core._check_norm = stages.wrap("validate_norm", core._check_norm)
     core._close = stages.wrap("close", core._close)
-    core.outer.step = stages.wrap("outer_step", core.outer.step)
+    core.outer.update = stages.wrap("outer_step", core.outer.update)
+    core.outer.commit = stages.wrap("outer_step", core.outer.commit)
     codec = core.codec
     codec.roundtrip = stages.wrap("encode", codec.roundtrip)
 
@@ -283,8 +286,8 @@ def core_stages(core, stages: Stages) -> None:
     """(Re)instrument ``core`` with ``stages``: unwrap earlier wrappers first."""
     for name in ("_validate_upload", "_check_norm", "_close"):
         core.__dict__.pop(name, None)
-    step = core.outer.step
-    core.outer.step = getattr(step, "__wrapped__", step)
+    for name in ("update", "commit"):
+        core.outer.__dict__.pop(name, None)
     rt = core.codec.roundtrip
     core.codec.roundtrip = getattr(rt, "__wrapped__", rt)
     instrument_core(core, stages)
@@ -318,13 +321,13 @@ def rss_bytes() -> int:
 
 # ---- 2. end to end: the syncer process ---------------------------------------------------------
 
-def run_spec(learners: int, fragments: int):
+def run_spec(learners: int, fragments: int, shards: int = 1):
     from wan_diloco import spec as spec_lib
     return spec_lib.from_document({
-        "run": {"learners": learners, "token": TOKEN, "status_port": -1, "tick_s": 1.0},
+        "run": {"learners": learners, "token": TOKEN, "status_port": -1, "tick_s": 1.0, "run_id": "bench-syncer"},
         "learner": {"num_fragments": fragments, "sync_every": 4 * fragments, "tau": 1},
         # K = M, no grace: a round closes on its M-th contribution, all of them merged.
-        "syncer": {"quorum": learners, "grace": False, "liveness_timeout_s": 600.0},
+        "syncer": {"quorum": learners, "grace": False, "liveness_timeout_s": 600.0, "shards": shards},
         "codec": {"bits": 4},
         # Long deadlines: a queued upload waits for the syncer's loop, which is the point here. The default
         # stream_idle_timeout_s (30 s) could abort an upload whose chunks the busy loop does not read in time
@@ -342,12 +345,15 @@ class _Parts:
         self.spec, self.layout = spec, layout
         self.codec = wire_codec(layout)
         self.bulk_codec = FragmentCodec(CodecConfig(bits=32, zstd=False), layout)
+        self.shard_plan = shard_owners(layout, spec.syncer.shards)
 
-    def syncer_core(self, bounded: bool = False):
+    def syncer_core(self, bounded: bool = False, shard: int | None = None):
         from wan_diloco import model as model_lib
+        from wan_diloco import shards as shards_lib
         from wan_diloco.core import SyncerCore
+        owned = None if shard is None else shards_lib.owned(self.shard_plan, shard)
         return SyncerCore(self.spec.syncer, self.layout.fragments, theta0(self.layout), model_lib.is_embedding,
-                          self.codec)
+                          self.codec, owned)
 
 
 async def serve_syncer(args: dict) -> None:
@@ -358,10 +364,11 @@ async def serve_syncer(args: dict) -> None:
     t0 = time.perf_counter()
     STREAM_IDLE_TIMEOUT_S[0] = args["idle_timeout_s"]
     layout = build_layout(args["layout"], args["fragments"])
-    spec = run_spec(args["learners"], args["fragments"])
+    spec = run_spec(args["learners"], args["fragments"], args["shards"])
     rss0 = rss_bytes()  # before Θ and the outer state exist
     metrics = TransportMetrics()
-    service = SyncerService(spec, metrics, parts=_Parts(spec, layout))  # compiles every fragment's outer step
+    # Compiles every owned fragment's outer step.
+    service = SyncerService(spec, metrics, parts=_Parts(spec, layout), shard=args["shard"])
     core = service.core
     stages = Stages()
     instrument_core(core, stages)
@@ -373,7 +380,10 @@ async def serve_syncer(args: dict) -> None:
     stop = asyncio.Event()
     threading.Thread(target=lambda: (sys.stdin.read(), loop.call_soon_threadsafe(stop.set)), daemon=True).start()
 
-    warmup, measure, max_s = args["warmup_rounds"], args["measure_rounds"], args["max_seconds"]
+    # Each shard measures its share of the rounds (its fragments' share of P), so windows overlap.
+    share = len(core.owned) / args["fragments"]
+    warmup = max(1, math.ceil(args["warmup_rounds"] * share))
+    measure, max_s = max(1, math.ceil(args["measure_rounds"] * share)), args["max_seconds"]
     state = {"A": None, "done": False, "merged_bytes": 0, "uploads": 0, "rounds": [], "publish": {}}
     seen = [0]  # history entries handled
 
@@ -454,6 +464,7 @@ async def serve_learner(args: dict) -> None:
     versions = [0] * P
     changed = asyncio.Condition()
     ready = asyncio.Event()
+    identities = set()
     recv, sent, errors, ticks = [], [], [], itertools.count(1)
     config = TransportConfig(call_timeout_s=300.0)
     targets = args["targets"]  # one per shard; fragment p goes to targets[owners[p]]
@@ -463,11 +474,13 @@ async def serve_learner(args: dict) -> None:
         await c.connect()
     me = f"learner-{m}"
 
-    async def listen(client):
+    async def listen(s, client):
         async for frame in client.subscribe(me, "bench"):
             meta = frame.meta
             if not (isinstance(meta, dict) and "to_version" in meta):
-                ready.set()  # the Identity frame: this learner's mailbox exists now
+                identities.add(s)  # the Identity frame: this learner's mailbox on shard s exists now
+                if len(identities) == len(clients):
+                    ready.set()
                 continue
             recv.append([frame.fragment, meta["to_version"], time.monotonic()])
             async with changed:
@@ -494,7 +507,7 @@ async def serve_learner(args: dict) -> None:
                     await asyncio.sleep(0.5)
             sent.append([p, c, t0, time.monotonic()])
 
-    listeners = [asyncio.ensure_future(listen(c)) for c in clients]
+    listeners = [asyncio.ensure_future(listen(s, c)) for s, c in enumerate(clients)]
     workers = []
     try:
         await asyncio.wait_for(ready.wait(), 120)
@@ -575,11 +588,8 @@ class _Proc:
 
 
 def start_shards(shards: int, args: dict) -> list[_Proc]:
-    """The syncer shards. Today one SyncerService owns every fragment; a sharded syncer starts S
-    processes here, each told its fragments (``shard_owners``)."""
-    if shards != 1:
-        raise SystemExit(f"--shards {shards}: sharded syncers do not exist yet (only {SHARDS})")
-    return [_Proc("syncer", args)]
+    """The syncer shards: S processes, each a SyncerService of its fragments (``shard_owners``)."""
+    return [_Proc("syncer", {**args, "shards": shards, "shard": s}) for s in range(shards)]
 
 
 def end_to_end(layout_name: str, layout, shards: int, M: int, payloads: Path, index, opts, log) -> dict:
@@ -593,10 +603,10 @@ def end_to_end(layout_name: str, layout, shards: int, M: int, payloads: Path, in
         syncers = start_shards(shards, syncer_args)
         procs += syncers
         hello = [s.next_json(600, "port") for s in syncers]
-        log(f"e2e S={shards} M={M}: syncer ready in {hello[0]['setup_s']:.1f} s")
+        log(f"e2e S={shards} M={M}: syncer ready in {max(h['setup_s'] for h in hello):.1f} s")
         targets = [f"127.0.0.1:{h['port']}" for h in hello]
         learners = [_Proc("learner", {"learner": m, "fragments": P, "index": index, "payloads": str(payloads),
-                                      "targets": targets, "owners": shard_owners(P, shards)}) for m in range(M)]
+                                      "targets": targets, "owners": shard_owners(layout, shards)}) for m in range(M)]
         procs += learners
         budget = 300 + opts.max_seconds * 2 + 60 * opts.warmup_rounds
         results = [s.next_json(budget, "result")["result"] for s in syncers]
@@ -611,59 +621,79 @@ def end_to_end(layout_name: str, layout, shards: int, M: int, payloads: Path, in
 
 
 def row_of(results: list[dict], logs: list[dict], layout, shards: int, M: int, elapsed: float) -> dict:
-    """The schema's row from the shards' windows and the learners' logs."""
-    r = results[0]  # one shard today; with S shards sum counters, max latencies
-    a, b = r["A"], r["B"]
-    window = b["t"] - a["t"]
-    uploads = b["uploads"] - a["uploads"]
-    merged = b["merged_bytes"] - a["merged_bytes"]
-    cpu = b["cpu_s"] - a["cpu_s"]
-    stage_cpu = {k: b["stages"]["cpu"].get(k, 0.0) - a["stages"]["cpu"].get(k, 0.0) for k in b["stages"]["cpu"]}
-    stage_wall = {k: b["stages"]["wall"].get(k, 0.0) - a["stages"]["wall"].get(k, 0.0) for k in b["stages"]["wall"]}
+    """The schema's row from the shards' windows and the learners' logs. The shards run at once, each
+    over its own (overlapping) window: rates add up; CPU seconds add up; latencies are pooled."""
+    def delta(r, key):
+        return r["B"][key] - r["A"][key]
+
+    def stage_delta(r, kind):
+        a, b = r["A"]["stages"][kind], r["B"]["stages"][kind]
+        return {k: b.get(k, 0.0) - a.get(k, 0.0) for k in b}
+
+    windows = [delta(r, "t") for r in results]
+    rate = lambda key: sum(delta(r, key) / w for r, w in zip(results, windows))  # noqa: E731
+    merged_rate = rate("merged_bytes")
+    cpu = sum(delta(r, "cpu_s") for r in results)
+    merged = sum(delta(r, "merged_bytes") for r in results)
+    stage_cpu, stage_wall = {}, {}
+    for r in results:
+        for k, v in stage_delta(r, "cpu").items():
+            stage_cpu[k] = stage_cpu.get(k, 0.0) + v
+        for k, v in stage_delta(r, "wall").items():
+            stage_wall[k] = stage_wall.get(k, 0.0) + v
     split = split_of(stage_cpu, cpu)
     got = {}
     for lg in logs:
         for p, v, t in lg["recv"]:
             got.setdefault((p, v), []).append(t)
     to_publish, to_all = [], []
-    for p, v, n, t_in, t_pub in r["rounds"]:
-        if t_pub is not None:
-            to_publish.append(t_pub - t_in)
-        ts = got.get((p, v), [])
-        if len(ts) == len(logs):
-            to_all.append(max(ts) - t_in)
+    for r in results:
+        for p, v, n, t_in, t_pub in r["rounds"]:
+            if t_pub is not None:
+                to_publish.append(t_pub - t_in)
+            ts = got.get((p, v), [])
+            if len(ts) == len(logs):
+                to_all.append(max(ts) - t_in)
     pct = lambda xs, q: float(np.percentile(xs, q)) if xs else None  # noqa: E731
-    rounds = b["rounds"] - a["rounds"]
     learner_cpu = sum(lg["cpu_s"] for lg in logs)
-    sys_s = b["sys_s"] - a["sys_s"]
+    sys_s = sum(delta(r, "sys_s") for r in results)
+    user_s = sum(delta(r, "user_s") for r in results)
+    errors: dict = {}
+    for r in results:
+        for k, v in r["B"]["errors"].items():
+            d = v - r["A"]["errors"].get(k, 0.0)
+            if d:
+                errors[k] = errors.get(k, 0.0) + d
     return {
         "shards": shards, "learners": M,
-        "fragments_per_s": uploads / window,
-        "merged_gb_s": merged / GB / window,
+        "fragments_per_s": rate("uploads"),
+        "merged_gb_s": merged_rate / GB,
         "merged_gb_s_per_core": merged / GB / cpu,
-        "in_gbit_s": (b["bytes_in"] - a["bytes_in"]) * 8 / window / 1e9,
-        "out_gbit_s": (b["bytes_out"] - a["bytes_out"]) * 8 / window / 1e9,
+        "in_gbit_s": rate("bytes_in") * 8 / 1e9,
+        "out_gbit_s": rate("bytes_out") * 8 / 1e9,
         "round_latency_ms": 1e3 * pct(to_all, 50) if to_all else None,
         "cpu_split": {k: v / (merged / GB) for k, v in split.items()},
         # --- beyond the schema
-        "rounds_per_s": rounds / window,
-        "rounds": rounds, "uploads": uploads, "window_s": window,
+        "rounds_per_s": rate("rounds"),
+        "rounds": sum(delta(r, "rounds") for r in results), "uploads": sum(delta(r, "uploads") for r in results),
+        "window_s": max(windows), "window_s_per_shard": windows,
+        "merged_gb_s_per_shard": [delta(r, "merged_bytes") / w / GB for r, w in zip(results, windows)],
         "round_latency_ms_p90": 1e3 * pct(to_all, 90) if to_all else None,
         "round_latency_to_publish_ms": 1e3 * pct(to_publish, 50) if to_publish else None,
-        "syncer_cpu_cores_busy": cpu / window,
+        "syncer_cpu_cores_busy": sum(delta(r, "cpu_s") / w for r, w in zip(results, windows)),
         # Kernel time (page faults and zeroing of freshly allocated arrays, mostly) over all CPU time.
-        "syncer_sys_share": sys_s / max(1e-9, sys_s + b["user_s"] - a["user_s"]),
+        "syncer_sys_share": sys_s / max(1e-9, sys_s + user_s),
         "learners_cpu_cores_busy": None,  # filled below (their whole life, not the window)
         "learners_cpu_s": learner_cpu,
         "cpu_detail_s_per_gb": {k: v / (merged / GB) for k, v in detail_of(stage_cpu).items()},
-        "loop_wall_share": {k: v / window for k, v in split_of(stage_wall, None).items() if k != "transport"}
-        | {"handler": stage_wall.get("handler", 0.0) / window},
-        "syncer_rss_max_gib": b["rss_max_kib"] / 2**20,
-        "syncer_rss_growth_gib": (b["rss_max_kib"] * 1024 - r["rss_before_state_bytes"]) / 2**30,
-        "syncer_setup_s": r["setup_s"],
-        "contributors_per_round": sorted({n for _, _, n, _, _ in r["rounds"]}),
-        "syncer_transport_errors": {k: v - a["errors"].get(k, 0.0) for k, v in b["errors"].items()
-                                    if v - a["errors"].get(k, 0.0)},
+        "loop_wall_share": {k: v / sum(windows) for k, v in split_of(stage_wall, None).items() if k != "transport"}
+        | {"handler": stage_wall.get("handler", 0.0) / sum(windows)},
+        "syncer_rss_max_gib": sum(r["B"]["rss_max_kib"] for r in results) / 2**20,
+        "syncer_rss_growth_gib": sum(r["B"]["rss_max_kib"] * 1024 - r["rss_before_state_bytes"]
+                                     for r in results) / 2**30,
+        "syncer_setup_s": max(r["setup_s"] for r in results),
+        "contributors_per_round": sorted({n for r in results for _, _, n, _, _ in r["rounds"]}),
+        "syncer_transport_errors": errors,
         "learner_upload_errors": sum(len(lg["errors"]) for lg in logs),
         "learner_upload_error_examples": [e[3] for lg in logs for e in lg["errors"]][:3],
         "elapsed_s": elapsed,
@@ -680,16 +710,17 @@ def ceiling(rows: list[dict], wire_bytes_per_param: float, state_bytes_per_param
     for r in rows:
         M, C = r["learners"], r["merged_gb_s"] * GB
         wire_in = C * wire_bytes_per_param / 4 * 8 / 1e9
-        entry = {"learners": M, "merged_gb_s": r["merged_gb_s"], "wire_in_gbit_s": wire_in,
+        entry = {"shards": r["shards"], "learners": M, "merged_gb_s": r["merged_gb_s"], "wire_in_gbit_s": wire_in,
                  "per_learner_link_gbit_s": wire_in / M,
                  "max_params": {f"H={H},step_s={T}": C * H * T / (4 * M) for H in (100, 500) for T in
                                 sorted(set(presets.values()))}}
         per_m.append(entry)
     return {
         "formula": (
-            "One shard keeps up while M * N * 4 B / (H * T_step) <= C(M): every H steps it merges, for each "
+            "S shards keep up while M * N * 4 B / (H * T_step) <= C(S, M): every H steps they merge, for each "
             "of P fragments, M fragments of N/P parameters (fp32-equivalent), so per step M * N / H parameters; "
-            "C(M) is merged_gb_s measured with M learners. Largest model: N_max = C(M) * H * T_step / (4 M). "
+            "C(S, M) is merged_gb_s measured with S shards and M learners. Largest model: "
+            "N_max = C(S, M) * H * T_step / (4 M). "
             "Learners that keep their links busy send L = N * b * 8 / (H * T_step) bit/s each (b = wire bytes per "
             "parameter, int4 + zstd), so the same bound in link terms is M * L <= C(M) * 8 b / 4 (wire_in_gbit_s), "
             "independent of N, H and T_step: per_learner_link_gbit_s = C(M) * 8 b / (4 M). Memory: the shard "
@@ -712,7 +743,7 @@ def plot(doc: dict, path: Path) -> None:
     keys = ("transport", "decode", "merge", "outer", "encode")
     colors = dict(zip(keys, ("#888888", "#3b75af", "#c0504d", "#9bbb59", "#8064a2")))
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
-    bars = [(f"e2e M={r['learners']}", r["cpu_split"]) for r in doc["rows"]]
+    bars = [(f"e2e S={r['shards']} M={r['learners']}", r["cpu_split"]) for r in doc["rows"]]
     bars += [(f"in-proc M={m}", s["cpu_s_per_gb"]) for m, s in doc["inprocess_model"].items()]
     for i, (label, split) in enumerate(bars):
         bottom = 0.0
@@ -724,22 +755,20 @@ def plot(doc: dict, path: Path) -> None:
     ax1.set_title(f"CPU split ({doc['layout']['name']}, {doc['layout']['params'] / 1e6:.0f}M params, "
                   f"P={doc['layout']['fragments']})", fontsize=9)
     ax1.legend(fontsize=8)
-    ms = [r["learners"] for r in doc["rows"]]
-    ax2.plot(ms, [r["fragments_per_s"] for r in doc["rows"]], "o-", label="learner fragments merged / s")
-    ax2.plot(ms, [r["rounds_per_s"] for r in doc["rows"]], "s--", label="rounds (broadcasts) / s")
-    ax2.set_xlabel("learners M (one shard)")
-    ax2.set_ylabel("per second")
-    ax3 = ax2.twinx()
-    ax3.plot(ms, [r["merged_gb_s"] for r in doc["rows"]], "^-", color="C2", label="merged GB/s fp32")
-    ax3.set_ylabel("GB/s fp32-equivalent merged", color="C2")
-    ax2.set_xticks(ms)
+    shard_counts = sorted({r["shards"] for r in doc["rows"]})
+    for i, M in enumerate(sorted({r["learners"] for r in doc["rows"]})):
+        rs = sorted((r for r in doc["rows"] if r["learners"] == M), key=lambda r: r["shards"])
+        ax2.plot([r["shards"] for r in rs], [r["merged_gb_s"] for r in rs], "o-", color=f"C{i}",
+                 label=f"M={M}: merged GB/s fp32")
+        ax2.plot([r["shards"] for r in rs], [r["merged_gb_s_per_core"] for r in rs], "s--", color=f"C{i}",
+                 label=f"M={M}: per syncer CPU core")
+    ax2.set_xlabel("syncer shards S (processes)")
+    ax2.set_ylabel("GB/s fp32-equivalent merged")
+    ax2.set_xticks(shard_counts)
     ax2.set_ylim(bottom=0)
-    ax3.set_ylim(bottom=0)
     ax2.set_title(f"end to end over loopback, {doc['machine']['cpus']} CPU cores shared with the learners",
                   fontsize=9)
-    h1, l1 = ax2.get_legend_handles_labels()
-    h2, l2 = ax3.get_legend_handles_labels()
-    ax2.legend(h1 + h2, l1 + l2, fontsize=8, loc="upper left")
+    ax2.legend(fontsize=8, loc="upper left")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -753,7 +782,7 @@ def main(argv=None) -> int:
     p.add_argument("--layout", choices=sorted(LAYOUTS), default=None, help="default: 1b (--quick: base)")
     p.add_argument("--fragments", type=int, default=None, help="P (default 16; --quick 8)")
     p.add_argument("--learners", default=None, help="M values, comma-separated (default 2,4,8; --quick 2,4)")
-    p.add_argument("--shards", type=int, default=1, help="syncer shards S (only 1 exists today)")
+    p.add_argument("--shards", default="1,2,4", help="syncer shard counts S, comma-separated (default 1,2,4)")
     p.add_argument("--reps", type=int, default=None, help="in-process repeats per M (default 3; --quick 2)")
     p.add_argument("--rounds", type=int, default=None, help="end-to-end rounds measured per M (default P)")
     p.add_argument("--warmup-rounds", type=int, default=2)
@@ -762,7 +791,7 @@ def main(argv=None) -> int:
     p.add_argument("--idle-timeout-s", type=float, default=STREAM_IDLE_TIMEOUT_S[0],
                    help="the syncer's transport.stream_idle_timeout_s (the default config's is 30)")
     p.add_argument("--skip-inprocess", action="store_true")
-    p.add_argument("--out", default=str(OUT / "syncer.json"))
+    p.add_argument("--out", default=None, help="default bench/results/syncer.json (--quick: syncer_quick.json)")
     p.add_argument("--role", help=argparse.SUPPRESS)
     p.add_argument("--role-args", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -773,7 +802,9 @@ def main(argv=None) -> int:
         return 0
     args.layout = args.layout or ("base" if args.quick else "1b")
     args.fragments = args.fragments or (8 if args.quick else 16)
-    learners = [int(x) for x in (args.learners or ("2,4" if args.quick else "2,4,8")).split(",")]
+    learners = [int(x) for x in (args.learners or ("4" if args.quick else "4,8")).split(",")]
+    shard_counts = [int(x) for x in args.shards.split(",")]
+    args.out = args.out or str(OUT / ("syncer_quick.json" if args.quick else "syncer.json"))
     args.reps = args.reps or (2 if args.quick else 3)
     args.max_seconds = args.max_seconds or (30.0 if args.quick else 120.0)
     t_start = time.perf_counter()
@@ -797,10 +828,10 @@ def main(argv=None) -> int:
         payloads = Path(tmp) / "payloads.bin"
         index, wire_total = write_payloads(layout, payloads, log)
         rows = []
-        for M in learners:
-            row = end_to_end(args.layout, layout, args.shards, M, payloads, index, args, log)
+        for S, M in itertools.product(shard_counts, learners):
+            row = end_to_end(args.layout, layout, S, M, payloads, index, args, log)
             rows.append(row)
-            log(f"e2e S={args.shards} M={M}: {row['fragments_per_s']:.2f} fragments/s, "
+            log(f"e2e S={S} M={M}: {row['fragments_per_s']:.2f} fragments/s, "
                 f"{row['merged_gb_s']:.3f} GB/s merged ({row['merged_gb_s_per_core']:.3f} per core), "
                 f"in {row['in_gbit_s']:.3f} / out {row['out_gbit_s']:.3f} Gbit/s, latency "
                 f"{row['round_latency_ms'] or float('nan'):.0f} ms; CPU s/GB " + ", ".join(
@@ -831,7 +862,7 @@ def main(argv=None) -> int:
                    "model": dataclasses.asdict(model_config(args.layout))},
         "codec": {"bits": 4, "codebook": "nf4", "block_size": 256, "zstd": True,
                   "wire_bytes_per_param": wire_bpp},
-        "settings": {"learners": learners, "shards": args.shards, "reps": args.reps,
+        "settings": {"learners": learners, "shards": shard_counts, "reps": args.reps,
                      "warmup_rounds": args.warmup_rounds, "rounds": args.rounds or len(layout.fragments),
                      "max_seconds": args.max_seconds, "uploads_in_flight_per_learner": UPLOADS_IN_FLIGHT,
                      "quorum": "M (no grace)", "merge": "rda", "delta_std": DELTA_STD,
@@ -843,11 +874,13 @@ def main(argv=None) -> int:
         "inprocess_model": {str(m): v for m, v in inproc_model.items()},
         "ceiling": ceil,
         "planner": {
-            "syncer_shards": args.shards,
-            "merged_fp32_gb_s_by_learners": {str(r["learners"]): r["merged_gb_s"] for r in rows},
-            "wire_in_gbit_s_by_learners": {str(e["learners"]): e["wire_in_gbit_s"] for e in ceil["per_learners"]},
+            "merged_fp32_gb_s_one_shard_by_learners": {str(r["learners"]): r["merged_gb_s"] for r in rows
+                                                        if r["shards"] == 1},
+            "merged_fp32_gb_s_by_shards_and_learners": {f"S={r['shards']},M={r['learners']}": r["merged_gb_s"]
+                                                        for r in rows},
             "state_bytes_per_param": state_bpp,
-            "check": "M * params * 4 / (H * step_time_s) <= shards * merged_fp32_gb_s(M) * 1e9",
+            "check": "M * params * 4 / (H * step_time_s) <= shards * merged_fp32_gb_s_one_shard(M) * 1e9 "
+                     "(shards on separate hosts or cores; on one box, C(S, M) as measured)",
         },
     }
     out = Path(args.out)

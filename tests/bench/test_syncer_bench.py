@@ -12,16 +12,20 @@ ROW = {"shards", "learners", "fragments_per_s", "merged_gb_s", "merged_gb_s_per_
        "round_latency_ms", "cpu_split"}
 
 
-@pytest.mark.slow  # a syncer and learner processes: 22-35 s
+@pytest.mark.slow  # syncer shards and learner processes: 40-70 s
 def test_bench_syncer_tiny_run(tmp_path):
     out = tmp_path / "syncer.json"
     subprocess.run([sys.executable, "-m", "bench.syncer", "--layout", "tiny", "--fragments", "2", "--learners", "2",
-                    "--reps", "1", "--rounds", "4", "--warmup-rounds", "2", "--max-seconds", "20", "--out", str(out)],
-                   cwd=ROOT, check=True, timeout=300, capture_output=True)
+                    "--shards", "1,2", "--reps", "1", "--rounds", "4", "--warmup-rounds", "2", "--max-seconds", "20",
+                    "--out", str(out)], cwd=ROOT, check=True, timeout=400, capture_output=True)
     doc = json.loads(out.read_text())
     assert out.with_suffix(".png").stat().st_size > 0
-    assert [(r["shards"], r["learners"]) for r in doc["rows"]] == [(1, 2)]
-    row = doc["rows"][0]
+    assert [(r["shards"], r["learners"]) for r in doc["rows"]] == [(1, 2), (2, 2)]
+    row, two = doc["rows"]
+    # Two shards, one fragment each: both measured, every round of each still merges both learners.
+    assert len(two["window_s_per_shard"]) == 2 and all(g > 0 for g in two["merged_gb_s_per_shard"])
+    assert two["merged_gb_s"] == pytest.approx(sum(two["merged_gb_s_per_shard"]))
+    assert two["contributors_per_round"] == [2] and two["learner_upload_errors"] == 0
     assert ROW <= set(row) and set(row["cpu_split"]) == SPLIT
     for key in ROW - {"shards", "learners", "cpu_split"}:
         assert row[key] > 0, key
@@ -44,6 +48,7 @@ def test_bench_syncer_tiny_run(tmp_path):
     for r in doc["inprocess"]:
         assert all(r["stage_cpu_ms"][k] > 0 for k in ("decode", "merge", "outer", "encode"))
     ceiling = doc["ceiling"]["per_learners"][0]
-    assert ceiling["learners"] == 2 and ceiling["wire_in_gbit_s"] > 0
+    assert (ceiling["shards"], ceiling["learners"]) == (1, 2) and ceiling["wire_in_gbit_s"] > 0
     assert ceiling["per_learner_link_gbit_s"] == pytest.approx(ceiling["wire_in_gbit_s"] / 2)
-    assert doc["planner"]["merged_fp32_gb_s_by_learners"] == {"2": row["merged_gb_s"]}
+    assert doc["planner"]["merged_fp32_gb_s_one_shard_by_learners"] == {"2": row["merged_gb_s"]}
+    assert doc["planner"]["merged_fp32_gb_s_by_shards_and_learners"]["S=2,M=2"] == two["merged_gb_s"]

@@ -23,6 +23,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=None, help="override run.port (0: any free port)")
     p.add_argument("--resume", action="store_true",
                    help="resume from the newest complete snapshot in checkpoint.dir; running learners rejoin")
+    p.add_argument("--shard", type=int, default=0, metavar="S",
+                   help="which of the syncer.shards shards this process is (0..shards-1); it merges only the "
+                        "fragments shards.owners gives it")
     add_view_arguments(p)
 
 
@@ -36,13 +39,13 @@ def add_view_arguments(p: argparse.ArgumentParser) -> None:
 
 
 async def serve(cfg: spec_lib.RunSpec, token: str, port: int | None = None, resume: bool = False,
-                view=None) -> int:
+                view=None, shard: int = 0) -> int:
     """Run the syncer; returns 0 after a completed final sync, 143 when stopped by a signal. ``view``
     (cli.live.ProcessView) is shown the learners as the syncer sees them at each report."""
     from wan_diloco.runtime.syncer import SyncerService
 
     metrics = TransportMetrics()
-    service = SyncerService(cfg, metrics, resume=resume)
+    service = SyncerService(cfg, metrics, resume=resume, shard=shard)
     if not cfg.checkpoint.dir:
         log.warning("checkpoint.dir is empty: no snapshots and no final parameters will be written")
     host = cfg.run.host
@@ -67,7 +70,8 @@ async def serve(cfg: spec_lib.RunSpec, token: str, port: int | None = None, resu
         service.refresh_gauges()
         emit({"event": "listening", "role": "syncer", "port": server.port, "status_port": status_port,
               "fragments": len(service.layout.fragments), "params": sum(service.layout.nbytes) // 4,
-              "run_id": service.core.run_id, "epoch": service.core.epoch, "resumed": service.resumed})
+              "run_id": service.core.run_id, "epoch": service.core.epoch, "resumed": service.resumed,
+              "shard": shard, "owned": list(service.core.owned)})
         last_report = 0.0
         while not service.finished.is_set() and not stop.is_set():
             try:
@@ -106,14 +110,21 @@ def run(args: argparse.Namespace) -> int:
     cfg = spec_lib.load(args.config)
     from wan_diloco.assemble import preflight
 
+    from wan_diloco.config import require
+
+    require(0 <= args.shard < cfg.syncer.shards, "--shard",
+            f"must be in 0..{cfg.syncer.shards - 1} (syncer.shards = {cfg.syncer.shards}), got {args.shard}")
+    require(cfg.syncer.shards == 1 or bool(cfg.run.run_id), "run.run_id",
+            "syncer.shards > 1 needs one run id set in the config: every shard must serve the same run")
     preflight(cfg, data=False)  # the syncer reads no data: its host need not have the corpus
     from wan_diloco.cli import live
 
     try:
         if not live.wanted(args.table):
-            return run_loop(serve(cfg, cfg.token(), args.port, args.resume))
-        with live.ProcessView(cfg, "syncer", live.events_path(cfg, "syncer", args.events)) as view:
-            return run_loop(serve(cfg, cfg.token(), args.port, args.resume, view))
+            return run_loop(serve(cfg, cfg.token(), args.port, args.resume, shard=args.shard))
+        name = f"syncer-{args.shard}" if cfg.syncer.shards > 1 else "syncer"
+        with live.ProcessView(cfg, name, live.events_path(cfg, name, args.events)) as view:
+            return run_loop(serve(cfg, cfg.token(), args.port, args.resume, view, shard=args.shard))
     except ResumeError as e:
         print(f"wan-diloco syncer: cannot resume: {e}", file=sys.stderr)
         return 2

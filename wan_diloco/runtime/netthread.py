@@ -12,14 +12,17 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import logging
 import queue
 import threading
 import time
 
 from wan_diloco.compression import FragmentCodec
+from wan_diloco import shards
 from wan_diloco.core import FragmentUpload, Metadata, ProtocolError
 from wan_diloco.runtime import serde
+from wan_diloco.runtime.shard_view import ShardView
 from wan_diloco.transport import (
     BulkRequest, Frame, MessageError, ProbePolicy, SyncerClient, TransportConfig, TransportError, TransportMetrics,
     channels_for_link, host_socket_buffer_bytes, new_event_loop,
@@ -34,6 +37,11 @@ class NetThread:
     ``codec`` decodes the syncer's updates (the run's codec); ``bulk_codec`` the
     whole fragments of rejoin, resync and the final fetch (lossless fp32,
     ``Assembly.bulk_codec``).
+
+    ``target`` "HOST:PORT,HOST:PORT,..." names S syncer shards in shard order: each
+    fragment goes to, and comes from, its shard (``shards.owners``); metadata goes
+    to every shard; peer recovery and the link probe go to shard 0; ``ShardView``
+    makes the S shards look like one syncer to the training thread.
     """
 
     def __init__(self, target: str, token: str, transport_cfg: TransportConfig, node: str, region: str,
@@ -51,16 +59,19 @@ class NetThread:
         self.inbox: queue.Queue = queue.Queue()
         self.metrics = TransportMetrics()
         self.loop = new_event_loop()
-        self.client = SyncerClient(target, token, transport_cfg, self.metrics)
+        targets = [t.strip() for t in target.split(",")]
+        self.clients = [SyncerClient(t, token, transport_cfg, self.metrics) for t in targets]
+        self.client = self.clients[0]  # shard 0: peer recovery, positions, the link probe
+        self.view = ShardView(shards.owners(codec.layout.nbytes, len(targets))) if len(targets) > 1 else None
         self.probe_policy = ProbePolicy(transport_cfg.probe_seconds, transport_cfg.probe_duty,
                                         transport_cfg.probe_every_s)
         self.auto_channels = transport_cfg.auto_channels
         self.socket_buffer_bytes = host_socket_buffer_bytes()
         self._thread = threading.Thread(target=self._main, name=f"{node}-net", daemon=True)
         self._ready = threading.Event()
-        self._md: Frame | None = None
-        self._md_task: asyncio.Task | None = None
-        self._sub_task: asyncio.Task | None = None
+        self._md: dict[int, Frame] = {}  # per shard: the newest metadata not sent yet
+        self._md_tasks: dict[int, asyncio.Task] = {}
+        self._sub_tasks: list[asyncio.Task] = []
         self._uploads: dict[int, concurrent.futures.Future] = {}
         self.upload_errors = 0
         self.bad_updates = 0
@@ -78,11 +89,13 @@ class NetThread:
 
     def _main(self) -> None:
         asyncio.set_event_loop(self.loop)
-        self.loop.run_until_complete(self.client.connect())
-        self._sub_task = self.loop.create_task(self._subscribe())
+        for c in self.clients:
+            self.loop.run_until_complete(c.connect())
+        self._sub_tasks = [self.loop.create_task(self._subscribe(s)) for s in range(len(self.clients))]
         self._ready.set()
         self.loop.run_forever()
-        self.loop.run_until_complete(self.client.close())
+        for c in self.clients:
+            self.loop.run_until_complete(c.close())
         self.loop.close()
 
     def stop(self) -> None:
@@ -100,19 +113,24 @@ class NetThread:
 
     # ---- downstream -----------------------------------------------------------------
 
-    async def _subscribe(self) -> None:
+    async def _subscribe(self, shard: int = 0) -> None:
         try:
-            async for frame in self.client.subscribe(self.node, self.region):
+            async for frame in self.clients[shard].subscribe(self.node, self.region):
                 # Stamped on arrival: the learner merges between steps, but sync time is measured to here.
                 arrived_s = time.monotonic()
                 self.contact()
                 try:
                     control = serde.control_from_frame(frame)
+                    if self.view is not None and isinstance(control, serde.Identity):
+                        E, resumed = self.view.seen(shard, control.epoch, control.resumed_from)
+                        control = dataclasses.replace(control, epoch=E, resumed_from=resumed)
                     if control is not None:  # ("identity", Identity) or ("donate", Donate)
                         self.inbox.put((type(control).__name__.lower(), control))
                         continue
                     # Off the loop: decoding a large fragment must not stall uploads in flight.
                     update = await asyncio.to_thread(serde.update_from_frame, frame, self.codec)
+                    if self.view is not None:
+                        update = self.view.update(shard, update)
                 except ProtocolError as e:
                     self.bad_updates += 1
                     log.error("%s: refused a global update: %s", self.node, e)
@@ -122,9 +140,12 @@ class NetThread:
                 with self._queued_lock:
                     self._queued_bytes += update.nbytes
                 self.inbox.put(("update", (arrived_s, update)))
-            self.inbox.put(("error", "the syncer ended the update stream"))
+            self.inbox.put(("error", f"{self._name(shard)} ended the update stream"))
         except (TransportError, MessageError) as e:
-            self.inbox.put(("error", f"update stream failed: {e}"))
+            self.inbox.put(("error", f"update stream of {self._name(shard)} failed: {e}"))
+
+    def _name(self, shard: int) -> str:
+        return "the syncer" if self.view is None else f"syncer shard {shard}"
 
     def queued_bytes(self) -> int:
         """Payload bytes of the updates in the inbox."""
@@ -206,23 +227,25 @@ class NetThread:
         """Queue a core Metadata; only the newest unsent one is kept.
 
         ProtocolError (raised here, nothing queued) if a field is out of range."""
-        frame = serde.to_frame(msg)
-        self.loop.call_soon_threadsafe(self._kick_metadata, frame)
+        for s in range(len(self.clients)):
+            frame = serde.to_frame(msg if self.view is None else
+                                   dataclasses.replace(msg, epoch=self.view.outgoing(s, msg.epoch)))
+            self.loop.call_soon_threadsafe(self._kick_metadata, s, frame)
 
-    def _kick_metadata(self, frame: Frame) -> None:
-        self._md = frame
-        if self._md_task is None or self._md_task.done():
-            self._md_task = self.loop.create_task(self._send_metadata())
+    def _kick_metadata(self, shard: int, frame: Frame) -> None:
+        self._md[shard] = frame
+        task = self._md_tasks.get(shard)
+        if task is None or task.done():
+            self._md_tasks[shard] = self.loop.create_task(self._send_metadata(shard))
 
-    async def _send_metadata(self) -> None:
-        while self._md is not None:
-            frame, self._md = self._md, None
+    async def _send_metadata(self, shard: int) -> None:
+        while (frame := self._md.pop(shard, None)) is not None:
             try:
-                await self.client.send_metadata(frame)
+                await self.clients[shard].send_metadata(frame)
                 self.contact()
             except (TransportError, MessageError) as e:
                 self.failed(e)
-                log.warning("%s: metadata not delivered: %s", self.node, e)
+                log.warning("%s: metadata not delivered to %s: %s", self.node, self._name(shard), e)
 
     def upload(self, msg: FragmentUpload) -> concurrent.futures.Future:
         """Send a core FragmentUpload; a pending older upload of the same fragment is cancelled.
@@ -230,17 +253,21 @@ class NetThread:
         Returns a future of the syncer's Ack (it raises TransportError or
         MessageError if the upload failed). ProtocolError (raised here, nothing
         sent) if the message cannot be framed, e.g. it has no payload."""
+        shard = 0
+        if self.view is not None:
+            shard = self.view.shard_of(msg.fragment)
+            msg = dataclasses.replace(msg, epoch=self.view.outgoing(shard, msg.epoch))
         frame = serde.to_frame(msg)
         old = self._uploads.get(frame.fragment)
         if old is not None and not old.done():
             old.cancel()
-        fut = asyncio.run_coroutine_threadsafe(self._upload(frame), self.loop)
+        fut = asyncio.run_coroutine_threadsafe(self._upload(frame, shard), self.loop)
         self._uploads[frame.fragment] = fut
         return fut
 
-    async def _upload(self, frame: Frame):
+    async def _upload(self, frame: Frame, shard: int = 0):
         try:
-            ack = await self.client.upload_fragment(frame)
+            ack = await self.clients[shard].upload_fragment(frame)
             self.contact()
             return ack
         except (TransportError, MessageError) as e:
@@ -256,9 +283,15 @@ class NetThread:
         owned fp32 values, or raises TransportError / MessageError (the fetch
         failed) or ProtocolError (the object it got is malformed)."""
 
+        shard = 0
+        if self.view is not None:
+            index = name.partition("/")[2]
+            shard = self.view.shard_of(int(index)) if index.isdigit() else 0
+
         async def fetch():
-            data = await self.client.fetch_bulk_bytes(BulkRequest(self.node, name, {}))
-            return await asyncio.to_thread(serde.fragment_from_bulk, data, self.bulk_codec)
+            data = await self.clients[shard].fetch_bulk_bytes(BulkRequest(self.node, name, {}))
+            got = await asyncio.to_thread(serde.fragment_from_bulk, data, self.bulk_codec)
+            return got if self.view is None else self.view.update(shard, got)
 
         return asyncio.run_coroutine_threadsafe(fetch(), self.loop)
 

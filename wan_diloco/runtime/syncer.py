@@ -37,6 +37,7 @@ import grpc
 
 from wan_diloco.assemble import Assembly, fragment_digest
 from wan_diloco.checkpoint import CheckpointError, SnapshotStore, save_params
+from wan_diloco.config import ConfigError
 from wan_diloco.core import Broadcast, ProtocolError, SetTimer, learner_node
 from wan_diloco.core.recovery import AskDonor, Candidate, Donations, NoDonor
 from wan_diloco.runtime import serde
@@ -72,11 +73,18 @@ class SyncerService:
     """The transport ``Handler`` of a syncer (see the module docstring)."""
 
     def __init__(self, cfg: RunSpec, metrics: TransportMetrics, parts: Assembly | None = None,
-                 resume: bool = False):
+                 resume: bool = False, shard: int = 0):
         self.cfg, self.metrics = cfg, metrics
+        self.shard, self.S = shard, cfg.syncer.shards
+        if not (isinstance(shard, int) and 0 <= shard < self.S):
+            raise ConfigError(f"shard: must be in 0..{self.S - 1} (syncer.shards = {self.S}), got {shard!r}")
+        if self.S > 1 and not cfg.run.run_id:
+            raise ConfigError("run.run_id: syncer.shards > 1 needs one run id set in the config (every shard "
+                              "must serve the same run; `launch` sets one)")
         parts = parts or Assembly(cfg)
         self.layout, self.codec, self.bulk_codec = parts.layout, parts.codec, parts.bulk_codec
-        self.core = parts.syncer_core(bounded=True)
+        self.plan = parts.shard_plan
+        self.core = parts.syncer_core(bounded=True, shard=shard if self.S > 1 else None)
         # Compiling on the first merge would stall the event loop while uploads and metadata wait.
         self.core.warm_up()
         self.hub = UpdateHub(cfg.transport.chunk_bytes)
@@ -95,7 +103,10 @@ class SyncerService:
         self.stopping = False
         self.final_streams = 0  # final fragments being streamed right now
         self.peer_links: dict[str, dict] = {}  # the transport server's: each learner's last link measurement
-        self.store = SnapshotStore(cfg.checkpoint.dir) if cfg.checkpoint.dir else None
+        # Shard 0 keeps the snapshots the learners write their parts into; the others keep their own
+        # Θ and outer state beside them, one folder each, and resume from it alone.
+        root = Path(cfg.checkpoint.dir) / f"shard-{shard}" if shard else cfg.checkpoint.dir
+        self.store = SnapshotStore(root) if cfg.checkpoint.dir else None
         self.snap_pending: dict[int, dict] = {}  # snapshot -> {"learners": waited for, "syncer": written?, ...}
         self.snap_merges = 0  # merges at the last cut
         self.snapshots_complete: list[int] = []
@@ -151,7 +162,8 @@ class SyncerService:
         self.core.snapshot_id = snap
         self.snap_merges = sum(self.core.stats.fragment_syncs)
         tensors, info = self.core.export()
-        waiting = {m for m in self.core.alive() if m in self.core.learners}
+        # Learners write their parts for shard 0's snapshots only (the others' reach them renumbered).
+        waiting = {m for m in self.core.alive() if m in self.core.learners} if self.shard == 0 else set()
         self.snap_pending[snap] = {"learners": waiting, "syncer": False, "cut_s": self.now(),
                                    "versions": list(self.core.version), "parts": []}
         asyncio.get_running_loop().create_task(self._write_syncer_part(snap, tensors, info))
@@ -354,7 +366,7 @@ class SyncerService:
             self._on_learner_snapshot(meta.learner, meta.snapshot)
         if not meta.recovering and meta.learner in self.donated:
             self._donation_taken(meta.learner)
-        if meta.recovering and meta.learner not in self.donations.pending:
+        if meta.recovering and self.shard == 0 and meta.learner not in self.donations.pending:
             # What an earlier attempt left goes; the event stays the same object: the recipient's fetch may
             # have arrived before this metadata (both are sent at once) and be waiting on it already.
             self.donated.pop(meta.learner, None)
@@ -408,6 +420,9 @@ class SyncerService:
 
     async def bulk(self, request) -> BulkSource:
         kind, _, index = request.name.partition("/")
+        if kind in ("donation", "position") and self.shard:
+            raise self._reject(ProtocolError(f"{request.name}: peer recovery is served by syncer shard 0, "
+                                             f"this is shard {self.shard}"))
         if kind in ("donation", "position") and index.isascii() and index.isdigit() and int(index) < self.M \
                 and index == str(int(index)):
             m = int(index)
@@ -422,6 +437,9 @@ class SyncerService:
                 f"unknown bulk object {request.name!r}; expected fragment/P or final/P with P in 0..{self.P - 1}, "
                 f"or donation/M or position/M"))
         p = int(index)
+        if p not in self.core.outer.states:
+            raise self._reject(ProtocolError(f"{request.name}: fragment {p} is served by syncer shard "
+                                             f"{self.plan[p]}, this is shard {self.shard}"))
         if kind == "final":
             try:
                 await asyncio.wait_for(self.final_done.wait(), self.cfg.syncer.final_timeout_s)
@@ -465,11 +483,15 @@ class SyncerService:
             h.cancel()
         self._timers.clear()
         self.final_done.set()
-        digests = [fragment_digest(self.core.theta[p], self.layout.fragments[p]) for p in range(self.P)]
+        digests = [fragment_digest(self.core.theta[p], self.layout.fragments[p]) if p in self.core.owned else None
+                   for p in range(self.P)]
         if self.store is not None:
-            self.params_path = self.store.params_path
+            # A shard writes its fragments' tensors; `launch` joins the shards' files into one.
+            self.params_path = (self.store.params_path if self.S == 1 else
+                                Path(self.cfg.checkpoint.dir) / f"params.shard-{self.shard}.safetensors")
             info = {"run_id": self.core.run_id, "epoch": self.core.epoch, "versions": list(self.core.version),
                     "global_step": self.core.global_step, "digests": digests, "preset": self.cfg.preset,
+                    "shard": self.shard, "shards": self.S, "owned": list(self.core.owned),
                     "model": dataclasses.asdict(self.cfg.model)}
             try:  # small next to the run; on the loop so the report below names a file that exists
                 save_params(self.params_path, self.core.global_params(), info)
@@ -490,7 +512,7 @@ class SyncerService:
             return
         # Everyone who took part, arrived late, or is still alive gets to fetch the final fragments.
         waiting = self.core.final_participants() | self.late_final | set(self.core.alive())
-        if all(len(self.final_fetched.get(m, ())) == self.P for m in waiting):
+        if all(len(self.final_fetched.get(m, ())) == len(self.core.owned) for m in waiting):
             self.finished.set()
 
     # ---- reporting ------------------------------------------------------------------
@@ -543,7 +565,7 @@ class SyncerService:
             "links": {sender: {"rtt_ms": v["rtt_ms"], "rate_gbit_s": v["rate_gbit_s"],
                                "age_s": round(now - v["at_s"], 3)} for sender, v in self.peer_links.items()},
             "loss_history": {str(m): curve.points() for m, curve in self.loss_history.items()},
-            "events": list(self.events),
+            "events": list(self.events), "shard": self.shard, "shards": self.S, "owned": list(self.core.owned),
             **self.summary(),
         }
 

@@ -1,0 +1,54 @@
+import dataclasses
+
+import numpy as np
+import pytest
+
+from wan_diloco.clock import VectorClock
+from wan_diloco.core import GlobalUpdate, ProtocolError
+from wan_diloco.runtime.serde import BulkFragment
+from wan_diloco.runtime.shard_view import ShardView
+
+PLAN = [0, 1, 0, 1]  # fragment -> shard
+
+
+def update(p, epoch, snapshot=0, resumed_from=0):
+    return GlobalUpdate(fragment=p, from_version=0, to_version=1, due_step=4, global_step=4, clock=VectorClock(),
+                        update={"w": np.zeros(2, np.float32)}, nbytes=8, contributors=(0,), held_s={},
+                        run_id="r", epoch=epoch, resumed_from=resumed_from, snapshot=snapshot)
+
+
+def test_fresh_shards_look_like_one_syncer_of_incarnation_one():
+    v = ShardView(PLAN)
+    assert v.seen(0, 1, 0) == (1, 0) and v.seen(1, 1, 0) == (1, 0)
+    assert v.outgoing(0, 1) == v.outgoing(1, 1) == 1 and v.shard_of(3) == 1
+
+
+def test_a_resumed_shard_moves_the_combined_epoch_and_messages_map_back_per_shard():
+    v = ShardView(PLAN)
+    v.seen(0, 1, 0), v.seen(1, 1, 0)
+    assert v.seen(1, 2, 7) == (2, 7)  # shard 1 resumed from its snapshot 7: the learner rejoins
+    assert v.outgoing(0, 2) == 1 and v.outgoing(1, 2) == 2  # shard 0 kept its incarnation
+    assert v.outgoing(1, 1) == 1  # stamped before the resume: shard 1 drops it as stale
+    assert v.seen(1, 1, 0)[0] == 1  # an update of shard 1's old incarnation is stale for the learner
+    assert v.seen(0, 1, 0) == (2, 7)  # shard 0's updates are of the current E
+    assert v.seen(0, 2, 9) == (3, 9)  # then shard 0 resumes too: its snapshot holds the learners' parts
+    assert v.outgoing(0, 3) == 2 and v.outgoing(1, 3) == 2
+
+
+def test_updates_carry_shard_zeros_snapshots_only_and_must_come_from_their_owner():
+    v = ShardView(PLAN)
+    u0 = v.update(0, update(0, 1, snapshot=3))
+    u1 = v.update(1, update(1, 1, snapshot=11))  # shard 1's own numbering never reaches the learner
+    assert (u0.snapshot, u1.snapshot, u1.epoch) == (3, 3, 1)
+    with pytest.raises(ProtocolError, match="fragment 1 came from syncer shard 0; its owner is shard 1"):
+        v.update(0, update(1, 1))
+    bulk = BulkFragment(3, 5, 4, {}, "r", 2, 4)
+    assert v.update(1, bulk) == bulk._replace(epoch=2, resumed_from=4)
+    with pytest.raises(ProtocolError, match="fragment 4 out of range"):
+        v.shard_of(4)
+
+
+def test_messages_without_an_incarnation_pass_unchanged():
+    v = ShardView(PLAN)
+    assert v.seen(1, 0, 0) == (0, 0) and v.outgoing(1, 0) == 0
+    assert dataclasses.replace(update(0, 0)).epoch == v.update(0, update(0, 0)).epoch == 0

@@ -1,0 +1,84 @@
+"""S syncer shards seen by a learner as one syncer (docs/architecture.md, "Syncer shards").
+
+Each shard has its own incarnation number (epoch): it resumes from its own
+snapshots, alone. The learner's core follows one incarnation, so its network
+side translates: the learner sees the combined epoch E = 1 + Σ_s (e_s − 1),
+which grows by one whenever any shard resumes (the learner then rejoins), and
+each message it sends carries, for the shard it goes to, that shard's epoch as
+of the E it was stamped with. Messages of an earlier incarnation of a shard map
+to an earlier E and are dropped as stale, as from a single syncer.
+
+Snapshots are shard 0's: learners write their parts into its snapshots only,
+so the snapshot ids riding on the other shards' updates (their own numbering)
+are replaced by the newest one shard 0 announced. Pure and sans-IO: the
+``NetThread`` calls it on its loop thread.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from wan_diloco.core.protocol import ProtocolError
+
+
+class ShardView:
+    """What the learner is told about S shards, and what each shard is told about the learner."""
+
+    def __init__(self, plan: list[int]):
+        self.plan = list(plan)
+        self.S = max(self.plan) + 1
+        self.epochs = [0] * self.S  # 0: not heard from yet (taken as its first incarnation)
+        self.resumed = [0] * self.S  # the snapshot each shard's current incarnation resumed from
+        self.snapshot = 0  # the newest snapshot shard 0 cut
+        self.last_changed = 0  # the shard whose incarnation changed last
+        self.history: dict[int, tuple[int, ...]] = {}  # E -> the shards' epochs it stood for
+
+    def shard_of(self, fragment: int) -> int:
+        if not 0 <= fragment < len(self.plan):
+            raise ProtocolError(f"fragment {fragment} out of range 0..{len(self.plan) - 1}")
+        return self.plan[fragment]
+
+    @property
+    def epoch(self) -> int:
+        """E: grows by one each time a shard resumes."""
+        return 1 + sum(max(e, 1) - 1 for e in self.epochs)
+
+    @property
+    def resumed_from(self) -> int:
+        """Shard 0's snapshot when it resumed (the learners' parts are in it), else the last shard's to."""
+        return self.resumed[0] or self.resumed[self.last_changed]
+
+    def seen(self, shard: int, epoch: int, resumed_from: int) -> tuple[int, int]:
+        """A message of ``shard``'s incarnation ``epoch`` arrived: (E, resumed_from) to show the learner.
+        A newer incarnation moves E on; an older one maps to an E as many incarnations back (stale)."""
+        if not epoch:  # a message that names no incarnation
+            return 0, 0
+        if epoch > self.epochs[shard]:
+            if self.epochs[shard]:
+                self.last_changed = shard
+            self.epochs[shard], self.resumed[shard] = epoch, resumed_from
+        E = self.epoch
+        self.history.setdefault(E, tuple(self.epochs))
+        if epoch < self.epochs[shard]:
+            return max(1, E - (self.epochs[shard] - epoch)), resumed_from
+        return E, self.resumed_from
+
+    def outgoing(self, shard: int, epoch: int) -> int:
+        """The epoch of ``shard`` a message stamped with E = ``epoch`` carries there (0 stays 0)."""
+        if not epoch:
+            return 0
+        known = self.history.get(epoch)
+        if known is None:  # stamped before this view heard of it: the newest known for that shard
+            return max(self.epochs[shard], 1)
+        return max(known[shard], 1)
+
+    def update(self, shard: int, u):
+        """A GlobalUpdate (or a BulkFragment, without snapshot) from ``shard``, in the learner's terms."""
+        if self.plan[u.fragment] != shard:
+            raise ProtocolError(f"fragment {u.fragment} came from syncer shard {shard}; its owner is shard "
+                                f"{self.plan[u.fragment]}")
+        E, resumed = self.seen(shard, u.epoch, u.resumed_from)
+        if not hasattr(u, "snapshot"):
+            return u._replace(epoch=E, resumed_from=resumed)
+        if shard == 0:
+            self.snapshot = max(self.snapshot, u.snapshot)
+        return dataclasses.replace(u, epoch=E, resumed_from=resumed, snapshot=self.snapshot)
