@@ -25,6 +25,7 @@ otherwise: ``syncer.num_learners`` is ``run.learners``, ``syncer.tau`` is
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import tomllib
 from pathlib import Path
@@ -150,9 +151,14 @@ class PlanConfig:
     replan_threshold: float = 0.2
     replan_confirm: int = 2  # probes in a row that must show a move (one noisy probe does not re-plan)
     max_tau: int = 5
+    # What one syncer shard merges, GB/s of fp32-equivalent outer gradients (bench/syncer.py measures it on
+    # the syncer's host: docs/benchmarks.md); `plan` warns when the run needs more syncer.shards than it has.
+    shard_merge_gb_s: float = 0.1
 
     def validate(self) -> None:
         require(0 < self.target_cu < 1, "target_cu", f"must be in (0, 1), got {self.target_cu}")
+        require(math.isfinite(self.shard_merge_gb_s) and self.shard_merge_gb_s > 0, "shard_merge_gb_s",
+                f"must be a finite number > 0 (GB/s), got {self.shard_merge_gb_s}")
         require(0 <= self.margin < 1, "margin", f"must be in [0, 1), got {self.margin}")
         require(0 < self.replan_threshold < 10, "replan_threshold", f"must be in (0, 10), got {self.replan_threshold}")
         require(self.max_tau >= 1, "max_tau", f"must be >= 1, got {self.max_tau}")

@@ -112,3 +112,18 @@ def test_measure_step_time_times_real_steps():
                                           "vocab_size": 64}, "run": {"batch_size": 2, "min_step_s": 0.02},
                                 "learner": {"num_fragments": 1}})
     assert 0.02 <= measure_step_time(micro, steps=2) < 10  # min_step_s pacing is a floor
+
+
+def test_plan_warns_when_the_run_needs_more_syncer_shards(tmp_path, capsys):
+    # The tiny preset, 4 learners, 1 ms steps: the plan picks H = 500, so 4 x 853,120 x 4 B / 0.5 s = 27 MB/s.
+    config = tmp_path / "run.toml"
+    config.write_text(Path(LOCAL).read_text() + "\n[plan]\nshard_merge_gb_s = 0.005\n")
+    out = tmp_path / "plan.json"
+    main(["plan", "--config", str(config), "--json", str(out), "--step-time", "0.001"])
+    data = json.loads(out.read_text())
+    demand = 4 * TINY_PARAMS * 4 / (data["sync_every"] * 0.001) / 1e9
+    assert data["syncer_shards_needed"] == -(-demand // 0.005) >= 2 and data["syncer_shards"] == 1
+    assert f"syncer.shards >= {data['syncer_shards_needed']}, it has 1" in data["shard_warning"]
+    assert "warning:" in capsys.readouterr().out
+    rc, data = _plan(tmp_path, "--step-time", "0.1")  # 0.1 s steps: one shard of the default rate keeps up
+    assert data["syncer_shards_needed"] == 1 and data["shard_warning"] is None

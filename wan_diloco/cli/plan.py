@@ -25,6 +25,7 @@ from wan_diloco.cli.args import count
 from wan_diloco.config import require
 from wan_diloco.fragments import make_fragments
 from wan_diloco.planning.plan import DEFAULT_MAX_TAU, LinkEstimate, ModelFacts, Plan, links_from_metrics, plan_run
+from wan_diloco.planning.shards import shard_warning, shards_needed
 from wan_diloco.spec import RunSpec
 
 TIMED_STEPS = 5
@@ -144,13 +145,20 @@ def run(args: argparse.Namespace) -> int:
     plan, facts, source, step_from, notes = make_plan(spec, console, args.step_time, args.measured,
                                                       args.target_cu, args.margin, args.max_tau)
     print_plan(console, spec, plan, facts, source, step_from, notes)
+    need = shards_needed(facts.params, spec.run.learners, plan.sync_every, plan.step_time_s, spec.plan.shard_merge_gb_s)
+    warning = shard_warning(facts.params, spec.run.learners, plan.sync_every, plan.step_time_s,
+                            spec.plan.shard_merge_gb_s, spec.syncer.shards)
+    if warning:
+        console.print(f"[yellow]warning:[/] {warning}", highlight=False)
     if args.json:
-        out = {**plan.to_dict(), "inputs": {
+        out = {**plan.to_dict(), "syncer_shards_needed": need, "syncer_shards": spec.syncer.shards,
+               "shard_warning": warning, "inputs": {
             "config": str(args.config) if args.config else "(embedded default)", "preset": spec.preset,
             "fragmenter": spec.run.fragmenter, "fragment_params_configured": list(facts.fragment_params or ()),
             "step_time_s": plan.step_time_s, "step_time_from": step_from, "link_source": source,
             "measured": str(args.measured) if args.measured else None, "target_cu": plan.target_cu,
             "margin": plan.margin, "max_tau": spec.plan.max_tau if args.max_tau is None else args.max_tau,
+            "shard_merge_gb_s": spec.plan.shard_merge_gb_s,
             "notes": notes}}
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(out, indent=2) + "\n")
