@@ -122,8 +122,13 @@ class SimulateConfig:
     # Live learners also read the shards of learners that are down, so no shard drops out of the mix
     # while its learner is away (data.FailoverBatches). Off: a down learner's data waits for it.
     data_failover: bool = True
+    # What one syncer shard merges, GB/s of fp32-equivalent outer gradients: each merge then takes its time
+    # on its shard, queued behind the shard's earlier merges (0: merges take no time).
+    shard_merge_gb_s: float = 0.0
 
     def validate(self) -> None:
+        require(self.shard_merge_gb_s >= 0 and math.isfinite(self.shard_merge_gb_s), "shard_merge_gb_s",
+                f"must be a finite number >= 0, got {self.shard_merge_gb_s}")
         require(self.baseline in BASELINES, "baseline", f"must be one of {', '.join(BASELINES)}, got {self.baseline!r}")
         require(self.tokens >= 0, "tokens", f"must be >= 0, got {self.tokens}")
         require(self.step_time_s > 0, "step_time_s", "must be > 0")
@@ -335,6 +340,7 @@ SHORT_NAMES: dict[str, tuple[str, str]] = {
     "step_noise": ("simulate", "step_noise"), "speeds": ("simulate", "speeds"),
     "bandwidth_gbit_s": ("simulate", "bandwidth_gbit_s"), "rtt_s": ("simulate", "rtt_s"),
     "eval_every": ("simulate", "eval_every"), "data_failover": ("simulate", "data_failover"),
+    "shards": ("syncer", "shards"), "shard_merge_gb_s": ("simulate", "shard_merge_gb_s"),
 }
 
 

@@ -166,3 +166,24 @@ def test_quantized_wire_is_smaller_and_every_copy_bit_identical():
             for n, a in frag.items():
                 np.testing.assert_array_equal(l.core.base[p][n], a)
     assert any(l.core.feedback.residual(0) is not None for l in s4.learners)
+
+
+def test_sharded_syncer_merges_like_one_when_merges_take_no_time():
+    one = sim.run(micro(steps=24, eval_every=24, grace=False))
+    two = sim.run(micro(steps=24, eval_every=24, grace=False, shards=2))
+    assert two.final_eval_loss == one.final_eval_loss and two.fragment_syncs == one.fragment_syncs
+    assert two.params.keys() == one.params.keys()
+    assert all((two.params[n] == one.params[n]).all() for n in one.params)
+
+
+def test_too_few_shards_for_the_merge_work_show_as_waiting():
+    # A merge of one ~33 kB fragment takes 1.6 virtual s at 2e-5 GB/s, and a fragment is due every second
+    # (H/P = 2 steps of 0.5 s): one shard falls behind and its rounds queue; four shards (one fragment each,
+    # due every 4 s) keep up, and the learners get their updates sooner after sending.
+    kw = dict(steps=24, eval_every=24, grace=False, shard_merge_gb_s=2e-5, sync_every=8)
+    s1, one = run_sim(micro(**kw, shards=1))
+    s4, four = run_sim(micro(**kw, shards=4))
+    assert [len(c.owned) for c in s4.syncer.cores] == [1, 1, 1, 1]
+    assert s1.syncer.queued_s > 10 * max(s4.syncer.queued_s, 0.1)
+    lag = lambda s: sum(l.core.merge_lag_steps for l in s.learners) / sum(l.core.merge_lags for l in s.learners)  # noqa: E731
+    assert lag(s4) < lag(s1)

@@ -25,6 +25,7 @@ from wan_diloco.core import (
 from wan_diloco.core.recovery import Candidate, choose_donor
 from wan_diloco.planning.tape import Outage
 from wan_diloco.sim.common import Progress, SimResult, step_time, uptime
+from wan_diloco.sim.shards import ShardedSyncer
 from wan_diloco.spec import RunSpec, to_document
 
 
@@ -70,7 +71,12 @@ class Simulation:
         self.cfg = spec.simulate
         self.M = spec.run.learners
         self.frags = parts.layout.fragments
-        self.syncer = parts.syncer_core()
+        S = spec.syncer.shards
+        if S > 1 or self.cfg.shard_merge_gb_s:
+            cores = [parts.syncer_core(shard=s if S > 1 else None) for s in range(S)]
+            self.syncer = ShardedSyncer(cores, parts.shard_plan, list(parts.layout.nbytes), self.cfg.shard_merge_gb_s)
+        else:
+            self.syncer = parts.syncer_core()
         rtt, bw = self.cfg.rtt_s, self.cfg.bandwidth_gbit_s
         self.learners = [
             _Learner(
@@ -286,10 +292,11 @@ class Simulation:
                         self.bytes_sent += a.msg.nbytes
                         self._learner_actions(m, l.core.on_update(self.now, a.msg))
             elif isinstance(a, Broadcast):
+                sent_s = self.syncer.ready_at(self.now, a) if isinstance(self.syncer, ShardedSyncer) else self.now
                 for m, l in enumerate(self.learners):
                     if l.listening:
                         self.bytes_sent += a.msg.nbytes
-                        self._at(l.down_link.send(self.now, a.msg.nbytes), self._deliver, m, l.epoch, a.msg)
+                        self._at(l.down_link.send(sent_s, a.msg.nbytes), self._deliver, m, l.epoch, a.msg)
             elif isinstance(a, SetTimer) and a.key != FINAL_TIMER:
                 self._at(a.at_s, self._syncer_event, self.syncer.on_timer, a.key)
 
