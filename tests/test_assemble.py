@@ -98,3 +98,14 @@ def test_a_region_whose_corpus_is_missing_is_named_before_any_process_starts(tmp
     with pytest.raises(ConfigError, match="data.regions.mars: no such region"):
         (tmp_path / "run.toml").write_text((tmp_path / "run.toml").read_text().replace("eu-west =", "mars ="))
         spec_lib.load(tmp_path / "run.toml")
+
+
+def test_the_mesh_may_be_given():
+    """A multi-process learner builds its parts on the global mesh (runtime.multihost.global_mesh)."""
+    import jax
+
+    from wan_diloco.train import local_mesh
+
+    mesh = local_mesh(jax.devices()[:1])
+    parts = Assembly(micro(), 0, mesh=mesh)
+    assert parts.mesh is mesh and parts.evaluate(parts.params0) > 0

@@ -40,6 +40,11 @@ def test_two_region_example_parses():
     ({"run": {"regions": ["a"]}}, "run.regions: unknown field"),
     ({"run": {"learners": 2}, "regions": {"learners": ["us-east"]}}, "regions.learners"),
     ({"transport": {"chunk_bytes": 10}}, "transport.chunk_bytes"),
+    ({"learner": {"hosts": 0}}, "learner.hosts: must be a whole number >= 1"),
+    ({"learner": {"hosts": 1.5}}, "learner.hosts"),
+    ({"run": {"batch_size": 6}, "learner": {"hosts": 4}}, "run.batch_size: 6 does not split over the learner's 4"),
+    ({"run": {"devices": [0]}, "learner": {"hosts": 2}}, "run.devices: not with learner.hosts = 2"),
+    ({"run": {"devices_per_learner": 3}, "learner": {"hosts": 2}}, "run.devices_per_learner: 3 GPUs do not split"),
 ])
 def test_bad_configs_name_the_field(doc, text):
     with pytest.raises(ConfigError, match=text):

@@ -13,6 +13,7 @@ from typing import Mapping
 
 import jax
 import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from wan_diloco import data as data_lib
 from wan_diloco import model as model_lib
@@ -77,10 +78,14 @@ def preflight(spec: RunSpec, data: bool = True, learner: int | None = None) -> N
 class Assembly:
     """The parts of one run. Cheap to make: each part is built on first use and kept."""
 
-    def __init__(self, spec: RunSpec, learner: int | None = None):
+    def __init__(self, spec: RunSpec, learner: int | None = None, mesh: Mesh | None = None):
         """``learner``: the parts as that learner's process has them (its region's corpus, ``[data.regions]``);
-        None: one corpus for every learner (``data.corpus``, as the simulator reads it)."""
+        None: one corpus for every learner (``data.corpus``, as the simulator reads it). ``mesh``: the
+        devices the step and eval run on, if not this process's (``run.devices``): a multi-process
+        learner's global mesh (``runtime.multihost.global_mesh``)."""
         self.spec, self.learner = spec, learner
+        if mesh is not None:
+            self.mesh = mesh  # takes the place of the cached property below
 
     # ---- model and fragments ----------------------------------------------------------
 
@@ -186,5 +191,13 @@ class Assembly:
         """params -> mean loss on the held-out eval set (the same windows in every process)."""
         r = self.spec.run
         ev = data_lib.eval_batches(self.corpus.eval, r.eval_batch_size, self.spec.model.seq_len, r.eval_batches)
+        if self.mesh.is_multi_process:
+            # Every process holds the same windows: placed once here, each with no collective (placing a
+            # host batch on another process's devices checks its equality with an all-gather per call).
+            n = self.mesh.devices.size
+            require(r.eval_batch_size % n == 0, "run.eval_batch_size",
+                    f"{r.eval_batch_size} does not split over the learner's {n} devices (all its processes)")
+            sharding = NamedSharding(self.mesh, PartitionSpec(train_lib.DATA_AXIS))
+            ev = [jax.make_array_from_callback(b.shape, sharding, lambda index, b=b: b[index]) for b in ev]
         fn = train_lib.make_eval_fn(self.spec.model, self.mesh)
         return lambda params: fn(params, ev)

@@ -259,6 +259,15 @@ def from_document(doc: Mapping[str, Any]) -> RunSpec:
         data_t["regions"] = [[k, v] for k, v in data_t["regions"].items()]
     data = from_mapping(DataConfig, data_t, prefix="data.")
     learner = from_mapping(LearnerConfig, _table(doc, "learner"), prefix="learner.")
+    if learner.hosts > 1:  # each process of a learner feeds its own block of every batch's rows
+        require(run.batch_size % learner.hosts == 0, "run.batch_size",
+                f"{run.batch_size} does not split over the learner's {learner.hosts} processes (learner.hosts)")
+        require(not run.devices, "run.devices",
+                f"not with learner.hosts = {learner.hosts}: each process uses every device it sees (limit them "
+                f"with CUDA_VISIBLE_DEVICES, or run.devices_per_learner under launch)")
+        require(run.devices_per_learner % learner.hosts == 0, "run.devices_per_learner",
+                f"{run.devices_per_learner} GPUs do not split over the learner's {learner.hosts} processes "
+                f"(learner.hosts)")
     syncer_t = _table(doc, "syncer")
     _derived(syncer_t, "num_learners", run.learners, "syncer", "run.learners")
     _derived(syncer_t, "tau", learner.tau, "syncer", "learner.tau")

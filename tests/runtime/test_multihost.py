@@ -210,3 +210,127 @@ def test_single_process_helpers():
     np.testing.assert_array_equal(mh.from_leader({"x": rows})["x"], rows)
     with pytest.raises(ConfigError, match="batch: tokens must have shape"):
         mh.global_batch(np.zeros(4, np.int32), mesh)
+
+
+# ---- the learner runtime with several processes ------------------------------------------------
+
+def _lockstep_config(tmp_path: Path, hosts: int, **changes: str) -> Path:
+    """One learner, made deterministic so that two runs compare step by step: blocking with tau = 0 (each
+    fragment's update is merged right after the step that sent it, not whenever it arrives), fp32 outer
+    gradients, 18 steps (the last fragment, sent at step 16, is merged before the end), a step event each step."""
+    from .conftest import micro_config
+
+    path = micro_config(tmp_path, learners=1, steps=18, tau=0, extra="[codec]\nbits = 32\n")
+    text = path.read_text().replace("[learner]\n", f"[learner]\nhosts = {hosts}\nblocking = true\n")
+    text = text.replace("report_every_s = 0.2", "report_every_s = 0.001\neval_every = 6")
+    for old, new in changes.items():
+        text = text.replace(old, new)
+    path.write_text(text)
+    return path
+
+
+def _learner_events(run_dir: Path, kind: str) -> list[dict]:
+    with open(run_dir / "metrics.jsonl") as f:
+        return [e for e in map(json.loads, f) if e.get("event") == kind and e["source"] == "learner-0"]
+
+
+@pytest.mark.slow  # two launched runs, 4 JAX processes in all: 80-110 s on 2 shared cores
+def test_a_two_process_learner_trains_like_one_process_through_launch(tmp_path):
+    """The issue's acceptance test, through the real runtime: `launch` with learner.hosts = 2 (a leader
+    talking to the syncer, a follower in lockstep) against hosts = 1 on the same config and batches."""
+    from wan_diloco import load_params
+    from wan_diloco import spec as rt
+    from wan_diloco.runtime.launch import launch
+
+    runs = {}
+    for hosts in (2, 1):
+        d = tmp_path / f"hosts{hosts}"
+        d.mkdir()
+        path = _lockstep_config(d, hosts)
+        code, summary = launch(rt.load(path), path.read_text(), str(d / "run"))
+        assert code == 0, summary
+        assert summary["bit_identical"] and summary["learners_finished"] == 1 and not summary["failed_learners"]
+        runs[hosts] = (d / "run", summary)
+    (two, s2), (_, s1) = runs[2], runs[1]
+    assert sorted(p.name for p in two.glob("learner-*.log")) == ["learner-0.log", "learner-0.p1.log"]
+    assert "following the leader" in (two / "learner-0.p1.log").read_text()
+    losses = {h: {e["step"]: e["loss"] for e in _learner_events(d, "step")} for h, (d, _) in runs.items()}
+    assert sorted(losses[2]) == sorted(losses[1]) == list(range(1, 19))
+    np.testing.assert_allclose([losses[2][s] for s in range(1, 19)], [losses[1][s] for s in range(1, 19)], rtol=1e-5)
+    assert losses[1][18] < losses[1][1]
+    # The global model's eval points (Θ broadcast to the follower, evaluated by both) and the final eval.
+    assert [e["step"] for e in s2["eval_curve"]] == [e["step"] for e in s1["eval_curve"]] == [6, 12, 18]
+    np.testing.assert_allclose([e["eval_loss"] for e in s2["eval_curve"]],
+                               [e["eval_loss"] for e in s1["eval_curve"]], rtol=1e-5)
+    np.testing.assert_allclose([s2["initial_eval_loss"], s2["final_eval_loss"]],
+                               [s1["initial_eval_loss"], s1["final_eval_loss"]], rtol=1e-5)
+    a, _ = load_params(s2["params_path"])
+    b, _ = load_params(s1["params_path"])
+    assert sorted(a) == sorted(b)
+    for name in a:
+        np.testing.assert_allclose(a[name], b[name], rtol=1e-4, atol=1e-5, err_msg=name)
+
+
+def _learner_argv(config: Path, process_id: int, coordinator: str, syncer: str) -> list[str]:
+    return ["-m", "wan_diloco.cli", "learner", "--config", str(config), "--id", "0", "--syncer", syncer,
+            "--process-id", str(process_id), "--num-processes", "2", "--coordinator", coordinator, "--no-table"]
+
+
+@pytest.mark.parametrize("dies", ["follower", "leader"])
+def test_when_one_process_of_a_learner_dies_the_other_exits_saying_so(tmp_path, dies):
+    """No syncer listens: the leader keeps trying to reach it, its follower waits in the next header.
+    Whichever dies (SIGKILL), the other's next collective fails: one line, exit status 6, in seconds
+    (the leader's heartbeat header every 5 s is that collective for the leader)."""
+    config = _lockstep_config(tmp_path, 2, **{"retry_budget_s = 15.0": "retry_budget_s = 300.0"})
+    coordinator, syncer = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+    env = _env(1)
+    procs = []
+    try:
+        for i in range(2):
+            with open(tmp_path / f"{i}.err", "w") as e:
+                procs.append(subprocess.Popen([sys.executable, *_learner_argv(config, i, coordinator, syncer)],
+                                              env=env, stdout=subprocess.DEVNULL, stderr=e))
+        deadline = time.monotonic() + 90
+        while "following the leader" not in (tmp_path / "1.err").read_text():
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), \
+                [(tmp_path / f"{i}.err").read_text()[-2000:] for i in range(2)]
+            time.sleep(0.2)
+        victim, survivor = (1, 0) if dies == "follower" else (0, 1)
+        procs[victim].kill()
+        procs[victim].wait()
+        t0 = time.monotonic()
+        rc = procs[survivor].wait(timeout=45)
+        took_s = time.monotonic() - t0
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+    err = (tmp_path / f"{survivor}.err").read_text()
+    assert rc == mh.EXIT_JOB_BROKEN, err[-3000:]
+    who = "learner-0 (process 0 of 2)" if survivor == 0 else "learner-0.p1 (process 1 of 2)"
+    assert f"{who}: stopping: the learner's job broke, another of its processes died or left" in err
+    assert took_s < 20, took_s
+    assert "Traceback" not in err and "Check failure" not in err
+
+
+def test_launch_names_a_learners_processes():
+    from wan_diloco.runtime.launch import learner_of, learner_process, process_name
+
+    assert learner_process("learner-3") == (3, 0) and learner_process("learner-3.p2") == (3, 2)
+    assert learner_of("learner-3.p2") == 3 and process_name(3, 0) == "learner-3" and process_name(3, 1) == "learner-3.p1"
+    for bad in ("learner-3.p0", "learner-03", "learner-3.p", "learner-3.p01", "syncer"):
+        with pytest.raises(ValueError, match="is not a learner's name"):
+            learner_process(bad)
+
+
+def test_the_run_state_hears_a_learner_through_its_leader():
+    from wan_diloco import spec as rt
+    from wan_diloco.runtime.launch import RunState
+
+    mon = RunState(rt.from_document({"run": {"learners": 1}, "learner": {"hosts": 2}}))
+    mon.fold("learner-0", {"event": "start", "eval_loss": 5.0})
+    mon.fold("learner-0.p1", {"event": "exit"})  # a follower's end says nothing about the learner
+    assert mon.learners[0]["status"] == "training"
+    mon.fold("learner-0", {"event": "exit"})
+    assert mon.learners[0]["status"] == "exited"

@@ -50,11 +50,16 @@ class LearnerConfig:
     # A networked learner that (re)joins with no state of its own takes a healthy peer's parameters,
     # inner optimizer and residuals (core.recovery) instead of starting a cold optimizer from Θ.
     peer_recovery: bool = True
+    # Processes of one learner (runtime.multihost): one per host, P local ones under `launch`. Process 0
+    # talks to the syncer; the others train in lockstep with it. 1: a single process.
+    hosts: int = 1
 
     def validate(self) -> None:
         require(self.sync_every >= 1, "sync_every", f"must be >= 1, got {self.sync_every}")
         require(self.num_fragments >= 1, "num_fragments", f"must be >= 1, got {self.num_fragments}")
         require(self.tau >= 0, "tau", f"must be >= 0, got {self.tau}")
+        require(isinstance(self.hosts, int) and not isinstance(self.hosts, bool) and self.hosts >= 1, "hosts",
+                f"must be a whole number >= 1 (processes of one learner), got {self.hosts!r}")
         # τ >= H/P is allowed (several fragments in flight at once); τ >= H would overtake the next sync.
         require(self.tau < self.sync_every, "tau", f"must be < sync_every ({self.sync_every}), got {self.tau}")
         require(0.0 <= self.alpha <= 1.0, "alpha", f"must be in [0, 1], got {self.alpha}")

@@ -65,7 +65,8 @@ class Child:
 
 
 PARENT_ENV = "WAN_DILOCO_PARENT_PID"
-_LEARNER_NAME = re.compile(r"learner-(0|[1-9][0-9]{0,8})")
+# learner-N, and learner-N.pI for process I > 0 of a learner of several processes (learner.hosts).
+_LEARNER_NAME = re.compile(r"learner-(0|[1-9][0-9]{0,8})(?:\.p([1-9][0-9]{0,4}))?")
 
 
 def die_with_parent() -> None:
@@ -86,11 +87,30 @@ def die_with_parent() -> None:
 
 
 def learner_of(name: str) -> int:
-    """``learner-N`` -> N (one spelling: ASCII digits, no leading zero); ValueError naming it otherwise."""
+    """``learner-N`` or ``learner-N.pI`` -> N (one spelling: ASCII digits, no leading zero); ValueError
+    naming it otherwise."""
+    return learner_process(name)[0]
+
+
+def learner_process(name: str) -> tuple[int, int]:
+    """``learner-N`` -> (N, 0), ``learner-N.pI`` -> (N, I): the learner and which of its processes (0, the
+    leader, keeps the plain name: it is the learner as the run sees it)."""
     match = _LEARNER_NAME.fullmatch(name)
     if match is None:
-        raise ValueError(f"{name!r} is not a learner's name (learner-N)")
-    return int(match.group(1))
+        raise ValueError(f"{name!r} is not a learner's name (learner-N, or learner-N.pI for its process I)")
+    return int(match.group(1)), int(match.group(2) or 0)
+
+
+def process_name(m: int, process: int) -> str:
+    return f"learner-{m}" + (f".p{process}" if process else "")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 def last_lines(path: Path, n: int = 1) -> list[str]:
@@ -163,8 +183,11 @@ class Cluster:
         elif run.platform == "gpu":
             env["JAX_PLATFORMS"] = "cuda"
             if run.devices_per_learner:
-                n, m = run.devices_per_learner, learner_of(name)
-                env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in range(m * n, (m + 1) * n))
+                # A learner of P processes splits its GPUs: process i gets the i-th block of N/P.
+                (m, i), hosts = learner_process(name), self.cfg.learner.hosts
+                n = run.devices_per_learner // hosts
+                first = m * run.devices_per_learner + i * n
+                env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in range(first, first + n))
         else:
             env.pop("JAX_PLATFORMS", None)
         return env
@@ -216,21 +239,56 @@ class Cluster:
         return f"{host}:{self.syncer_port}"
 
     def start_learner(self, m: int, resume: bool = False) -> Child:
-        name = f"learner-{m}"
-        old = self.children.get(name)
-        if old is not None and old.exit_code is None:
-            raise RuntimeError(f"{name} is still running")
-        return self._spawn(name, ["learner", "--config", str(self.config_path), "--id", str(m),
-                                  "--syncer", self.syncer_target] + (["--resume"] if resume else []))
+        """Start learner m; with ``learner.hosts`` = P > 1 as P processes meeting at a coordinator port of
+        their own on 127.0.0.1: ``learner-m`` (the leader: the learner as the run sees it, returned) and
+        ``learner-m.p1`` .. ``learner-m.p{P-1}``."""
+        names = [process_name(m, i) for i in range(self.cfg.learner.hosts)]
+        for name in names:
+            old = self.children.get(name)
+            if old is not None and old.exit_code is None:
+                raise RuntimeError(f"{name} is still running")
+        args = ["learner", "--config", str(self.config_path), "--id", str(m),
+                "--syncer", self.syncer_target] + (["--resume"] if resume else [])
+        if len(names) == 1:
+            return self._spawn(names[0], args)
+        coordinator = f"127.0.0.1:{free_port()}"
+        leader = self._spawn(names[0], args + ["--process-id", "0", "--num-processes", str(len(names)),
+                                               "--coordinator", coordinator])
+        for i, name in enumerate(names[1:], 1):
+            self._spawn(name, args + ["--process-id", str(i), "--num-processes", str(len(names)),
+                                      "--coordinator", coordinator])
+        return leader
+
+    def processes_of(self, name: str) -> list[Child]:
+        """A learner's processes that exist (its leader first), or just ``name``'s child (the syncer)."""
+        if name == "syncer" or learner_process(name)[1]:
+            return [self.children[name]]
+        m = learner_of(name)
+        return [c for i in range(self.cfg.learner.hosts) if (c := self.children.get(process_name(m, i)))]
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
-        child = self.children[name]
-        if child.exit_code is None:
+        """Signal ``name``; a learner's leader together with its followers (they ignore SIGTERM and
+        follow the leader's stop; SIGKILL would leave them to notice the broken job themselves)."""
+        children = self.processes_of(name)
+        if not children:
+            raise KeyError(name)
+        for child in children[:1] if sig != signal.SIGKILL else children:
+            if child.exit_code is None:
+                try:
+                    os.killpg(child.proc.pid, sig)
+                except ProcessLookupError:
+                    pass
+        for child in children:
             try:
-                os.killpg(child.proc.pid, sig)
-            except ProcessLookupError:
-                pass
-            child.proc.wait(10)
+                child.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                if child is children[0]:
+                    raise
+                try:
+                    os.killpg(child.proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                child.proc.wait(10)
 
     def stop_all(self, timeout_s: float = 5.0) -> None:
         """SIGTERM every child's process group, SIGKILL what is left after ``timeout_s``."""
@@ -287,7 +345,9 @@ class RunState:
             if kind in ("progress", "final", "listening"):
                 self.syncer.update(e)
             return
-        m = learner_of(name)
+        m, process = learner_process(name)
+        if process:  # a follower of a learner of several processes: the leader speaks for the learner
+            return
         row = self.learners[m]
         if kind == "start":
             self.starts.setdefault(m, e)
@@ -459,16 +519,18 @@ def _run(cfg: RunSpec, rdir: Path, watch: Callable[[RunState], None] | None,
                 except queue.Empty:
                     pass
                 sync = cluster.children["syncer"]
-                learners = [c for n, c in cluster.children.items() if n != "syncer"]
+                learners = [c for n, c in cluster.children.items() if n != "syncer" and not learner_process(n)[1]]
                 if sync.exit_code is not None:
                     if sync.exit_code != 0 or mon.syncer_final is None:
                         raise RunFailed(f"the syncer died: {died(sync)}")
-                    if all(c.exit_code is not None for c in learners) and cluster.events.empty():
+                    # Followers too: they exit once their leader told them (their logs end complete).
+                    if all(c.exit_code is not None for n, c in cluster.children.items() if n != "syncer") \
+                            and cluster.events.empty():
                         break
                 elif all(c.exit_code is not None and c.exit_code != 0 for c in learners):
                     raise RunFailed("every learner died:\n" + "\n".join(died(c, lines=3) for c in learners))
         failed = {c.name: (c.exit_code, str(c.log_path)) for n, c in cluster.children.items()
-                  if n != "syncer" and c.exit_code != 0}
+                  if n != "syncer" and not learner_process(n)[1] and c.exit_code != 0}
         summary = {**summarize(mon, time.monotonic() - t0), "run_dir": str(rdir), "failed_learners": failed,
                    "tensorboard": str(rdir / "tensorboard") if tb is not None else None}
         try:

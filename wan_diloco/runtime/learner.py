@@ -13,6 +13,12 @@ with ``resume`` it takes up its part of the snapshot the syncer resumed from
 incarnation from a snapshot is rejoined; one of another run, or restarted
 without a snapshot, stops the learner (``IncarnationError``), as does a
 final model that differs from the syncer's.
+
+A learner of ``learner.hosts`` = P > 1 processes (``runtime.multihost``) runs
+this loop in process 0, the leader, which also sends its followers a lockstep
+header before each of its collective computations (``Lockstep``); the
+followers run :func:`run_follower` and never touch the network. With P = 1
+none of that exists.
 """
 from __future__ import annotations
 
@@ -43,6 +49,7 @@ from wan_diloco.core import (
     ApplyGlobal, IncarnationError, ProtocolError, Rejoin, Resync, SaveState, SendFragment, SendMetadata, Snapshot,
     learner_node,
 )
+from wan_diloco.runtime import multihost as mh
 from wan_diloco.runtime import serde
 from wan_diloco.runtime.events import emit
 from wan_diloco.runtime.netthread import NetThread
@@ -53,6 +60,9 @@ from wan_diloco.transport.reach import diagnose
 
 REPLAN_MIN_STEPS = 5  # steps timed before τ is planned from a link (τ counts steps)
 JOIN_TRIES = 3
+# A multi-process learner's leader tells its followers it lives at least this often while it waits on
+# the network (they wait in the next header broadcast; a follower that died is noticed then too).
+HEARTBEAT_S = 5.0
 
 
 class SyncerLost(RuntimeError):
@@ -65,7 +75,8 @@ class Stopped(Exception):
 
 class Learner:
     def __init__(self, cfg: RunSpec, learner: int, target: str, token: str, parts: Assembly | None = None,
-                 resume: bool = False):
+                 resume: bool = False, lockstep: mh.Lockstep | None = None):
+        """``lockstep``: this is the leader of a multi-process learner (``parts`` on the global mesh)."""
         self.cfg, self.m = cfg, learner
         self.region = cfg.region(learner)
         parts = parts or Assembly(cfg, learner)
@@ -75,8 +86,11 @@ class Learner:
         self.core = parts.learner_core(learner)
         self.step_fn = parts.step_fn
         self.batches = parts.batches(learner)
+        self.ls = lockstep
         self.evaluate = lambda: parts.evaluate(self.state.params)
         self.evaluate_params = parts.evaluate
+        if lockstep is not None:
+            self.evaluate = self._evaluate_together
         self.target = target
         # Room for a few rounds of every fragment's update between two steps, and never less than 64 MiB.
         self.net = NetThread(target, token, cfg.transport, learner_node(learner), self.region, self.codec,
@@ -115,7 +129,10 @@ class Learner:
         for a in actions:
             if isinstance(a, ApplyGlobal):
                 flat = tree.flatten(self.state.params)
-                flat.update({n: jnp.asarray(v) for n, v in a.mixed(flat).items()})
+                # A multi-process leader mixes on the host: a jax op on the global arrays here would run
+                # on its own devices only, a computation its followers never join.
+                current = flat if self.ls is None else {n: np.asarray(flat[n]) for n in a.values}
+                flat.update({n: jnp.asarray(v) for n, v in a.mixed(current).items()})
                 self.state = train_lib.set_params(self.state, tree.unflatten(flat, self.state.params))
             elif isinstance(a, Snapshot):
                 flat = tree.flatten(self.state.params)
@@ -463,7 +480,10 @@ class Learner:
     def run(self) -> dict:
         self._reach_syncer()  # first: an unreachable syncer is said in seconds, not after a compile and a deadline
         # Compile before joining: the first step on a shared CPU can take longer than the liveness timeout.
-        jax.block_until_ready(self.step_fn(self.state, self.batches.next().tokens))
+        if self.ls is None:
+            jax.block_until_ready(self.step_fn(self.state, self.batches.next().tokens))
+        else:
+            self._step_together(self.batches.next().tokens, mh.OP_COMPILE)
         self.on_compiled()
         self.net.start()
         try:
@@ -520,7 +540,10 @@ class Learner:
             t0 = time.monotonic()
             batch = self.batches.next()
             self.core.begin_step(t0)
-            self.state, metrics = self.step_fn(self.state, batch.tokens)
+            if self.ls is None:
+                self.state, metrics = self.step_fn(self.state, batch.tokens)
+            else:
+                self.state, metrics = self._step_together(batch.tokens, mh.OP_STEP)
             loss = self.loss = float(metrics["loss"])  # also waits for the step to finish
             if self.cfg.run.min_step_s:
                 time.sleep(max(0.0, self.cfg.run.min_step_s - (time.monotonic() - t0)))
@@ -564,9 +587,34 @@ class Learner:
             return
         t0 = time.monotonic()
         flat = {n: v for fragment in self.core.base for n, v in fragment.items()}
-        loss = float(self.evaluate_params(tree.unflatten(flat, self.state.params)))
+        if self.ls is None:
+            loss = float(self.evaluate_params(tree.unflatten(flat, self.state.params)))
+        else:  # Θ is the leader's alone: it travels to the followers, then every process evaluates
+            with self.ls.turn():
+                self.state = self.ls.lead(mh.OP_EVAL_PARAMS, self.state)
+                params = self.ls.share_params(tree.unflatten(flat, self.state.params), self.state.params)
+                loss = float(self.evaluate_params(params))
         emit({"event": "eval", "role": "learner", "learner": self.m, "step": step, "eval_loss": loss,
               "versions": list(self.core.version), "tokens": self.tokens, "eval_s": round(time.monotonic() - t0, 3)})
+
+    # ---- a multi-process learner's leader ----------------------------------------------
+
+    def _step_together(self, tokens, op: int):
+        """One step of every process: the header (with the batch and what the leader changed), then the
+        step on each process's rows. ``OP_COMPILE`` keeps the old state (the step before the join)."""
+        with self.ls.turn():
+            self.state = self.ls.lead(op, self.state, tokens)
+            state, metrics = jax.block_until_ready(self.step_fn(self.state, self.ls.feed(tokens)))
+            if op == mh.OP_COMPILE:
+                return self.state, metrics
+            self.ls.stepped(state)
+            return state, metrics
+
+    def _evaluate_together(self) -> float:
+        """The held-out loss of the parameters every process holds (an evaluation is a collective)."""
+        with self.ls.turn():
+            self.state = self.ls.lead(mh.OP_EVAL, self.state)
+            return float(self.evaluate_params(self.state.params))
 
     def final_sync(self) -> dict:
         """Upload every fragment (flagged final); take the syncer's final fragments, by broadcast or bulk.
@@ -646,11 +694,16 @@ def named_digest(tensors: dict, prefix: str) -> str:
     return h.hexdigest()
 
 
-def run_learner(cfg: RunSpec, learner: int, target: str, token: str, resume: bool = False) -> int:
+def run_learner(cfg: RunSpec, learner: int, target: str, token: str, resume: bool = False,
+                parts: Assembly | None = None, lockstep: mh.Lockstep | None = None) -> int:
     """Process entry point: 0 after a completed final sync whose model equals the syncer's, 143 when
     stopped by a signal, 3 when the syncer was lost or is not the one this learner's model came
-    from, 4 when the final model differs from the syncer's."""
-    lrn = Learner(cfg, learner, target, token, resume=resume)
+    from, 4 when the final model differs from the syncer's.
+
+    With ``lockstep`` this is the leader of a multi-process learner: its followers are told to exit
+    with the same status at the end, and a follower that died ends it with
+    ``multihost.EXIT_JOB_BROKEN``."""
+    lrn = Learner(cfg, learner, target, token, parts=parts, resume=resume, lockstep=lockstep)
 
     def stop_cleanly() -> None:
         # Until the first compile is done there is nothing to finish or write: a signal's default
@@ -659,6 +712,26 @@ def run_learner(cfg: RunSpec, learner: int, target: str, token: str, resume: boo
             signal.signal(sig, lambda *_: lrn.stop.set())
 
     lrn.on_compiled = stop_cleanly
+    if lockstep is None:
+        return _run_to_end(lrn, learner, target)
+    lockstep.start_heartbeat(HEARTBEAT_S)
+    code = 1  # what the followers are told if the leader fails otherwise (a bug: its traceback follows)
+    try:
+        code = _run_to_end(lrn, learner, target)
+        return code
+    except mh.JobBroken as e:
+        emit({"event": "error", "role": "learner", "learner": learner,
+              "error": f"the learner's job broke, another of its processes died or left: {e}"})
+        mh.broken(lockstep.name, str(e))
+        raise  # not reached: broken() ends the process
+    finally:
+        try:
+            lockstep.stop(code)
+        except mh.JobBroken as e:
+            mh.broken(lockstep.name, str(e))
+
+
+def _run_to_end(lrn: Learner, learner: int, target: str) -> int:
     try:
         result = lrn.run()
     except (IncarnationError, SyncerLost, TransportError, MessageError) as e:  # the network, not a bug: one line
@@ -675,3 +748,51 @@ def run_learner(cfg: RunSpec, learner: int, target: str, token: str, resume: boo
         print(f"learner-{learner}: final fragments {result['digest_mismatch']} differ from the syncer's", file=sys.stderr)
         return 4
     return 0 if result["event"] == "final" else 143
+
+
+def run_follower(parts: Assembly, lockstep: mh.Lockstep) -> int:
+    """Process entry point of a follower (process 1.. of a multi-process learner): no network, no protocol
+    state; it does what each header of the leader says, with the same jitted computations in the same
+    order, and exits with the status the leader says. Signals are ignored: the leader decides when the
+    job stops (it stops cleanly on its own signal and tells the followers)."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+    print(f"{lockstep.name}: following the leader (process 0)", file=sys.stderr, flush=True)
+    state = parts.state0
+    try:
+        while True:
+            op, arg, state, tokens = lockstep.follow(state)
+            if op == mh.OP_STOP:
+                return arg
+            if op in (mh.OP_STEP, mh.OP_COMPILE):
+                new, _ = jax.block_until_ready(parts.step_fn(state, lockstep.feed(tokens)))
+                if op == mh.OP_STEP:
+                    state = new
+                    lockstep.stepped(state)
+            elif op == mh.OP_EVAL:
+                float(parts.evaluate(state.params))
+            elif op == mh.OP_EVAL_PARAMS:
+                float(parts.evaluate(lockstep.share_params(None, state.params)))
+            elif op != mh.OP_WAIT:
+                mh.broken(lockstep.name, f"the leader sent op {op}, which this version does not know")
+    except (mh.JobBroken, jax.errors.JaxRuntimeError) as e:
+        mh.broken(lockstep.name, str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)
+    raise AssertionError("not reached")
+
+
+def run_multihost(cfg: RunSpec, learner: int, target: str, token: str, mcfg: mh.MultihostConfig,
+                  resume: bool = False) -> int:
+    """Process entry point of one process of a multi-process learner, once ``multihost.initialize`` has
+    joined the job: process 0 leads (``run_learner``), the others follow (``run_follower``)."""
+    mesh = mh.global_mesh()
+    parts = Assembly(cfg, learner, mesh=mesh)
+    who = f"learner-{learner}" + (f".p{mcfg.process_id}" if mcfg.process_id else "")
+    lockstep = mh.Lockstep(mesh, parts.state0, (cfg.run.batch_size, cfg.model.seq_len + 1), mcfg.process_id,
+                           mcfg.num_processes, name=f"{who} (process {mcfg.process_id} of {mcfg.num_processes})")
+    try:
+        lockstep.handshake()
+    except mh.JobBroken as e:
+        mh.broken(lockstep.name, str(e))
+    if mcfg.leader:
+        return run_learner(cfg, learner, target, token, resume=resume, parts=parts, lockstep=lockstep)
+    return run_follower(parts, lockstep)
