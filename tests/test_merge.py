@@ -69,3 +69,62 @@ def test_merge_fragment_embeddings_use_mean():
 def test_bad_inputs(deltas, weights, match):
     with pytest.raises(ValueError, match=match):
         merge.rda(deltas, weights)
+
+
+def _fragments(m, seed=0):
+    """M learners' Δs of a fragment whose big tensor spans several chunks (and a ragged tail)."""
+    rng = np.random.default_rng(seed)
+    shapes = {"block_0/w": (3, merge.CHUNK + 11), "block_0/b": (5,), "embed/embedding": (merge.CHUNK // 2 + 3, 2)}
+    return [{n: (rng.normal(size=s) * rng.uniform(0.1, 2)).astype(np.float32) for n, s in shapes.items()}
+            for _ in range(m)]
+
+
+def _reference(contributions, w, method):
+    """The float64 formulas, tensor by tensor."""
+    w = np.asarray(w, np.float64)
+    out = {}
+    for n in contributions[0]:
+        ds = [c[n].astype(np.float64) for c in contributions]
+        if method == "rda" and not n.startswith("embed"):
+            norms = np.array([np.linalg.norm(d) for d in ds])
+            direction = sum(wm / nm * d for wm, nm, d in zip(w, norms, ds))
+            out[n] = direction / np.linalg.norm(direction) * (w * norms).sum() / w.sum()
+        else:
+            out[n] = sum(wm * d for wm, d in zip(w, ds)) / w.sum()
+    return out
+
+
+@pytest.mark.parametrize("method", ["rda", "mean"])
+def test_parallel_merge_equals_serial_bit_for_bit_and_the_float64_formulas(method):
+    cs = _fragments(4)
+    w = [1.0, 3.0, 0.5, 2.0]
+    serial = merge.merge_fragment(cs, w, method, lambda n: n.startswith("embed"))
+    parallel = merge.merge_fragment(cs, w, method, lambda n: n.startswith("embed"), merge.Workers(3))
+    ref = _reference(cs, w, method)
+    for n in ref:
+        assert serial[n].dtype == np.float32 and serial[n].shape == ref[n].shape
+        np.testing.assert_array_equal(serial[n].view(np.uint32), parallel[n].view(np.uint32))
+        np.testing.assert_allclose(serial[n], ref[n], rtol=2e-5, atol=1e-6 * np.abs(ref[n]).max())
+
+
+def test_sum_squares_per_tensor():
+    big = np.linspace(-1, 1, merge.CHUNK * 2 + 5, dtype=np.float32)
+    arrays = [big, np.float32([3, 4]), np.zeros(0, np.float32), np.float32([1e30, 1e30])]
+    for workers in (merge.SERIAL, merge.Workers(2)):
+        got = merge.sum_squares(arrays, workers)
+        np.testing.assert_allclose(got[:3], [np.sum(big.astype(np.float64) ** 2), 25.0, 0.0], rtol=1e-6)
+        assert got[3] == pytest.approx(2e60)  # float32 squares overflow: summed in float64 instead
+    assert not np.isfinite(merge.sum_squares([np.float32([1, np.nan]), np.float32([np.inf])])).any()
+
+
+def test_chunks_cover_every_value_once():
+    sizes = [0, 1, merge.CHUNK, merge.CHUNK * 2 + 1]
+    items = merge.chunks(sizes)
+    for t, n in enumerate(sizes):
+        spans = [(a, b) for i, a, b in items if i == t]
+        assert sum(b - a for a, b in spans) == n and all(b - a <= merge.CHUNK for a, b in spans)
+
+
+def test_workers_must_be_positive():
+    with pytest.raises(ValueError, match="workers"):
+        merge.Workers(0)

@@ -34,3 +34,60 @@ def test_lr_one_no_momentum_is_plain_averaging():
 def test_bad_config():
     with pytest.raises(ConfigError, match="momentum"):
         from_mapping(OuterConfig, {"momentum": 1.0})
+
+
+@pytest.mark.parametrize("cfg", [OuterConfig(lr=0.4, momentum=0.6), OuterConfig(lr=0.7, momentum=0.9, nesterov=False),
+                                 OuterConfig(lr=0.5, momentum=0.0)])
+def test_numpy_step_matches_optax_over_several_steps(cfg):
+    import jax
+    import optax
+
+    from wan_diloco.merge import CHUNK, Workers
+    from wan_diloco.outer import make_outer_optimizer
+
+    rng = np.random.default_rng(0)
+    theta = {"a": rng.normal(size=(3, 5)).astype(np.float32), "b": rng.normal(size=CHUNK + 7).astype(np.float32)}
+    opt = OuterOptimizer(cfg, {0: theta})
+    tx = make_outer_optimizer(cfg)
+    ref_theta, ref_state = dict(theta), tx.init(theta)
+    ours = dict(theta)
+    for k in range(4):
+        delta = {n: (rng.normal(size=a.shape) * 0.1).astype(np.float32) for n, a in theta.items()}
+        updates, ref_state = tx.update(delta, ref_state, ref_theta)
+        ref_theta = optax.apply_updates(ref_theta, updates)
+        ours = opt.step(0, ours, delta) if k % 2 else _update_commit(opt, ours, delta, Workers(2))
+        for n in theta:  # the same float32 operations: equal up to XLA's own fusions (1 ulp)
+            np.testing.assert_array_max_ulp(ours[n], np.asarray(ref_theta[n]), maxulp=1)
+    # The state keeps optax's pytree, so snapshots keep their tensor names.
+    from wan_diloco import tree
+    assert tree.to_named(opt.states[0], "outer/0").keys() == tree.to_named(ref_state, "outer/0").keys()
+    for n, a in tree.to_named(ref_state, "outer/0").items():
+        np.testing.assert_array_max_ulp(tree.to_named(opt.states[0], "outer/0")[n], a, maxulp=1)
+    assert jax.tree.structure(opt.states[0]) == jax.tree.structure(jax.tree.map(np.asarray, ref_state))
+
+
+def _update_commit(opt, params, delta, workers):
+    u = opt.update(0, delta, workers)
+    opt.commit(0, delta, workers)
+    return {n: params[n] + u[n] for n in params}
+
+
+def test_update_leaves_the_momentum_until_commit():
+    theta = {"w": np.zeros(4, np.float32)}
+    opt = OuterOptimizer(OuterConfig(lr=1.0, momentum=0.5), {0: theta})
+    before = np.array(opt.states[0][0].trace["w"])
+    opt.update(0, {"w": np.ones(4, np.float32)})
+    np.testing.assert_array_equal(opt.states[0][0].trace["w"], before)
+    opt.commit(0, {"w": np.ones(4, np.float32)})
+    np.testing.assert_array_equal(opt.states[0][0].trace["w"], 1.0)
+
+
+def test_set_state_copies_a_read_only_snapshot_state():
+    theta = {"w": np.zeros(2, np.float32)}
+    opt = OuterOptimizer(OuterConfig(lr=1.0, momentum=0.5), {0: theta})
+    frozen = np.array([1.0, 2.0], np.float32)
+    frozen.flags.writeable = False
+    opt.set_state(0, (opt.states[0][0]._replace(trace={"w": frozen}), opt.states[0][1]))
+    opt.commit(0, {"w": np.ones(2, np.float32)})  # writes into its own copy
+    np.testing.assert_array_equal(opt.states[0][0].trace["w"], [1.5, 2.0])
+    np.testing.assert_array_equal(frozen, [1.0, 2.0])

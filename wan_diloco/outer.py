@@ -1,15 +1,20 @@
-"""Outer optimizer (docs/method.md, "Syncer loop"): optax Nesterov SGD on pseudo-gradients, per fragment."""
+"""Outer optimizer (docs/method.md, "Syncer loop"): Nesterov SGD on pseudo-gradients, per fragment.
+
+The math is optax.sgd(lr, momentum, nesterov) computed in place in numpy: the jitted optax step
+copied every tensor numpy -> jax -> numpy and took ~5x longer on the syncer's CPU. The state
+stays optax's own pytree (``TraceState`` in a chain), so snapshots keep their tensor names.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, Mapping
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 
 from wan_diloco.config import require
+from wan_diloco.merge import SERIAL, Workers, chunks
 
 
 @dataclass(frozen=True)
@@ -28,34 +33,83 @@ class OuterConfig:
 
 
 def make_outer_optimizer(cfg: OuterConfig) -> optax.GradientTransformation:
+    """The optax transformation ``OuterOptimizer`` reproduces (its state layout, and the reference in tests)."""
     return optax.sgd(cfg.lr, momentum=cfg.momentum or None, nesterov=cfg.nesterov and cfg.momentum > 0)
 
 
 class OuterOptimizer:
-    """Holds one optax state per fragment; ``step`` applies a merged Δ to Θ_p.
+    """Holds one optax-shaped state per fragment; ``update`` + ``commit`` (or ``step``) apply a merged Δ.
 
-    The pseudo-gradient Δ = Θ − θ points like a gradient, so Θ ← Θ + update(Δ).
+    The pseudo-gradient Δ = Θ − θ points like a gradient, so Θ ← Θ + update(Δ). optax's formulas,
+    in float32 with the same operation order (so the same bits, up to XLA's own fusions):
+    trace ← Δ + μ·trace; update = −lr·(Δ + μ·trace) with Nesterov, −lr·trace without, −lr·Δ for μ = 0.
     """
 
     def __init__(self, cfg: OuterConfig, fragments: Mapping[int, Mapping[str, np.ndarray]]):
         self.cfg = cfg
         self.tx = make_outer_optimizer(cfg)
-        self.states: dict[int, Any] = {p: self.tx.init(dict(params)) for p, params in fragments.items()}
-        tx = self.tx
+        self._mu = np.float32(cfg.momentum) if cfg.momentum > 0 else None
+        self._neg_lr = np.float32(-cfg.lr)
+        self._nesterov = cfg.nesterov and cfg.momentum > 0
+        self.states: dict[int, Any] = {}
+        for p, params in fragments.items():
+            self.set_state(p, self.tx.init({n: np.zeros(np.shape(a), np.float32) for n, a in params.items()}))
 
-        @jax.jit
-        def _step(params, delta, state):
-            updates, state = tx.update(delta, state, params)
-            return optax.apply_updates(params, updates), state
+    def set_state(self, p: int, state: Any) -> None:
+        """Adopt ``state`` (optax's pytree, e.g. from a snapshot) as writable host copies: ``commit``
+        writes into them, and a snapshot's arrays may be read-only or shared."""
+        self.states[p] = jax.tree.map(lambda a: np.array(a, dtype=np.float32), state)
 
-        self._step = _step
+    def _trace(self, p: int) -> Mapping[str, np.ndarray] | None:
+        return self.states[p][0].trace if self._mu is not None else None
 
     def warm_up(self, p: int, params: Mapping[str, np.ndarray]) -> None:
-        """Compile the step for fragment p's shapes (the result is discarded)."""
-        zeros = {k: np.zeros_like(v) for k, v in params.items()}
-        jax.block_until_ready(self._step(dict(params), zeros, self.states[p]))
+        """Nothing to compile any more (kept for the drivers)."""
+
+    def update(self, p: int, delta: Mapping[str, np.ndarray], workers: Workers = SERIAL) -> dict[str, np.ndarray]:
+        """The update of fragment p for ``delta`` (float32, fresh arrays); its momentum is untouched
+        until ``commit``, so a refused merge leaves it as it was."""
+        names = list(delta)
+        g = [np.ravel(delta[n]) for n in names]
+        trace = self._trace(p)
+        t = None if trace is None else [np.ravel(trace[n]) for n in names]
+        out = [np.empty(x.size, np.float32) for x in g]
+
+        def run(it) -> None:
+            i, a, b = it
+            u, gi = out[i][a:b], g[i][a:b]
+            if t is None:
+                np.multiply(gi, self._neg_lr, out=u)
+                return
+            np.multiply(t[i][a:b], self._mu, out=u)  # the new trace: g + mu * trace
+            u += gi
+            if self._nesterov:
+                u *= self._mu
+                u += gi
+            u *= self._neg_lr
+
+        workers.map(run, chunks([x.size for x in g]))
+        return {n: u.reshape(np.shape(delta[n])) for n, u in zip(names, out)}
+
+    def commit(self, p: int, delta: Mapping[str, np.ndarray], workers: Workers = SERIAL) -> None:
+        """Advance fragment p's momentum by ``delta`` (the one ``update`` saw), in place."""
+        trace = self._trace(p)
+        if trace is None:
+            return
+        names = list(delta)
+        g = [np.ravel(delta[n]) for n in names]
+        t = [trace[n].reshape(-1) for n in names]  # views: the arrays are ours (``set_state``)
+
+        def run(it) -> None:
+            i, a, b = it
+            ti = t[i][a:b]
+            ti *= self._mu
+            ti += g[i][a:b]
+
+        workers.map(run, chunks([x.size for x in g]))
 
     def step(self, p: int, params: Mapping[str, np.ndarray], delta: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """Return the new Θ_p (float32 numpy) and advance fragment p's momentum."""
-        new, self.states[p] = self._step(dict(params), {k: jnp.asarray(v) for k, v in delta.items()}, self.states[p])
-        return {k: np.asarray(v, dtype=np.float32) for k, v in new.items()}
+        """Return the new Θ_p (float32) and advance fragment p's momentum."""
+        u = self.update(p, delta)
+        self.commit(p, delta)
+        return {n: np.add(params[n], u[n], dtype=np.float32) for n in u}

@@ -277,3 +277,82 @@ def test_a_shards_snapshot_restores_into_the_same_shard_only():
 def test_owned_fragments_must_be_a_subset(owned):
     with pytest.raises(ValueError, match="owned fragments must be a non-empty subset of 0..1"):
         SyncerCore(SyncerConfig(num_learners=3, tau=2), FRAGS, PARAMS, is_embedding, CODEC, owned=owned)
+
+
+def _sq(theta):
+    return float(sum(np.sum(a.astype(np.float64) ** 2) for a in theta.values()))
+
+
+def test_the_cached_theta_norm_follows_every_merge_and_restore():
+    s = make(quorum=1, grace=False, max_delta_ratio=1.0)
+    s.on_fragment(0.0, upload(0))
+    assert s.theta_sq[0] == pytest.approx(_sq(s.theta[0]), rel=1e-6)  # set by the merge, for the next check
+    tensors, info = s.export()
+    s.on_fragment(1.0, upload(1, due=16, base_version=1))
+    assert s.version[0] == 2 and s.theta_sq[0] == pytest.approx(_sq(s.theta[0]), rel=1e-6)
+    # A snapshot with a far larger Θ: the next check must use its norm, not the cached one.
+    tensors = {**tensors, "theta/0/block_0/w": np.full(3, 100.0, np.float32)}
+    s.restore(tensors, info)
+    assert s.theta_sq == [None, None]
+    big = np.full(3, 20.0, np.float32)  # |Δ| = 34.6: over 1 x |Θ| = 3.7 before, under 173 after
+    [b] = s.on_fragment(2.0, dataclasses.replace(upload(2, due=24, delta=big, base_version=1), epoch=0))
+    assert b.msg.to_version == 2 and s.theta_sq[0] == pytest.approx(_sq(s.theta[0]), rel=1e-6)
+
+
+def test_nan_in_one_of_several_tensors_is_refused_naming_it():
+    frags = [("block_0/w", "block_0/v")]
+    params = {"block_0/w": np.ones(3, np.float32), "block_0/v": np.ones(2, np.float32)}
+    from wan_diloco.compression import CodecConfig, FragmentCodec
+    from wan_diloco.fragments import Layout
+    codec = FragmentCodec(CodecConfig(bits=32), Layout(frags, {n: a.shape for n, a in params.items()}))
+    s = SyncerCore(SyncerConfig(num_learners=2, quorum=2), frags, params, is_embedding, codec)
+    bad = dataclasses.replace(upload(0), delta={"block_0/w": np.zeros(3, np.float32),
+                                                "block_0/v": np.float32([0.0, np.inf])})
+    with pytest.raises(ProtocolError, match="'block_0/v' from learner 0: NaN or Inf"):
+        s.on_fragment(0.0, bad)
+    assert s.rounds == {} and s.stats.quarantines == 0 and 0 not in s.learners
+
+
+def test_a_snapshot_of_the_optax_state_layout_restores():
+    """Snapshots written while the outer step ran in optax (state: optax's pytree) still restore."""
+    import optax
+
+    from wan_diloco import tree
+    s = make(quorum=1, grace=False)
+    s.on_fragment(0.0, upload(0))
+    tensors, info = s.export()
+    tx = optax.sgd(0.4, momentum=0.6, nesterov=True)
+    old = {k: v for k, v in tensors.items() if not k.startswith("outer/")}
+    for p, names in enumerate(FRAGS):
+        state = tx.init({n: PARAMS[n] for n in names})
+        state = (state[0]._replace(trace={n: np.full(PARAMS[n].shape, 0.25, np.float32) for n in names}), state[1])
+        old.update(tree.to_named(state, f"outer/{p}"))
+    assert old.keys() == tensors.keys()
+    again = make(quorum=1, grace=False)
+    again.restore(old, info)
+    assert (again.outer.states[0][0].trace["block_0/w"] == 0.25).all()
+    [b] = again.on_fragment(1.0, dataclasses.replace(upload(1, due=16, base_version=1), epoch=0))
+    assert b.msg.to_version == 2 and (again.outer.states[0][0].trace["block_0/w"] != 0.25).all()
+
+
+def test_a_syncer_with_worker_threads_merges_bit_identically():
+    from wan_diloco.merge import CHUNK
+    frags = [("block_0/w",)]
+    rng = np.random.default_rng(1)
+    params = {"block_0/w": rng.normal(size=2 * CHUNK + 5).astype(np.float32)}
+    from wan_diloco.compression import CodecConfig, FragmentCodec
+    from wan_diloco.fragments import Layout
+    codec = FragmentCodec(CodecConfig(bits=8), Layout(frags, {"block_0/w": params["block_0/w"].shape}))
+    deltas = [rng.normal(size=params["block_0/w"].shape).astype(np.float32) * 0.01 for _ in range(2)]
+    out = []
+    for workers in (1, 2):
+        s = SyncerCore(SyncerConfig(num_learners=2, quorum=2, grace=False), frags, params, is_embedding, codec,
+                       workers=workers)
+        for k in range(2):  # two rounds: the momentum carries over
+            for m in range(2):
+                up = dataclasses.replace(upload(m, due=8 * (k + 1), base_version=k), delta={"block_0/w": deltas[m]})
+                got = s.on_fragment(float(k), up)
+        out.append((got[0].msg.payload, s.theta[0]["block_0/w"], s.outer.states[0][0].trace["block_0/w"]))
+    assert out[0][0] == out[1][0]
+    np.testing.assert_array_equal(out[0][1], out[1][1])
+    np.testing.assert_array_equal(out[0][2], out[1][2])

@@ -33,7 +33,7 @@ from wan_diloco.core.protocol import (
     encode_or_refuse,
     learner_node,
 )
-from wan_diloco.merge import MergeMethod, merge_fragment, token_weights
+from wan_diloco.merge import MergeMethod, Workers, chunks, merge_fragment, sum_squares, token_weights
 from wan_diloco.outer import OuterConfig, OuterOptimizer
 
 
@@ -136,9 +136,11 @@ class SyncerCore:
         is_embedding: Callable[[str], bool],
         codec: Codec,
         owned: Sequence[int] | None = None,
+        workers: int | None = None,
     ):
         """``owned``: the fragments this core merges (a syncer shard's); None: all of them. Θ and
-        outer state exist only for those; ``params`` needs only their tensors."""
+        outer state exist only for those; ``params`` needs only their tensors. ``workers``: threads
+        for the checks, merge and outer step of a fragment (None: one per core; 1: none)."""
         cfg.validate()
         self.cfg = cfg
         self.fragments = fragments
@@ -152,6 +154,10 @@ class SyncerCore:
         self.theta = [{n: np.array(params[n], dtype=np.float32) for n in f} if p in mine else {}
                       for p, f in enumerate(fragments)]
         self.version = [0] * len(fragments)
+        # ||Θ_p||² for the norm check: Θ_p changes only in ``_close`` and ``restore``, which set it
+        # (None: compute on the next upload).
+        self.theta_sq: list[float | None] = [None] * len(fragments)
+        self.workers = Workers(workers)
         self.outer = OuterOptimizer(cfg.outer, {p: self.theta[p] for p in self.owned})
         self.rounds: dict[tuple[int, int], _Round] = {}
         self.carried: list[dict[int, FragmentUpload]] = [{} for _ in fragments]  # per fragment, per learner
@@ -318,12 +324,19 @@ class SyncerCore:
                                 f"and {SYNCER!r}")
 
     def _check_norm(self, now_s: float, msg: FragmentUpload) -> None:
-        """Refuse an absurd Δ (see ``max_delta_ratio``) and quarantine the learner that sent it."""
-        delta = math.sqrt(sum(float(np.sum(np.square(d, dtype=np.float64))) for d in msg.delta.values()))
-        theta = math.sqrt(sum(float(np.sum(np.square(t, dtype=np.float64))) for t in self.theta[msg.fragment].values()))
+        """Refuse NaN/Inf in Δ, and an absurd Δ (see ``max_delta_ratio``), quarantining the learner that
+        sent the latter. One pass over Δ serves both: NaN or Inf makes its sum of squares non-finite."""
+        sq = sum_squares(list(msg.delta.values()), self.workers)
+        if not np.all(np.isfinite(sq)):
+            bad = next(n for n, x in zip(msg.delta, sq) if not math.isfinite(x))
+            raise ProtocolError(f"{bad!r} from learner {msg.learner}: NaN or Inf in the outer gradient")
+        p = msg.fragment
+        if self.theta_sq[p] is None:
+            self.theta_sq[p] = float(sum_squares(list(self.theta[p].values()), self.workers).sum())
+        delta, theta = math.sqrt(float(sq.sum())), math.sqrt(self.theta_sq[p])
         limit = self.cfg.max_delta_ratio * max(theta, 1.0)
         if delta > limit:
-            why = (f"outer gradient of fragment {msg.fragment} has norm {delta:.3g}, over {self.cfg.max_delta_ratio:g}"
+            why = (f"outer gradient of fragment {p} has norm {delta:.3g}, over {self.cfg.max_delta_ratio:g}"
                    f" x max(|Theta|, 1) = {limit:.3g}")
             self.quarantine(now_s, msg.learner, why)
             raise ProtocolError(f"learner {msg.learner}: {why}; quarantined for {self.cfg.quarantine_s:g} s")
@@ -358,8 +371,7 @@ class SyncerCore:
         for n, d in msg.delta.items():
             if d.shape != theta[n].shape:
                 raise ProtocolError(f"{n!r} from learner {msg.learner}: shape {d.shape}, expected {theta[n].shape}")
-            if not np.all(np.isfinite(d)):
-                raise ProtocolError(f"{n!r} from learner {msg.learner}: NaN or Inf in the outer gradient")
+        # NaN and Inf are refused by ``_check_norm``, in the same pass as the norm.
 
     def _late(self, msgs) -> None:
         """Δs whose round closed without them: carried into the fragment's next merge, or dropped."""
@@ -432,24 +444,25 @@ class SyncerCore:
         weights = token_weights([u.c_tokens for u in ups], [u.c_steps for u in ups])
         if weights.sum() <= 0:
             weights = np.ones(len(ups))
-        delta = merge_fragment([u.delta for u in ups], weights, self.cfg.merge, self.is_embedding)
-        theta = self.theta[p]
-        momentum = self.outer.states[p]
+        delta = merge_fragment([u.delta for u in ups], weights, self.cfg.merge, self.is_embedding, self.workers)
         try:
             with np.errstate(over="ignore", invalid="ignore"):
-                new = self.outer.step(p, theta, delta)
-                change = {n: new[n] - theta[n] for n in theta}
-            if not all(np.all(np.isfinite(c)) for c in change.values()):
-                raise ProtocolError("the outer step overflowed (non-finite result)")
+                update = self.outer.update(p, delta, self.workers)
             # Everyone, the syncer included, applies the same decoded update: all copies stay bit-identical.
-            enc = encode_or_refuse(self.codec, change, f"update of fragment {p}")
+            # The codec refuses a non-finite update (an outer step that overflowed).
+            enc = encode_or_refuse(self.codec, update, f"update of fragment {p}")
+            # New arrays, not in place: a snapshot being written shares the old ones (``export``).
+            new = _add(self.theta[p], enc.values, self.workers)
+            theta_sq = float(sum_squares(list(new.values()), self.workers).sum())  # the next norm check's
+            if not math.isfinite(theta_sq):
+                raise ProtocolError("the outer step overflowed (non-finite result)")
         except ProtocolError as e:
             # Θ_p and its momentum stay as they were; the learners keep their Δs' steps in θ and send again.
-            self.outer.states[p] = momentum
             self.stats.refused_rounds += 1
             self.notices.append(f"merge of fragment {p} (due step {due}, learners {learners}) refused: {e}")
             return []
-        self.theta[p] = {n: theta[n] + enc.values[n] for n in theta}
+        self.outer.commit(p, delta, self.workers)
+        self.theta[p], self.theta_sq[p] = new, theta_sq
         from_version = self.version[p]
         self.version[p] += 1
         self.last_closed_due[p] = max(self.last_closed_due[p], due)
@@ -556,7 +569,9 @@ class SyncerCore:
         clock = VectorClock.from_dict(info["clock"])
         merged = {(int(m), int(p)): int(v) for m, p, v in info["merged_at"]}
         self.theta, self.version, self.last_closed_due = theta, versions, last_due
-        self.outer.states.update(outer)
+        self.theta_sq = [None] * P
+        for p, state in outer.items():
+            self.outer.set_state(p, state)
         self.stats.fragment_syncs = syncs
         self.global_step, self.clock, self.merged_at = int(info["global_step"]), clock, merged
         self.run_id, self.epoch, self.snapshot_id = str(info["run_id"]), int(info["epoch"]), int(info["snapshot"])
@@ -571,3 +586,18 @@ def _combine(a: FragmentUpload, b: FragmentUpload) -> FragmentUpload:
         c_tokens=a.c_tokens + b.c_tokens, base_version=min(a.base_version, b.base_version), nbytes=a.nbytes + b.nbytes,
         payload=None,
     )
+
+
+def _add(a: Tensors, b: Tensors, workers: Workers) -> dict[str, np.ndarray]:
+    """{n: a[n] + b[n]} in fresh float32 arrays, chunk by chunk on ``workers``."""
+    names = list(a)
+    xs, ys = [np.ravel(a[n]) for n in names], [np.ravel(b[n]) for n in names]
+    out = [np.empty(x.size, np.float32) for x in xs]
+
+    def run(it) -> None:
+        i, lo, hi = it
+        np.add(xs[i][lo:hi], ys[i][lo:hi], out=out[i][lo:hi])
+
+    with np.errstate(over="ignore", invalid="ignore"):
+        workers.map(run, chunks([x.size for x in xs]))
+    return {n: o.reshape(np.shape(a[n])) for n, o in zip(names, out)}
