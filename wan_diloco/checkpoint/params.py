@@ -44,3 +44,24 @@ def load_params(path: str | Path, like: Any = None) -> tuple[Any, dict[str, Any]
     if extra:
         raise CheckpointError(f"{path}: unexpected tensors {extra[:3]} (a different model?)")
     return tree.unflatten(flat, like), info
+
+
+def join_params(parts: list[Path], out: Path) -> Path:
+    """One parameter file from files holding disjoint tensors of one model (the syncer shards' finals):
+    their tensors together, and the first file's info with every file's fragment digests."""
+    flat: dict[str, np.ndarray] = {}
+    info: dict[str, Any] = {}
+    for path in parts:
+        tensors, part_info = load_params(path)
+        twice = sorted(set(tensors) & set(flat))
+        if twice:
+            raise CheckpointError(f"{path}: tensor {twice[0]!r} is in another part too (not one model's shards?)")
+        flat.update(tensors)
+        if not info:
+            info = {k: v for k, v in part_info.items() if k not in ("shard", "owned")}
+        digests = info.get("digests")
+        for p, d in enumerate(part_info.get("digests") or []):
+            if d is not None and digests is not None and p < len(digests):
+                digests[p] = d
+    save_params(out, flat, info)
+    return out

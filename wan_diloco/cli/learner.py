@@ -15,7 +15,8 @@ from wan_diloco import spec as spec_lib
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", metavar="TOML", help="run config (default: the embedded local default)")
     p.add_argument("--id", type=int, required=True, help="learner index, 0..run.learners-1")
-    p.add_argument("--syncer", required=True, metavar="HOST:PORT", help="the syncer's gRPC address")
+    p.add_argument("--syncer", required=True, metavar="HOST:PORT[,...]",
+                   help="the syncer's gRPC address; with syncer.shards = S, every shard's, in shard order")
     p.add_argument("--resume", action="store_true",
                    help="take up this learner's part of the snapshot the syncer resumed from (checkpoint.dir)")
     p.add_argument("--devices", metavar="I,J", help="this learner's devices: indices into jax.local_devices() "
@@ -77,7 +78,11 @@ def run(args: argparse.Namespace) -> int:
         cfg = cfg.with_changes(run={"devices": [int(i) for i in ids]})
     require(0 <= args.id < cfg.run.learners, "id", f"must be in 0..{cfg.run.learners - 1}, got {args.id}")
     cfg, mcfg = multihost_config(args, cfg)
-    target = args.syncer.removeprefix("http://").removeprefix("https://")
+    targets = [t.strip().removeprefix("http://").removeprefix("https://") for t in args.syncer.split(",")]
+    require(len(targets) == cfg.syncer.shards and all(targets), "--syncer",
+            f"names {len(targets)} address(es); syncer.shards = {cfg.syncer.shards} needs one HOST:PORT per "
+            f"shard, in shard order")
+    target = ",".join(targets)
     if mcfg is not None:
         from wan_diloco.runtime import multihost
 

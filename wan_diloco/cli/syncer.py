@@ -26,6 +26,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shard", type=int, default=0, metavar="S",
                    help="which of the syncer.shards shards this process is (0..shards-1); it merges only the "
                         "fragments shards.owners gives it")
+    p.add_argument("--shard-status", metavar="URL,...",
+                   help="shard 0: the other shards' status URLs (shards 1.. in order); its /status then shows "
+                        "the whole run")
     add_view_arguments(p)
 
 
@@ -39,7 +42,7 @@ def add_view_arguments(p: argparse.ArgumentParser) -> None:
 
 
 async def serve(cfg: spec_lib.RunSpec, token: str, port: int | None = None, resume: bool = False,
-                view=None, shard: int = 0) -> int:
+                view=None, shard: int = 0, shard_status: list[str] | None = None) -> int:
     """Run the syncer; returns 0 after a completed final sync, 143 when stopped by a signal. ``view``
     (cli.live.ProcessView) is shown the learners as the syncer sees them at each report."""
     from wan_diloco.runtime.syncer import SyncerService
@@ -53,7 +56,15 @@ async def serve(cfg: spec_lib.RunSpec, token: str, port: int | None = None, resu
                              metrics, name="syncer", per_sender_tokens=cfg.transport.per_learner_tokens)
     service.peer_links = server.peer_links  # one dict: the server records, /status shows
     # The run's token guards /status and /metrics; HTTPS with the gRPC port's certificate when it has one.
-    status = (StatusServer(service.status, metrics, host, cfg.run.status_port, token=token, tls=cfg.transport.tls)
+    status_fn = service.status
+    if shard_status:
+        from wan_diloco.runtime.shard_status import ShardStatus
+
+        others = ShardStatus(shard_status, token, cfg.transport.tls)
+        status_fn = lambda: others.status(service.status())  # noqa: E731
+    # Shards 1.. of a run with a fixed status port take free ones: shard 0's page shows them all.
+    status_port = 0 if shard and cfg.run.status_port > 0 else cfg.run.status_port
+    status = (StatusServer(status_fn, metrics, host, status_port, token=token, tls=cfg.transport.tls)
               if cfg.run.status_port >= 0 else None)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -116,15 +127,23 @@ def run(args: argparse.Namespace) -> int:
             f"must be in 0..{cfg.syncer.shards - 1} (syncer.shards = {cfg.syncer.shards}), got {args.shard}")
     require(cfg.syncer.shards == 1 or bool(cfg.run.run_id), "run.run_id",
             "syncer.shards > 1 needs one run id set in the config: every shard must serve the same run")
+    others = [u.strip() for u in args.shard_status.split(",")] if args.shard_status else []
+    require(not others or (args.shard == 0 and len(others) == cfg.syncer.shards - 1), "--shard-status",
+            f"shard 0 takes the status URLs of shards 1..{cfg.syncer.shards - 1}, got {len(others)} for shard "
+            f"{args.shard}")
+    require(all(u.startswith(("http://", "https://")) for u in others), "--shard-status",
+            f"expected http(s)://HOST:PORT URLs, got {args.shard_status!r}")
     preflight(cfg, data=False)  # the syncer reads no data: its host need not have the corpus
     from wan_diloco.cli import live
 
     try:
         if not live.wanted(args.table):
-            return run_loop(serve(cfg, cfg.token(), args.port, args.resume, shard=args.shard))
+            return run_loop(serve(cfg, cfg.token(), args.port, args.resume, shard=args.shard,
+                                  shard_status=others))
         name = f"syncer-{args.shard}" if cfg.syncer.shards > 1 else "syncer"
         with live.ProcessView(cfg, name, live.events_path(cfg, name, args.events)) as view:
-            return run_loop(serve(cfg, cfg.token(), args.port, args.resume, view, shard=args.shard))
+            return run_loop(serve(cfg, cfg.token(), args.port, args.resume, view, shard=args.shard,
+                                  shard_status=others))
     except ResumeError as e:
         print(f"wan-diloco syncer: cannot resume: {e}", file=sys.stderr)
         return 2

@@ -101,6 +101,19 @@ def learner_process(name: str) -> tuple[int, int]:
     return int(match.group(1)), int(match.group(2) or 0)
 
 
+def shard_name(shard: int) -> str:
+    """The child of syncer shard ``shard``: ``syncer`` (shard 0, the only one of an unsharded run), ``syncer-S``."""
+    return "syncer" if shard == 0 else f"syncer-{shard}"
+
+
+def is_syncer(name: str) -> bool:
+    return name == "syncer" or name.startswith("syncer-")
+
+
+def shard_of(name: str) -> int:
+    return 0 if name == "syncer" else int(name.removeprefix("syncer-"))
+
+
 def process_name(m: int, process: int) -> str:
     return f"learner-{m}" + (f".p{process}" if process else "")
 
@@ -149,8 +162,10 @@ class Cluster:
         # Bounded: a launcher that stops reading holds its children back (their stdout fills) instead
         # of growing without end.
         self.events: queue.Queue = queue.Queue(maxsize=100_000)
-        self.syncer_port: int | None = None
+        self.syncer_port: int | None = None  # shard 0's (the only shard of an unsharded run)
         self.status_port: int | None = None
+        self.shard_ports: dict[int, int] = {}  # each syncer shard's gRPC and status ports, kept over restarts
+        self.shard_status_ports: dict[int, int | None] = {}
 
     def __enter__(self) -> "Cluster":
         return self
@@ -178,7 +193,7 @@ class Cluster:
     def _env_of(self, name: str) -> dict:
         env = {**self.env, **self._own_token(name), PARENT_ENV: str(os.getpid())}
         run = self.cfg.run
-        if name == "syncer" or run.platform == "cpu":
+        if is_syncer(name) or run.platform == "cpu":
             env["JAX_PLATFORMS"] = "cpu"  # the syncer merges on the CPU; it needs no accelerator of its own
         elif run.platform == "gpu":
             env["JAX_PLATFORMS"] = "cuda"
@@ -194,7 +209,7 @@ class Cluster:
 
     def _own_token(self, name: str) -> dict:
         """With per-learner credentials a learner gets only its own token; the syncer keeps the run's."""
-        if name == "syncer" or not self.cfg.transport.per_learner_tokens:
+        if is_syncer(name) or not self.cfg.transport.per_learner_tokens:
             return {}
         return {TOKEN_ENV: derive_token(self.token, name)}
 
@@ -209,34 +224,55 @@ class Cluster:
                 self.events.put((child.name, event))
         self.events.put((child.name, {"event": "exit"}))
 
-    def start_syncer(self, timeout_s: float = 180.0, resume: bool = False) -> Child:
-        """Start the syncer and wait until it listens. A restart keeps the port, so that running
-        learners find it again; with ``resume`` it takes up the newest complete snapshot."""
-        old = self.children.get("syncer")
+    def start_syncers(self, timeout_s: float = 180.0, resume: bool = False) -> None:
+        """Start every syncer shard, shard 0 last (its /status gathers the others')."""
+        for shard in reversed(range(self.cfg.syncer.shards)):
+            self.start_syncer(timeout_s, resume, shard)
+
+    def start_syncer(self, timeout_s: float = 180.0, resume: bool = False, shard: int = 0) -> Child:
+        """Start syncer shard ``shard`` and wait until it listens. A restart keeps the port, so that
+        running learners find it again; with ``resume`` it takes up its newest complete snapshot."""
+        name, S = shard_name(shard), self.cfg.syncer.shards
+        old = self.children.get(name)
         if old is not None and old.exit_code is None:
-            raise RuntimeError("the syncer is still running")
+            raise RuntimeError(f"{name} is still running")
         args = ["syncer", "--config", str(self.config_path)]
-        if self.syncer_port is not None:
-            args += ["--port", str(self.syncer_port)]
-        child = self._spawn("syncer", args + (["--resume"] if resume else []))
+        if S > 1:
+            args += ["--shard", str(shard)]
+            if shard == 0 and self.cfg.run.status_port >= 0 and all(self.shard_status_ports.get(s)
+                                                                   for s in range(1, S)):
+                args += ["--shard-status", ",".join(self._status_url(s) for s in range(1, S))]
+        port = self.shard_ports.get(shard, 0 if shard else None)  # shards 1.. on free ports of their own
+        if port is not None:
+            args += ["--port", str(port)]
+        child = self._spawn(name, args + (["--resume"] if resume else []))
         deadline = time.monotonic() + timeout_s
         while True:
             if child.exit_code is not None:
-                raise RuntimeError(f"syncer exited with code {child.exit_code} before listening: "
+                raise RuntimeError(f"{name} exited with code {child.exit_code} before listening: "
                                    f"{last_line(child.log_path)} (see {child.log_path})")
             if time.monotonic() > deadline:
-                raise RuntimeError(f"syncer did not start listening within {timeout_s:.0f} s; see {child.log_path}")
+                raise RuntimeError(f"{name} did not start listening within {timeout_s:.0f} s; see {child.log_path}")
             for e in list(child.events):
                 if e.get("event") == "listening":
-                    self.syncer_port, self.status_port = e["port"], e.get("status_port")
+                    self.shard_ports[shard], self.shard_status_ports[shard] = e["port"], e.get("status_port")
+                    if shard == 0:
+                        self.syncer_port, self.status_port = e["port"], e.get("status_port")
                     return child
             time.sleep(0.05)
 
+    def _host(self) -> str:
+        host = self.cfg.run.host
+        return "127.0.0.1" if host in ("0.0.0.0", "") else ("[::1]" if host == "::" else host)
+
+    def _status_url(self, shard: int) -> str:
+        scheme = "https" if self.cfg.transport.tls is not None else "http"
+        return f"{scheme}://{self._host()}:{self.shard_status_ports[shard]}"
+
     @property
     def syncer_target(self) -> str:
-        host = self.cfg.run.host
-        host = "127.0.0.1" if host in ("0.0.0.0", "") else ("[::1]" if host == "::" else host)
-        return f"{host}:{self.syncer_port}"
+        """What a learner's --syncer gets: every shard's address, in shard order."""
+        return ",".join(f"{self._host()}:{self.shard_ports[s]}" for s in range(self.cfg.syncer.shards))
 
     def start_learner(self, m: int, resume: bool = False) -> Child:
         """Start learner m; with ``learner.hosts`` = P > 1 as P processes meeting at a coordinator port of
@@ -260,8 +296,8 @@ class Cluster:
         return leader
 
     def processes_of(self, name: str) -> list[Child]:
-        """A learner's processes that exist (its leader first), or just ``name``'s child (the syncer)."""
-        if name == "syncer" or learner_process(name)[1]:
+        """A learner's processes that exist (its leader first), or just ``name``'s child (a syncer shard)."""
+        if is_syncer(name) or learner_process(name)[1]:
             return [self.children[name]]
         m = learner_of(name)
         return [c for i in range(self.cfg.learner.hosts) if (c := self.children.get(process_name(m, i)))]
@@ -331,6 +367,7 @@ class RunState:
                                           for m in range(cfg.run.learners)}
         self.syncer: dict = {}
         self.syncer_final: dict | None = None
+        self.shard_finals: dict[int, dict] = {}  # syncer shards 1..: their final reports
         self.finals: dict[int, dict] = {}
         self.starts: dict[int, dict] = {}
         self.evals: list[dict] = []  # the global model's eval points (run.eval_every), in step order
@@ -339,7 +376,11 @@ class RunState:
 
     def fold(self, name: str, e: dict) -> None:
         kind = e.get("event")
-        if name == "syncer":
+        if is_syncer(name):
+            if name != "syncer":
+                if kind == "final":
+                    self.shard_finals[shard_of(name)] = e
+                return
             if kind == "final":
                 self.syncer_final = e
             if kind in ("progress", "final", "listening"):
@@ -377,7 +418,7 @@ class RunState:
 def summarize(mon: RunState, wall_s: float) -> dict:
     """The run's figures once it is over (what `launch` prints and writes as JSON)."""
     cfg, finals = mon.cfg, list(mon.finals.values())
-    sf = mon.syncer_final or {}
+    sf = joined_final(mon.syncer_final or {}, mon.shard_finals)
     params = int(mon.syncer.get("params", 0))
     M = cfg.run.learners
     dp_bytes = cfg.run.steps * 2 * (M - 1) / M * params * 4 * M
@@ -405,6 +446,37 @@ def summarize(mon: RunState, wall_s: float) -> dict:
         "snapshots": sf.get("snapshots_complete", 0), "syncer_epoch": sf.get("epoch"),
         "eval_curve": mon.evals,
     }
+
+
+def joined_final(first: dict, others: dict[int, dict]) -> dict:
+    """Shard 0's final report with the other shards' fragments and byte counts folded in."""
+    if not others or not first:
+        return first
+    out = dict(first)
+    digests, syncs = list(first.get("digests") or []), list(first.get("fragment_syncs") or [])
+    for e in others.values():
+        for p, d in enumerate(e.get("digests") or []):
+            if d is not None and p < len(digests):
+                digests[p] = d
+        for p, n in enumerate(e.get("fragment_syncs") or []):
+            if p < len(syncs):
+                syncs[p] += n  # a shard counts only its own fragments' merges
+        for key in ("bytes_in", "bytes_out"):
+            out[key] = out.get(key, 0) + e.get(key, 0)
+    out["digests"], out["fragment_syncs"] = digests, syncs
+    return out
+
+
+def join_shard_params(cfg: RunSpec, shards: int) -> Path | None:
+    """The shards' final parameters as one file (``checkpoint.dir/params.safetensors``); None if a shard's
+    file is missing."""
+    from wan_diloco.checkpoint.params import join_params
+
+    root = Path(cfg.checkpoint.dir)
+    parts = [root / f"params.shard-{s}.safetensors" for s in range(shards)]
+    if not all(p.is_file() for p in parts):
+        return None
+    return join_params(parts, root / "params.safetensors")
 
 
 def run_spec(cfg: RunSpec, rdir: Path) -> RunSpec:
@@ -469,7 +541,7 @@ def launch(cfg: RunSpec, config_text: str, run_dir: str | None = None,
 
 
 def _region_of(cfg: RunSpec, name: str) -> str:
-    return cfg.regions.syncer_region if name == "syncer" else cfg.region(learner_of(name))
+    return cfg.regions.syncer_region if is_syncer(name) else cfg.region(learner_of(name))
 
 
 def emulated_spec(cfg: RunSpec, emu: Emulator, tls_dir: Path) -> RunSpec:
@@ -500,7 +572,7 @@ def _run(cfg: RunSpec, rdir: Path, watch: Callable[[RunState], None] | None,
         with Cluster(cfg, rdir / "config.toml", rdir, wrap=wrap) as cluster, \
                 open(rdir / "metrics.jsonl", "a" if resume else "w") as mf:
             try:
-                cluster.start_syncer(resume=resume)
+                cluster.start_syncers(resume=resume)
             except RuntimeError as e:
                 raise RunFailed(str(e)) from None
             for m in range(cfg.run.learners):
@@ -518,21 +590,27 @@ def _run(cfg: RunSpec, rdir: Path, watch: Callable[[RunState], None] | None,
                         watch(mon)
                 except queue.Empty:
                     pass
-                sync = cluster.children["syncer"]
-                learners = [c for n, c in cluster.children.items() if n != "syncer" and not learner_process(n)[1]]
-                if sync.exit_code is not None:
-                    if sync.exit_code != 0 or mon.syncer_final is None:
-                        raise RunFailed(f"the syncer died: {died(sync)}")
+                syncers = [c for n, c in cluster.children.items() if is_syncer(n)]
+                learners = [c for n, c in cluster.children.items() if not is_syncer(n) and not learner_process(n)[1]]
+                finished = {0: mon.syncer_final, **mon.shard_finals}
+                for c in syncers:
+                    if c.exit_code is not None and (c.exit_code != 0 or finished.get(shard_of(c.name)) is None):
+                        raise RunFailed(f"the syncer died: {died(c)}" if c.name == "syncer" else
+                                        f"syncer shard {shard_of(c.name)} died: {died(c)}")
+                if all(c.exit_code is not None for c in syncers):
                     # Followers too: they exit once their leader told them (their logs end complete).
-                    if all(c.exit_code is not None for n, c in cluster.children.items() if n != "syncer") \
+                    if all(c.exit_code is not None for n, c in cluster.children.items() if not is_syncer(n)) \
                             and cluster.events.empty():
                         break
                 elif all(c.exit_code is not None and c.exit_code != 0 for c in learners):
                     raise RunFailed("every learner died:\n" + "\n".join(died(c, lines=3) for c in learners))
         failed = {c.name: (c.exit_code, str(c.log_path)) for n, c in cluster.children.items()
-                  if n != "syncer" and not learner_process(n)[1] and c.exit_code != 0}
+                  if not is_syncer(n) and not learner_process(n)[1] and c.exit_code != 0}
         summary = {**summarize(mon, time.monotonic() - t0), "run_dir": str(rdir), "failed_learners": failed,
                    "tensorboard": str(rdir / "tensorboard") if tb is not None else None}
+        if cfg.syncer.shards > 1 and cfg.checkpoint.dir:
+            joined = join_shard_params(cfg, cfg.syncer.shards)
+            summary["params_path"] = str(joined) if joined else None
         try:
             from wan_diloco.runtime.run_plot import plot_run
 

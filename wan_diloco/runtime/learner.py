@@ -494,13 +494,21 @@ class Learner:
             self.writer.shutdown(wait=True)  # a part being written is finished, not torn
             self.net.stop()
 
+    def _unreachable(self, t) -> str | None:
+        """Why the syncer (or which of its shards) cannot be reached, or None."""
+        for target in self.target.split(","):
+            why = diagnose(target, t.tls, timeout_s=min(5.0, t.call_timeout_s))
+            if why is not None:
+                return why if "," not in self.target else f"{target}: {why}"
+        return None
+
     def _reach_syncer(self) -> None:
         """Before the first call: if the syncer cannot be reached, say why at once (one line naming the
         address and the cause), then try again with backoff for ``transport.retry_budget_s``; SyncerLost
         after that. gRPC alone would wait out a call deadline and say DEADLINE_EXCEEDED."""
         t = self.cfg.transport
         deadline, wait_s, said = time.monotonic() + t.retry_budget_s, t.backoff_initial_s, None
-        while (why := diagnose(self.target, t.tls, timeout_s=min(5.0, t.call_timeout_s))) is not None:
+        while (why := self._unreachable(t)) is not None:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise SyncerLost(f"cannot reach the syncer at {self.target}: {why}; gave up after "
