@@ -7,7 +7,7 @@ Two measurements (issue #15):
    pre-encoded int4 payloads (random normal outer gradients, one per learner) per round;
    every stage of the syncer's hot path is timed with ``time.perf_counter`` (wall) and
    ``time.process_time`` (CPU of the whole process): decode (int4 + zstd), validate (shape,
-   NaN and norm checks), merge (token-weighted RDA), outer (optax Nesterov step + applying
+   NaN and norm checks), merge (token-weighted RDA), outer (the Nesterov step, numpy in place, + applying
    it to Θ), encode (the update, int4 + zstd). Medians over repeats.
 2. End to end over loopback (``rows``): S shards, each the runtime's ``SyncerService`` of
    its fragments (``wan_diloco.shards.owners``) behind a ``TransportServer`` in its own
@@ -367,7 +367,6 @@ async def serve_syncer(args: dict) -> None:
     spec = run_spec(args["learners"], args["fragments"], args["shards"])
     rss0 = rss_bytes()  # before Θ and the outer state exist
     metrics = TransportMetrics()
-    # Compiles every owned fragment's outer step.
     service = SyncerService(spec, metrics, parts=_Parts(spec, layout), shard=args["shard"])
     core = service.core
     stages = Stages()
