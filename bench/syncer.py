@@ -826,9 +826,16 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="wd-bench-syncer-", dir=shm) as tmp:
         payloads = Path(tmp) / "payloads.bin"
         index, wire_total = write_payloads(layout, payloads, log)
-        rows = []
+        rows, failed = [], []
         for S, M in itertools.product(shard_counts, learners):
-            row = end_to_end(args.layout, layout, S, M, payloads, index, args, log)
+            try:
+                row = end_to_end(args.layout, layout, S, M, payloads, index, args, log)
+            except (RuntimeError, TimeoutError) as e:  # e.g. a shard killed for memory: say so, go on
+                why = str(e) + (" (SIGKILL: out of memory on this machine?)" if "exited (-9)" in str(e) else "")
+                failed.append({"shards": S, "learners": M, "error": why, "ram_gib": round(
+                    os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)})
+                log(f"e2e S={S} M={M}: failed: {why}")
+                continue
             rows.append(row)
             log(f"e2e S={S} M={M}: {row['fragments_per_s']:.2f} fragments/s, "
                 f"{row['merged_gb_s']:.3f} GB/s merged ({row['merged_gb_s_per_core']:.3f} per core), "
@@ -841,12 +848,13 @@ def main(argv=None) -> int:
     wire_bpp = wire_total / params
     # Θ + outer momentum + a round's transients: the syncer's peak RSS over what it held before building
     # its state, per parameter (the largest M's row).
-    state_bpp = max(r["syncer_rss_growth_gib"] for r in rows) * 2**30 / params if rows else None
+    one = [r for r in rows if r["shards"] == 1]
+    state_bpp = max(r["syncer_rss_growth_gib"] for r in one) * 2**30 / params if one else None
     ceil = ceiling(rows, wire_bpp, state_bpp)
     doc = {
         "benchmark": "syncer",
         "quick": args.quick,
-        "what": "rows: end to end over loopback, one syncer process (SyncerService + TransportServer) and M learner "
+        "what": "rows: end to end over loopback, S syncer shard processes (SyncerService + TransportServer) and M learner "
                 "processes uploading pre-encoded int4 fragments; fragments_per_s counts learner fragments (uploads) "
                 "merged, merged_gb_s their fp32-equivalent bytes (fragments x fragment fp32 size) per second, "
                 "merged_gb_s_per_core the same per syncer CPU second; in/out: the syncer's transport bytes; "
@@ -869,6 +877,7 @@ def main(argv=None) -> int:
         "elapsed_s": {"inprocess": round(inproc_s, 1), "end_to_end": round(e2e_s, 1),
                       "total": round(time.perf_counter() - t_start, 1)},
         "rows": rows,
+        "failed_rows": failed,
         "inprocess": inproc,
         "inprocess_model": {str(m): v for m, v in inproc_model.items()},
         "ceiling": ceil,
