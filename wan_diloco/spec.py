@@ -158,7 +158,7 @@ class PlanConfig:
     max_tau: int = 5
     # What one syncer shard merges, GB/s of fp32-equivalent outer gradients (bench/syncer.py measures it on
     # the syncer's host: docs/benchmarks.md); `plan` warns when the run needs more syncer.shards than it has.
-    shard_merge_gb_s: float = 0.1
+    shard_merge_gb_s: float = 0.25
 
     def validate(self) -> None:
         require(0 < self.target_cu < 1, "target_cu", f"must be in (0, 1), got {self.target_cu}")

@@ -95,6 +95,9 @@ class FakeRun:
                 "learner-2": {"rtt_ms": 83.4, "rate_gbit_s": 1.62, "age_s": 7.9},
             },
             "loss_history": {str(m): self.curve(m, n) for m in self.REGIONS},
+            # Two syncer shards, the second one not answering shard 0 (runtime.shard_status).
+            "shards": [{"shard": 0, "reachable": True, "error": None, "owned": [0, 3]},
+                       {"shard": 1, "reachable": False, "error": "ClientConnectorError: refused", "owned": [1, 2]}],
         }
 
     def learner(self, m: int, n: int) -> dict:
@@ -339,6 +342,8 @@ def test_dashboard_in_headless_chromium_shows_live_numbers_and_draws_the_curves(
     events = element(dom, r'<ul id="events">')
     assert "learner 2 rejoined (eu-west)" in events and "learner 2 lost" in events
     assert "fragment 3 merged (due step" in events
+    assert element(row(dom, "fragment", "3"), r'<td data-k="shard">') == "0"
+    assert element(row(dom, "fragment", "1"), r'<td class="down" data-k="shard">') == "1 (down)"
     points = int(re.search(r'data-points="(\d+)"', dom).group(1))
     assert points >= sum(len(c) for c in fake.served[0]["loss_history"].values())
     assert 'id="problem" role="alert"' in dom and 'class="shown"' not in dom

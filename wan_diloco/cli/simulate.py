@@ -33,6 +33,8 @@ _FLAGS: dict[str, tuple[str, type, str]] = {
     "--eval-every": ("eval_every", int, "global steps between eval points"),
     "--corpus": ("corpus", str, "'stdlib', a text file or directory, or a .bin token file"),
     "--bits": ("bits", int, "wire precision of outer gradients and updates: 32 | 16 | 8 | 4"),
+    "--shards": ("shards", int, "syncer shards S, each owning whole fragments"),
+    "--shard-merge-gb-s": ("shard_merge_gb_s", float, "GB/s of fp32 outer gradients one shard merges (0: no time)"),
 }
 
 

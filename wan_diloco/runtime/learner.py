@@ -17,7 +17,7 @@ final model that differs from the syncer's.
 A learner of ``learner.hosts`` = P > 1 processes (``runtime.multihost``) runs
 this loop in process 0, the leader, which also sends its followers a lockstep
 header before each of its collective computations (``Lockstep``); the
-followers run :func:`run_follower` and never touch the network. With P = 1
+followers run :func:`lockstep.run_follower` and never touch the network. With P = 1
 none of that exists.
 """
 from __future__ import annotations
@@ -49,6 +49,7 @@ from wan_diloco.core import (
     ApplyGlobal, IncarnationError, ProtocolError, Rejoin, Resync, SaveState, SendFragment, SendMetadata, Snapshot,
     learner_node,
 )
+from wan_diloco.runtime import lockstep as lk
 from wan_diloco.runtime import multihost as mh
 from wan_diloco.runtime import serde
 from wan_diloco.runtime.events import emit
@@ -75,7 +76,7 @@ class Stopped(Exception):
 
 class Learner:
     def __init__(self, cfg: RunSpec, learner: int, target: str, token: str, parts: Assembly | None = None,
-                 resume: bool = False, lockstep: mh.Lockstep | None = None):
+                 resume: bool = False, lockstep: lk.Lockstep | None = None):
         """``lockstep``: this is the leader of a multi-process learner (``parts`` on the global mesh)."""
         self.cfg, self.m = cfg, learner
         self.region = cfg.region(learner)
@@ -483,7 +484,7 @@ class Learner:
         if self.ls is None:
             jax.block_until_ready(self.step_fn(self.state, self.batches.next().tokens))
         else:
-            self._step_together(self.batches.next().tokens, mh.OP_COMPILE)
+            self._step_together(self.batches.next().tokens, lk.OP_COMPILE)
         self.on_compiled()
         self.net.start()
         try:
@@ -551,7 +552,7 @@ class Learner:
             if self.ls is None:
                 self.state, metrics = self.step_fn(self.state, batch.tokens)
             else:
-                self.state, metrics = self._step_together(batch.tokens, mh.OP_STEP)
+                self.state, metrics = self._step_together(batch.tokens, lk.OP_STEP)
             loss = self.loss = float(metrics["loss"])  # also waits for the step to finish
             if self.cfg.run.min_step_s:
                 time.sleep(max(0.0, self.cfg.run.min_step_s - (time.monotonic() - t0)))
@@ -599,7 +600,7 @@ class Learner:
             loss = float(self.evaluate_params(tree.unflatten(flat, self.state.params)))
         else:  # Θ is the leader's alone: it travels to the followers, then every process evaluates
             with self.ls.turn():
-                self.state = self.ls.lead(mh.OP_EVAL_PARAMS, self.state)
+                self.state = self.ls.lead(lk.OP_EVAL_PARAMS, self.state)
                 params = self.ls.share_params(tree.unflatten(flat, self.state.params), self.state.params)
                 loss = float(self.evaluate_params(params))
         emit({"event": "eval", "role": "learner", "learner": self.m, "step": step, "eval_loss": loss,
@@ -613,7 +614,7 @@ class Learner:
         with self.ls.turn():
             self.state = self.ls.lead(op, self.state, tokens)
             state, metrics = jax.block_until_ready(self.step_fn(self.state, self.ls.feed(tokens)))
-            if op == mh.OP_COMPILE:
+            if op == lk.OP_COMPILE:
                 return self.state, metrics
             self.ls.stepped(state)
             return state, metrics
@@ -621,7 +622,7 @@ class Learner:
     def _evaluate_together(self) -> float:
         """The held-out loss of the parameters every process holds (an evaluation is a collective)."""
         with self.ls.turn():
-            self.state = self.ls.lead(mh.OP_EVAL, self.state)
+            self.state = self.ls.lead(lk.OP_EVAL, self.state)
             return float(self.evaluate_params(self.state.params))
 
     def final_sync(self) -> dict:
@@ -703,7 +704,7 @@ def named_digest(tensors: dict, prefix: str) -> str:
 
 
 def run_learner(cfg: RunSpec, learner: int, target: str, token: str, resume: bool = False,
-                parts: Assembly | None = None, lockstep: mh.Lockstep | None = None) -> int:
+                parts: Assembly | None = None, lockstep: lk.Lockstep | None = None) -> int:
     """Process entry point: 0 after a completed final sync whose model equals the syncer's, 143 when
     stopped by a signal, 3 when the syncer was lost or is not the one this learner's model came
     from, 4 when the final model differs from the syncer's.
@@ -727,16 +728,16 @@ def run_learner(cfg: RunSpec, learner: int, target: str, token: str, resume: boo
     try:
         code = _run_to_end(lrn, learner, target)
         return code
-    except mh.JobBroken as e:
+    except lk.JobBroken as e:
         emit({"event": "error", "role": "learner", "learner": learner,
               "error": f"the learner's job broke, another of its processes died or left: {e}"})
-        mh.broken(lockstep.name, str(e))
+        lk.broken(lockstep.name, str(e))
         raise  # not reached: broken() ends the process
     finally:
         try:
             lockstep.stop(code)
-        except mh.JobBroken as e:
-            mh.broken(lockstep.name, str(e))
+        except lk.JobBroken as e:
+            lk.broken(lockstep.name, str(e))
 
 
 def _run_to_end(lrn: Learner, learner: int, target: str) -> int:
@@ -758,36 +759,6 @@ def _run_to_end(lrn: Learner, learner: int, target: str) -> int:
     return 0 if result["event"] == "final" else 143
 
 
-def run_follower(parts: Assembly, lockstep: mh.Lockstep) -> int:
-    """Process entry point of a follower (process 1.. of a multi-process learner): no network, no protocol
-    state; it does what each header of the leader says, with the same jitted computations in the same
-    order, and exits with the status the leader says. Signals are ignored: the leader decides when the
-    job stops (it stops cleanly on its own signal and tells the followers)."""
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, signal.SIG_IGN)
-    print(f"{lockstep.name}: following the leader (process 0)", file=sys.stderr, flush=True)
-    state = parts.state0
-    try:
-        while True:
-            op, arg, state, tokens = lockstep.follow(state)
-            if op == mh.OP_STOP:
-                return arg
-            if op in (mh.OP_STEP, mh.OP_COMPILE):
-                new, _ = jax.block_until_ready(parts.step_fn(state, lockstep.feed(tokens)))
-                if op == mh.OP_STEP:
-                    state = new
-                    lockstep.stepped(state)
-            elif op == mh.OP_EVAL:
-                float(parts.evaluate(state.params))
-            elif op == mh.OP_EVAL_PARAMS:
-                float(parts.evaluate(lockstep.share_params(None, state.params)))
-            elif op != mh.OP_WAIT:
-                mh.broken(lockstep.name, f"the leader sent op {op}, which this version does not know")
-    except (mh.JobBroken, jax.errors.JaxRuntimeError) as e:
-        mh.broken(lockstep.name, str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)
-    raise AssertionError("not reached")
-
-
 def run_multihost(cfg: RunSpec, learner: int, target: str, token: str, mcfg: mh.MultihostConfig,
                   resume: bool = False) -> int:
     """Process entry point of one process of a multi-process learner, once ``multihost.initialize`` has
@@ -795,12 +766,12 @@ def run_multihost(cfg: RunSpec, learner: int, target: str, token: str, mcfg: mh.
     mesh = mh.global_mesh()
     parts = Assembly(cfg, learner, mesh=mesh)
     who = f"learner-{learner}" + (f".p{mcfg.process_id}" if mcfg.process_id else "")
-    lockstep = mh.Lockstep(mesh, parts.state0, (cfg.run.batch_size, cfg.model.seq_len + 1), mcfg.process_id,
+    lockstep = lk.Lockstep(mesh, parts.state0, (cfg.run.batch_size, cfg.model.seq_len + 1), mcfg.process_id,
                            mcfg.num_processes, name=f"{who} (process {mcfg.process_id} of {mcfg.num_processes})")
     try:
         lockstep.handshake()
-    except mh.JobBroken as e:
-        mh.broken(lockstep.name, str(e))
+    except lk.JobBroken as e:
+        lk.broken(lockstep.name, str(e))
     if mcfg.leader:
         return run_learner(cfg, learner, target, token, resume=resume, parts=parts, lockstep=lockstep)
-    return run_follower(parts, lockstep)
+    return lk.run_follower(parts, lockstep)
