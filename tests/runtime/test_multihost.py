@@ -276,7 +276,7 @@ def _learner_argv(config: Path, process_id: int, coordinator: str, syncer: str) 
             "--process-id", str(process_id), "--num-processes", "2", "--coordinator", coordinator, "--no-table"]
 
 
-@pytest.mark.parametrize("dies", ["follower", "leader"])
+@pytest.mark.parametrize("dies", ["follower", pytest.param("leader", marks=pytest.mark.slow)])  # 25-45 s each
 def test_when_one_process_of_a_learner_dies_the_other_exits_saying_so(tmp_path, dies):
     """No syncer listens: the leader keeps trying to reach it, its follower waits in the next header.
     Whichever dies (SIGKILL), the other's next collective fails: one line, exit status 6, in seconds

@@ -379,9 +379,19 @@ def test_a_learner_that_does_not_take_its_updates_holds_back_the_stream_not_its_
             deadline = time.monotonic() + 10
             while "learner-1" not in handler.hub.subscribers and time.monotonic() < deadline:
                 time.sleep(0.02)
-            for v in range(5, 45):  # forty versions of fragment 0, nobody taking them
+            def publish(v):
                 loop.call_soon_threadsafe(handler.hub.publish, serde.to_frame(update(from_version=v - 1, to_version=v)))
-            time.sleep(1.0)
+
+            # Forty versions of fragment 0, nobody taking them. The first two one at a time: published at once,
+            # the syncer's mailbox (newest of each fragment) could fold them into one before the stream reads.
+            for v in (5, 6):
+                publish(v)
+                deadline = time.monotonic() + 20
+                while net.inbox.qsize() < v - 4 and time.monotonic() < deadline:
+                    time.sleep(0.02)
+            for v in range(7, 45):
+                publish(v)
+            time.sleep(1.0)  # time for more to arrive, were nothing holding them back
             assert net.inbox.qsize() == 2 and net.queued_bytes() == 2 * one  # the bound, not forty
             got = []
             while True:

@@ -4,6 +4,7 @@ import json
 import urllib.request
 
 import numpy as np
+import pytest
 
 from wan_diloco import shards
 from wan_diloco import spec as rt
@@ -32,6 +33,7 @@ def status_of(cluster) -> dict:
         return json.loads(r.read())
 
 
+@pytest.mark.slow  # a whole launch, about 70 s; the kill-and-resume test below also ends bit-identical
 def test_a_run_with_two_shards_ends_bit_identical_with_one_parameter_file(tmp_path):
     path = sharded(tmp_path, steps=40)
     cfg = rt.load(path)

@@ -176,6 +176,7 @@ def test_sharded_syncer_merges_like_one_when_merges_take_no_time():
     assert all((two.params[n] == one.params[n]).all() for n in one.params)
 
 
+@pytest.mark.slow  # two simulated runs: about a minute
 def test_too_few_shards_for_the_merge_work_show_as_waiting():
     # A merge of one ~33 kB fragment takes 1.6 virtual s at 2e-5 GB/s, and a fragment is due every second
     # (H/P = 2 steps of 0.5 s): one shard falls behind and its rounds queue; four shards (one fragment each,
