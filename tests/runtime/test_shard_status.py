@@ -51,3 +51,34 @@ def test_shard_status_fetches_real_status_servers_with_the_token():
     assert rows[1]["reachable"] and rows[1]["owned"] == [1]
     assert not rows[2]["reachable"] and "127.0.0.1" in rows[2]["error"]
     assert not rows[3]["reachable"] and "HTTP 401" in rows[3]["error"]
+
+
+def test_the_launch_table_and_summary_show_each_shard_and_the_whole_run(tmp_path):
+    from rich.console import Console
+
+    from wan_diloco import spec as rt
+    from wan_diloco.cli.launch import table
+    from wan_diloco.runtime.launch import RunState, summarize
+
+    cfg = rt.from_document({"run": {"learners": 2, "run_id": "r"}, "learner": {"num_fragments": 4},
+                            "syncer": {"shards": 2}})
+    state = RunState(cfg)
+    state.fold("syncer", {"event": "listening", "owned": [0, 3], "params": 10})
+    state.fold("syncer-1", {"event": "listening", "owned": [1, 2]})
+    state.fold("syncer", {"event": "progress", "versions": [5, 0, 0, 6], "global_step": 40, "bytes_out": 1000})
+    state.fold("syncer-1", {"event": "progress", "versions": [0, 7, 8, 0], "global_step": 40, "bytes_out": 2000})
+    console = Console(width=200, record=True)
+    console.print(table(state))
+    text = console.export_text()
+    assert "fragments 0,3: [5, 6]" in text and "fragments 1,2: [7, 8]" in text and "syncer-1" in text
+    # The summary joins the shards' finals: each fragment's digest and merges from its owner, bytes added.
+    state.fold("syncer", {"event": "final", "digests": ["a", None, None, "d"], "fragment_syncs": [5, 0, 0, 6],
+                          "bytes_in": 10, "bytes_out": 1, "final_learners": [0, 1]})
+    state.fold("syncer-1", {"event": "final", "digests": [None, "b", "c", None], "fragment_syncs": [0, 7, 8, 0],
+                            "bytes_in": 20, "bytes_out": 2})
+    for m in (0, 1):
+        state.fold(f"learner-{m}", {"event": "final", "steps": 40, "last_loss": 2.0, "tokens": 100, "bytes_sent": 1,
+                                    "raw_bytes": 4, "payload_bytes": 1, "final_eval_loss": 2.0, "compute_s": 1.0,
+                                    "train_s": 1.0, "digests": ["a", "b", "c", "d"]})
+    summary = summarize(state, 10.0)
+    assert summary["bit_identical"] and summary["fragment_syncs"] == [5, 7, 8, 6] and summary["bytes_sent"] == 33

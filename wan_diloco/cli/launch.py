@@ -57,9 +57,12 @@ def table(mon: RunState, learners: list[int] | None = None) -> Table:
                   f"{r.get('tokens', 0):,}", human_bytes(r.get("bytes_sent", 0)),
                   f"{link['rate_gbit_s']:.3g} Gbit/s {link['rtt_ms']:.0f} ms" if link else "", str(r["tau"]),
                   r["status"])
-    s = mon.syncer
-    t.add_row("syncer", "", str(s.get("global_step", "")), "", "", human_bytes(s.get("bytes_out", 0)), "", "",
-              f"versions {s.get('versions', '')}")
+    for name, s in [("syncer", mon.syncer), *((f"syncer-{k}", v) for k, v in sorted(mon.shards.items()))]:
+        versions = s.get("versions", "")
+        if mon.cfg.syncer.shards > 1 and "owned" in s and versions:  # a shard: its own fragments only
+            versions = f"fragments {','.join(map(str, s['owned']))}: " + str([versions[p] for p in s["owned"]])
+        t.add_row(name, "", str(s.get("global_step", "")), "", "", human_bytes(s.get("bytes_out", 0)), "", "",
+                  f"versions {versions}")
     if mon.evals:
         last = mon.evals[-1]
         t.caption = f"global model: eval loss {last['eval_loss']:.3f} at step {last['step']} (run.eval_every)"

@@ -368,6 +368,7 @@ class RunState:
         self.syncer: dict = {}
         self.syncer_final: dict | None = None
         self.shard_finals: dict[int, dict] = {}  # syncer shards 1..: their final reports
+        self.shards: dict[int, dict] = {}  # syncer shards 1..: what they last reported (as ``syncer`` for shard 0)
         self.finals: dict[int, dict] = {}
         self.starts: dict[int, dict] = {}
         self.evals: list[dict] = []  # the global model's eval points (run.eval_every), in step order
@@ -380,6 +381,8 @@ class RunState:
             if name != "syncer":
                 if kind == "final":
                     self.shard_finals[shard_of(name)] = e
+                if kind in ("progress", "final", "listening"):
+                    self.shards.setdefault(shard_of(name), {}).update(e)
                 return
             if kind == "final":
                 self.syncer_final = e
