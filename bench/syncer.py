@@ -228,7 +228,6 @@ def inprocess(layout, learners: list[int], reps: int, log) -> list[dict]:
     for M in learners:
         cfg = SyncerConfig(num_learners=M, quorum=M, grace=False, liveness_timeout_s=1e6)
         core = SyncerCore(cfg, sub.fragments, theta0(sub), model_lib.is_embedding, wire_codec(sub))
-        core.warm_up()
         for i, p in enumerate(sample):
             per_rep = []
             for rep in range(reps + 1):  # the first is a warm-up

@@ -63,9 +63,6 @@ class OuterOptimizer:
     def _trace(self, p: int) -> Mapping[str, np.ndarray] | None:
         return self.states[p][0].trace if self._mu is not None else None
 
-    def warm_up(self, p: int, params: Mapping[str, np.ndarray]) -> None:
-        """Nothing to compile any more (kept for the drivers)."""
-
     def update(self, p: int, delta: Mapping[str, np.ndarray], workers: Workers = SERIAL) -> dict[str, np.ndarray]:
         """The update of fragment p for ``delta`` (float32, fresh arrays); its momentum is untouched
         until ``commit``, so a refused merge leaves it as it was."""

@@ -1,5 +1,3 @@
-import dataclasses
-
 import numpy as np
 import pytest
 
@@ -51,4 +49,4 @@ def test_updates_carry_shard_zeros_snapshots_only_and_must_come_from_their_owner
 def test_messages_without_an_incarnation_pass_unchanged():
     v = ShardView(PLAN)
     assert v.seen(1, 0, 0) == (0, 0) and v.outgoing(1, 0) == 0
-    assert dataclasses.replace(update(0, 0)).epoch == v.update(0, update(0, 0)).epoch == 0
+    assert v.update(0, update(0, 0)).epoch == 0

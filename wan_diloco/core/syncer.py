@@ -289,10 +289,9 @@ class SyncerCore:
     def final_participants(self) -> set[int]:
         return {m for (m, _) in self.finals}
 
-    def warm_up(self) -> None:
-        """Compile the outer step of every fragment now, not on the first merge (seconds on a loaded CPU)."""
-        for p in self.owned:
-            self.outer.warm_up(p, self.theta[p])
+    def owns(self, p: int) -> bool:
+        """Whether fragment ``p`` is this core's (a syncer shard's) to merge."""
+        return p in self.outer.states
 
     def alive(self) -> list[int]:
         """Learners not known to be down; one never heard from is still expected."""
@@ -358,7 +357,7 @@ class SyncerCore:
                                 f"run's {self.cfg.max_step} steps")
         if not 0 <= msg.fragment < len(self.fragments):
             raise ProtocolError(f"fragment {msg.fragment} out of range 0..{len(self.fragments) - 1}")
-        if msg.fragment not in self.outer.states:
+        if not self.owns(msg.fragment):
             raise ProtocolError(f"fragment {msg.fragment} from learner {msg.learner}: this syncer shard owns "
                                 f"fragments {list(self.owned)} only (a learner with another shard plan?)")
         if msg.c_steps < 0 or msg.c_tokens < 0 or msg.due_step < 1 or msg.base_version < 0:
@@ -553,7 +552,7 @@ class SyncerCore:
         theta = []
         for p, names in enumerate(self.fragments):
             frag = {}
-            for n in names if p in self.outer.states else ():
+            for n in names if self.owns(p) else ():
                 a = tensors.get(f"theta/{p}/{n}")
                 if a is None or a.shape != self.theta[p][n].shape or a.dtype != np.float32:
                     raise ValueError(f"snapshot: tensor theta/{p}/{n} missing or of the wrong shape or dtype")

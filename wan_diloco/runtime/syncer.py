@@ -85,8 +85,6 @@ class SyncerService:
         self.layout, self.codec, self.bulk_codec = parts.layout, parts.codec, parts.bulk_codec
         self.plan = parts.shard_plan
         self.core = parts.syncer_core(bounded=True, shard=shard if self.S > 1 else None)
-        # Compiling on the first merge would stall the event loop while uploads and metadata wait.
-        self.core.warm_up()
         self.hub = UpdateHub(cfg.transport.chunk_bytes)
         self.M, self.P = cfg.run.learners, len(self.layout.fragments)
         self.started_s = time.monotonic()
@@ -437,7 +435,7 @@ class SyncerService:
                 f"unknown bulk object {request.name!r}; expected fragment/P or final/P with P in 0..{self.P - 1}, "
                 f"or donation/M or position/M"))
         p = int(index)
-        if p not in self.core.outer.states:
+        if not self.core.owns(p):
             raise self._reject(ProtocolError(f"{request.name}: fragment {p} is served by syncer shard "
                                              f"{self.plan[p]}, this is shard {self.shard}"))
         if kind == "final":
@@ -483,7 +481,7 @@ class SyncerService:
             h.cancel()
         self._timers.clear()
         self.final_done.set()
-        digests = [fragment_digest(self.core.theta[p], self.layout.fragments[p]) if p in self.core.owned else None
+        digests = [fragment_digest(self.core.theta[p], self.layout.fragments[p]) if self.core.owns(p) else None
                    for p in range(self.P)]
         if self.store is not None:
             # A shard writes its fragments' tensors; `launch` joins the shards' files into one.
