@@ -119,6 +119,10 @@ def run(args: argparse.Namespace) -> int:
         # Before the config and the model: a mistyped port should not cost the seconds of JAX start-up.
         check_port(args.port, "--port")  # ConfigError: one line from cli.main, exit code 2
     cfg = spec_lib.load(args.config)
+    from wan_diloco.transport.security import require_bound_identity
+
+    # Off loopback a learner's id must be bound to its credential unless the operator says otherwise.
+    require_bound_identity(f"{cfg.run.host}:{cfg.run.port if args.port is None else args.port}", cfg.transport)
     from wan_diloco.assemble import preflight
 
     from wan_diloco.config import require

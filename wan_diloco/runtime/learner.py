@@ -746,9 +746,9 @@ def _run_to_end(lrn: Learner, learner: int, target: str) -> int:
     except (IncarnationError, SyncerLost, TransportError, MessageError) as e:  # the network, not a bug: one line
         why = str(e)
         if isinstance(e, TransportError) and e.code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
-            why = (f"the syncer at {target} refused this learner's token ({e.code.name}): the run's token is "
-                   f"$WAN_DILOCO_TOKEN or run.token; with transport.per_learner_tokens, `wan-diloco token --learner "
-                   f"{learner}` on the syncer's host gives this learner's")
+            why = (f"the syncer at {target} refused this learner's token ({e.code.name}): {e.details}; "
+                   f"$WAN_DILOCO_TOKEN must be the run's token or this learner's own (`wan-diloco token --learner "
+                   f"{learner}` on the syncer's host), and with mutual TLS the certificate must be learner-{learner}'s")
         emit({"event": "error", "role": "learner", "learner": learner, "error": why})
         print(f"learner-{learner}: stopping: {why}", file=sys.stderr)
         return 3
