@@ -64,3 +64,24 @@ def test_tls_and_cleartext_mismatches_and_untrusted_certificates_are_told_apart(
             why = await asyncio.to_thread(diagnose, tls.target, stranger)
             assert "not trusted" in why and why.lasting
     arun(main())
+
+
+def test_a_server_that_hangs_up_on_everything_may_heal():
+    """Closed at once, also to a TLS handshake (a syncer going down, say): not taken for a TLS syncer."""
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(4)
+
+    def hang_up():
+        for _ in range(2):  # the cleartext try, then the TLS handshake
+            conn, _ = srv.accept()
+            conn.close()
+
+    t = threading.Thread(target=hang_up, daemon=True)
+    t.start()
+    try:
+        why = diagnose(f"127.0.0.1:{srv.getsockname()[1]}", None)
+        assert why.startswith("the syncer closed the connection at once") and not why.lasting
+    finally:
+        t.join(5)
+        srv.close()

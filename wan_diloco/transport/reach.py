@@ -84,6 +84,8 @@ def _speaks_tls(host: str, port: int, timeout_s: float) -> bool:
     try:
         with socket.create_connection((host, port), timeout=timeout_s) as raw, ctx.wrap_socket(raw):
             return True
+    except (ssl.SSLEOFError, ssl.SSLZeroReturnError, ssl.SSLSyscallError):
+        return False  # hung up again (a server going down, say): no sign of TLS, so it may heal
     except ssl.SSLError as e:  # a TLS alert (e.g. a client certificate wanted) is TLS too; garbage is not
         return "WRONG_VERSION_NUMBER" not in str(e) and "record layer failure" not in str(e)
     except OSError:
