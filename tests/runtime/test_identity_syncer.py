@@ -50,4 +50,4 @@ def test_a_learner_host_cannot_be_another_learner_or_invent_senders(tmp_path):
                 await updates.aclose()
 
         run(asyncio.wait_for(main(), 120))
-        assert identity_refusals(cluster) == {"token": 17.0}
+        assert identity_refusals(cluster) == {"token": 17.0, "no_sender": 0.0, "certificate": 0.0, "message": 0.0}

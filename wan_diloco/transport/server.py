@@ -132,6 +132,8 @@ class TransportServer:
         self.cert_identity = certificate_identity(self.config.tls)
         self.address, self.name = address, name
         self.metrics = metrics or TransportMetrics()
+        for reason in IDENTITY_REASONS:  # every series on /metrics from the start, at 0: alerts see a rise
+            self.metrics.identity_refusals.labels(reason)
         self.port = 0
         self._server: grpc.aio.Server | None = None
         self._upload_slots = asyncio.Semaphore(self.config.max_concurrent_uploads)
