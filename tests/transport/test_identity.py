@@ -111,9 +111,11 @@ def test_every_upload_slot_held_is_reported_though_no_upload_waits(monkeypatch, 
     """Case 5 had no "slots busy" line: learners' uploads waited on their own side, none at the syncer."""
     monkeypatch.setattr(server_module, "SLOTS_BUSY_WARN_S", 0.2)
     kw = as_syncer(max_concurrent_uploads=2, max_uploads_per_sender=1, stream_idle_timeout_s=10.0)
+    told = []  # what the syncer makes a warning event of
 
     async def main():
         async with syncer(**kw) as (server, handler):
+            server.on_warning = told.append
             async with SlowUploads(server) as slow:
                 for m in (0, 1):
                     slow.start(f"learner-{m}", derive_token(TOKEN, f"learner-{m}"))
@@ -127,6 +129,7 @@ def test_every_upload_slot_held_is_reported_though_no_upload_waits(monkeypatch, 
     assert len(warnings) == 1, warnings  # once per episode
     assert "all 2 upload slots (transport.max_concurrent_uploads) have been busy" in warnings[0]
     assert "'learner-0' x1" in warnings[0] and "'learner-1' x1" in warnings[0]
+    assert told == warnings
 
 
 def test_a_subscribe_claiming_another_learner_is_refused_and_that_learner_gets_its_stream(tmp_path):

@@ -55,6 +55,7 @@ async def serve(cfg: spec_lib.RunSpec, token: str, port: int | None = None, resu
     server = TransportServer(service, token, cfg.transport, f"{host}:{cfg.run.port if port is None else port}",
                              metrics, name="syncer", per_sender_tokens=cfg.transport.per_learner_tokens)
     service.peer_links = server.peer_links  # one dict: the server records, /status shows
+    server.on_warning = lambda what: emit({"event": "warning", "role": "syncer", "what": what})  # e.g. slots busy
     # The run's token guards /status and /metrics; HTTPS with the gRPC port's certificate when it has one.
     status_fn = service.status
     if shard_status:

@@ -24,7 +24,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from typing import AsyncIterator, Iterable, Protocol, Union
+from typing import AsyncIterator, Callable, Iterable, Protocol, Union
 from urllib.parse import quote, unquote
 
 import grpc
@@ -140,6 +140,8 @@ class TransportServer:
         self._uploads_by: dict[str, int] = {}  # sender (or "peer HOST") -> its open Upload calls
         self._slots_held = 0
         self._slots_busy_timer: asyncio.TimerHandle | None = None  # armed while every slot is held
+        # Told each warning's text too (the syncer makes it an event: the run's log, not only stderr).
+        self.on_warning: Callable[[str], None] | None = None
         # sender -> [instance, open Subscribe calls of that instance]
         self._subscribers: dict[str, list] = {}
         # Idle receive buffers kept for reuse: never more than the uploads in flight.
@@ -330,10 +332,12 @@ class TransportServer:
 
     def _warn_slots_busy(self) -> None:
         top = sorted(self._uploads_by.items(), key=lambda kv: -kv[1])[:8]
-        log.warning("all %d upload slots (transport.max_concurrent_uploads) have been busy for over %.0f s: "
-                    "uploads wait and merges are delayed; open uploads by sender: %s",
-                    self.config.max_concurrent_uploads, SLOTS_BUSY_WARN_S,
-                    ", ".join(f"{who!r} x{n}" for who, n in top))  # repr: names are the callers' text
+        what = (f"all {self.config.max_concurrent_uploads} upload slots (transport.max_concurrent_uploads) have been "
+                f"busy for over {SLOTS_BUSY_WARN_S:.0f} s: uploads wait and merges are delayed; open uploads by "
+                "sender: " + ", ".join(f"{who!r} x{n}" for who, n in top))  # repr: names are the callers' text
+        log.warning("%s", what)
+        if self.on_warning is not None:
+            self.on_warning(what)
 
     async def _upload(self, request_iterator, context) -> bytes:
         bound = await self._auth(context, "Upload")  # before a slot or a byte: a stranger takes neither
