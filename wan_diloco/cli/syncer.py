@@ -55,6 +55,7 @@ async def serve(cfg: spec_lib.RunSpec, token: str, port: int | None = None, resu
     server = TransportServer(service, token, cfg.transport, f"{host}:{cfg.run.port if port is None else port}",
                              metrics, name="syncer", per_sender_tokens=cfg.transport.per_learner_tokens)
     service.peer_links = server.peer_links  # one dict: the server records, /status shows
+    server.on_warning = lambda what: emit({"event": "warning", "role": "syncer", "what": what})  # e.g. slots busy
     # The run's token guards /status and /metrics; HTTPS with the gRPC port's certificate when it has one.
     status_fn = service.status
     if shard_status:
@@ -119,6 +120,10 @@ def run(args: argparse.Namespace) -> int:
         # Before the config and the model: a mistyped port should not cost the seconds of JAX start-up.
         check_port(args.port, "--port")  # ConfigError: one line from cli.main, exit code 2
     cfg = spec_lib.load(args.config)
+    from wan_diloco.transport.security import require_bound_identity
+
+    # Off loopback a learner's id must be bound to its credential unless the operator says otherwise.
+    require_bound_identity(f"{cfg.run.host}:{cfg.run.port if args.port is None else args.port}", cfg.transport)
     from wan_diloco.assemble import preflight
 
     from wan_diloco.config import require

@@ -208,10 +208,11 @@ class Cluster:
         return env
 
     def _own_token(self, name: str) -> dict:
-        """With per-learner credentials a learner gets only its own token; the syncer keeps the run's."""
-        if is_syncer(name) or not self.cfg.transport.per_learner_tokens:
+        """A learner (each of its processes) gets only its own token, on every run: it can speak only as
+        itself whatever the run file says; the syncer keeps the run's."""
+        if is_syncer(name):
             return {}
-        return {TOKEN_ENV: derive_token(self.token, name)}
+        return {TOKEN_ENV: derive_token(self.token, f"learner-{learner_of(name)}")}  # core.learner_node
 
     def _read(self, child: Child) -> None:
         for raw in child.proc.stdout:

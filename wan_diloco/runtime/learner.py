@@ -56,7 +56,7 @@ from wan_diloco.runtime.events import emit
 from wan_diloco.runtime.netthread import NetThread
 from wan_diloco.spec import RunSpec
 from wan_diloco.transport import MessageError, TransportError
-from wan_diloco.transport.reach import diagnose
+from wan_diloco.transport.reach import Diagnosis, diagnose
 
 
 REPLAN_MIN_STEPS = 5  # steps timed before τ is planned from a link (τ counts steps)
@@ -496,11 +496,14 @@ class Learner:
             self.net.stop()
 
     def _unreachable(self, t) -> str | None:
-        """Why the syncer (or which of its shards) cannot be reached, or None."""
+        """Why the syncer (or which of its shards) cannot be reached (a ``reach.Diagnosis``), or None."""
         for target in self.target.split(","):
             why = diagnose(target, t.tls, timeout_s=min(5.0, t.call_timeout_s))
             if why is not None:
-                return why if "," not in self.target else f"{target}: {why}"
+                if "," in self.target:
+                    lasting, why = why.lasting, Diagnosis(f"{target}: {why}")
+                    why.lasting = lasting
+                return why
         return None
 
     def _reach_syncer(self) -> None:
@@ -510,6 +513,9 @@ class Learner:
         t = self.cfg.transport
         deadline, wait_s, said = time.monotonic() + t.retry_budget_s, t.backoff_initial_s, None
         while (why := self._unreachable(t)) is not None:
+            if getattr(why, "lasting", False):  # TLS on one side only, a certificate not trusted: waiting won't help
+                raise SyncerLost(f"cannot reach the syncer at {self.target}: {why}; not retried: the two sides' "
+                                 "[transport.tls] disagree, which does not heal by waiting")
             left = deadline - time.monotonic()
             if left <= 0:
                 raise SyncerLost(f"cannot reach the syncer at {self.target}: {why}; gave up after "
@@ -746,9 +752,9 @@ def _run_to_end(lrn: Learner, learner: int, target: str) -> int:
     except (IncarnationError, SyncerLost, TransportError, MessageError) as e:  # the network, not a bug: one line
         why = str(e)
         if isinstance(e, TransportError) and e.code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
-            why = (f"the syncer at {target} refused this learner's token ({e.code.name}): the run's token is "
-                   f"$WAN_DILOCO_TOKEN or run.token; with transport.per_learner_tokens, `wan-diloco token --learner "
-                   f"{learner}` on the syncer's host gives this learner's")
+            why = (f"the syncer at {target} refused this learner's token ({e.code.name}): {e.details}; "
+                   f"$WAN_DILOCO_TOKEN must be the run's token or this learner's own (`wan-diloco token --learner "
+                   f"{learner}` on the syncer's host), and with mutual TLS the certificate must be learner-{learner}'s")
         emit({"event": "error", "role": "learner", "learner": learner, "error": why})
         print(f"learner-{learner}: stopping: {why}", file=sys.stderr)
         return 3
