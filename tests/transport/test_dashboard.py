@@ -277,6 +277,7 @@ async def browse(browser: str, url: str, workdir: Path, budget_ms: int, timeout_
             "--no-first-run", "--no-default-browser-check", "--disable-extensions", "--disable-sync",
             "--disable-background-networking", "--disable-component-update", "--hide-scrollbars",
             "--force-device-scale-factor=1", f"--user-data-dir={profile}", f"--window-size={WIDTH},{HEIGHT}",
+            "--enable-logging=stderr", "--v=0",  # the page's console messages and uncaught errors, for console()
             f"--virtual-time-budget={budget_ms}", f"--screenshot={shot}", "--dump-dom", url]
     with open(workdir / "chromium.log", "wb") as log:
         proc = await asyncio.create_subprocess_exec(*args, stdout=asyncio.subprocess.PIPE, stderr=log,
@@ -291,6 +292,24 @@ async def browse(browser: str, url: str, workdir: Path, budget_ms: int, timeout_
     assert proc.returncode == 0, f"chromium exited with {proc.returncode}: {(workdir / 'chromium.log').read_text()[-2000:]}"
     assert not _ours(profile), "chromium processes outlived the test"
     return dom.decode(), shot
+
+
+def console(workdir: Path) -> list[str]:
+    """What the page wrote to the browser's console (errors, warnings, CSP refusals), from browse()'s log."""
+    log = workdir / "chromium.log"
+    return [line for line in log.read_text(errors="replace").splitlines() if ":CONSOLE" in line]
+
+
+def assert_rendered_cleanly(dom: str, workdir: Path) -> None:
+    """No problem banner, no panel that failed to draw, nothing in /status the page did not understand,
+    nothing on the console: the page drew every panel from what it fetched."""
+    assert 'class="shown"' not in dom, element(dom, r'<div id="problem-text">')
+    body = re.search(r"<body([^>]*)>", dom).group(1)
+    assert 'data-panel-errors="0"' in body and 'data-schema-problems="0"' in body, body
+    boxes = re.findall(r'<div class="panel-error"([^>]*)>([^<]*)<', dom)
+    assert len(boxes) == 7 and all(attrs == ' hidden=""' for attrs, _ in boxes), boxes
+    assert 'id="schema-alert" class="alert warn" hidden=""' in dom
+    assert not console(workdir), console(workdir)
 
 
 def element(dom: str, pattern: str) -> str:
@@ -346,6 +365,7 @@ def test_dashboard_in_headless_chromium_shows_live_numbers_and_draws_the_curves(
     points = int(re.search(r'data-points="(\d+)"', dom).group(1))
     assert points >= sum(len(c) for c in fake.served[0]["loss_history"].values())
     assert 'id="problem" role="alert"' in dom and 'class="shown"' not in dom
+    assert_rendered_cleanly(dom, tmp_path)
     assert TOKEN not in dom
 
     pixels = png_pixels(shot)
