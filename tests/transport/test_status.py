@@ -175,7 +175,8 @@ def test_a_kept_alive_connection_is_closed_once_idle():
 
 
 def test_a_nan_or_infinite_value_is_served_as_null_so_that_browsers_can_parse_status():
-    # A diverged learner reports a NaN loss; Python's json writes NaN, which JSON.parse refuses.
+    # Python's json writes NaN and Infinity, which the dashboard's JSON.parse refuses: one such value
+    # in any status callable's answer would blank the page.
     async def main():
         def status():
             return {"learners": {"0": {"loss": float("nan"), "step": 3}}, "grace_s": [float("inf"), 0.5]}

@@ -216,7 +216,7 @@ class StatusServer:
                 result = await result
             try:
                 body = json.dumps(result, sort_keys=True, allow_nan=False)
-            except ValueError:  # a NaN or infinite loss: Python writes NaN, which no browser's JSON parses
+            except ValueError:  # a NaN or infinite float: Python writes NaN, which no browser's JSON.parse takes
                 body = json.dumps(_finite(result), sort_keys=True, allow_nan=False)
         except Exception as e:  # a broken status callable must not take the server down
             return web.json_response({"error": f"{type(e).__name__}: {e}"}, status=500)
