@@ -394,6 +394,62 @@ def test_dashboard_without_the_right_token_says_so_and_shows_no_data(chromium, t
     assert "data-learner" not in dom and "waiting for /status" in dom
 
 
+class TroubledRun(FakeRun):
+    """FakeRun with the fields #23's other parts add: a quarantined learner, refused messages, failing
+    checkpoint writes and a start barrier still waiting."""
+
+    def status(self, n: int) -> dict:
+        st = super().status(n)
+        st["learners"]["1"]["state"] = "quarantined"
+        st["learners"]["2"] = {**st["learners"]["2"], "alive": None, "state": "waiting"}
+        st["refused"] = {"metadata.step": 12, "clock": 3}
+        st["storage"] = {"dir": "/ckpt/run-3f9a1c", "ok": False, "failures": 4,
+                         "last_error": "[Errno 28] No space left on device", "free_bytes": 1536}
+        st["barrier"] = {"need": 3, "joined": [0, 1], "waiting_for": [2], "started": False}
+        return st
+
+
+@FORK_WARNING
+def test_dashboard_shows_refusals_quarantine_failing_writes_and_the_start_barrier_loudly(chromium, tmp_path):
+    dom, _ = serve_and_browse(chromium, tmp_path, f"#token={TOKEN}", 3000, TroubledRun())
+    assert_rendered_cleanly(dom, tmp_path)
+    assert element(row(dom, "learner", "1"), r'<td class="text quarantined" data-k="state">') == "quarantined"
+    assert element(row(dom, "learner", "2"), r'<td class="text waiting" data-k="state">') == "waiting"
+    assert element(dom, r'<b id="alive">') == "1 / 3"  # only the alive one is up
+    storage = element(dom, r'<div id="storage-alert" class="alert bad" role="alert">')
+    assert "Checkpoint writes are failing in /ckpt/run-3f9a1c: 4 failed, 1.5 KiB free" in storage
+    assert "[Errno 28] No space left on device" in storage
+    assert element(dom, r'<b id="storage" class="bad">') == "FAILING (4)"
+    assert "waiting for learner(s) 2" in element(dom, r'<div id="barrier-alert" class="alert warn">')
+    assert element(dom, r'<b id="refused-total" class="bad">') == "15"
+    assert "metadata.step" in row(dom, "field", "metadata.step") and ">12<" in row(dom, "field", "metadata.step")
+    assert element(dom, r'<b id="quarantined" class="bad">') == "1"
+    assert element(dom, r'<b id="shards" class="bad">') == "2 (1 down)"
+
+
+@FORK_WARNING
+def test_a_status_of_another_shape_degrades_the_page_and_says_so(chromium, tmp_path):
+    class OtherRun(FakeRun):
+        def status(self, n: int) -> dict:
+            st = super().status(n)
+            del st["versions"]  # renamed, say
+            st["shards"] = "two"
+            st["learners"]["0"]["step"] = "1,480"
+            st["events"] = {"0": "not a list"}
+            st["storage"] = {"ok": "no"}
+            return st
+
+    dom, _ = serve_and_browse(chromium, tmp_path, f"#token={TOKEN}", 3000, OtherRun())
+    body = re.search(r"<body([^>]*)>", dom).group(1)
+    assert 'data-panel-errors="0"' in body and 'data-schema-problems="0"' not in body  # noticed, not thrown
+    said = element(dom, r'<div id="schema-alert" class="alert warn">')
+    assert "does not understand part of /status" in said and "status.versions is missing" in said
+    assert 'class="shown"' not in dom  # no "Dashboard error": the rest of the page shows the run
+    assert "eu-west" in row(dom, "learner", "2") and "no fragments" in element(dom, r'<tbody id="versions">')
+    step0 = [re.sub(r"<[^>]+>", "", c) for c in re.findall(r"<td[^>]*>(.*?)</td>", row(dom, "learner", "0"))][3]
+    assert step0 == "–"  # a step of the wrong type is unknown, not shown wrong
+
+
 # ---- the screenshot in the docs ---------------------------------------------------------------
 
 def save_screenshot(out: Path) -> None:
