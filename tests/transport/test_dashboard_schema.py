@@ -68,7 +68,9 @@ def script() -> str:
 
 
 def type_of(x) -> str:
-    return next(name for name, t in JSON_TYPES.items() if isinstance(x, t) and not (name == "number" and isinstance(x, bool)))
+    if isinstance(x, bool):  # a bool is an int in Python, not a number in JSON
+        return "boolean"
+    return next(name for name, t in JSON_TYPES.items() if isinstance(x, t))
 
 
 def problems(value, spec, path="status") -> list[str]:
@@ -183,7 +185,8 @@ CONTRACT = {  # fields other parts of the syncer add (#23), in the shapes agreed
 def test_the_fields_agreed_on_for_other_parts_fit_the_schema_and_a_wrong_one_is_reported(one_shard):
     spec = schema()
     st = one_shard["mid-run"]
-    with_contract = {**st, **CONTRACT, "learners": {m: {**lr, "state": "quarantined"} for m, lr in st["learners"].items()}}
+    states_ = {m: {**lr, "state": "quarantined"} for m, lr in st["learners"].items()}
+    with_contract = {**st, **CONTRACT, "learners": states_}
     assert problems(with_contract, spec) == []
     # The checker (and the page, which follows the same rules) notices renames and retypes.
     assert problems({**st, "shards": "1"}, spec) == ["status.shards is string, in none of the shapes expected"]
