@@ -423,7 +423,7 @@ def test_dashboard_shows_refusals_quarantine_failing_writes_and_the_start_barrie
     assert "waiting for learner(s) 2" in element(dom, r'<div id="barrier-alert" class="alert warn">')
     assert element(dom, r'<b id="refused-total" class="bad">') == "15"
     assert "metadata.step" in row(dom, "field", "metadata.step") and ">12<" in row(dom, "field", "metadata.step")
-    assert element(dom, r'<b id="quarantined" class="bad">') == "1"
+    assert element(dom, r'<b id="quarantined" class="bad">') == "learner 1"
     assert element(dom, r'<b id="shards" class="bad">') == "2 (1 down)"
 
 
