@@ -37,7 +37,8 @@ def test_a_step_beyond_the_run_is_refused_and_changes_nothing():
     s = syncer(max_step=300)
     s.on_metadata(0.0, meta(0, step=8))
     with pytest.raises(ProtocolError, match="step 1000000000 beyond the run's 300 steps"):
-        s.on_metadata(0.1, meta(1, step=10**9))
+        # a plausible clock: a step past the budget is refused for that alone
+        s.on_metadata(0.1, dataclasses.replace(meta(1, step=10**9), clock=VectorClock({"learner-1": 1})))
     assert s.global_step == 8 and 1 not in s.learners
     with pytest.raises(ProtocolError, match="due step 400 beyond"):
         s.on_fragment(0.2, upload(1, due=400))
