@@ -85,12 +85,13 @@ class StepPace:
         if pace is None:
             self.learners[learner] = _Pace(step, now_s, credit - spent, step, now_s)
             return
-        elapsed_s = now_s - pace.anchor_s
-        # A window also closes once it holds half the slack: a fast learner is measured before its
-        # slack runs out (a window that began before a pause, e.g. the first compile, measured it slow).
-        if elapsed_s >= PACE_WINDOW_S or (elapsed_s >= MIN_WINDOW_S and step - pace.anchor_step >= self.slack / 2):
-            measured = max(0, step - pace.anchor_step) / elapsed_s
-            pace.peak_steps_per_s = max(pace.peak_steps_per_s or 0.0, measured)
+        elapsed_s, advance = now_s - pace.anchor_s, step - pace.anchor_step
+        # A window also closes once it holds half the slack, so a fast learner is measured before its
+        # slack runs out; one that holds a single step measures nothing (the report before the first
+        # compile and the one after it would make a fast learner look slow, and leave it no credit).
+        if elapsed_s >= PACE_WINDOW_S or (elapsed_s >= MIN_WINDOW_S and advance >= self.slack / 2):
+            if advance >= 2:
+                pace.peak_steps_per_s = max(pace.peak_steps_per_s or 0.0, advance / elapsed_s)
             pace.anchor_step, pace.anchor_s = step, now_s
         pace.step, pace.at_s, pace.credit = max(pace.step, step), now_s, credit - spent
 

@@ -76,7 +76,7 @@ class SyncerConfig:
     shards: int = 1
     # Plausibility (core.pace): a learner's step may run this many steps past its pace (and past the
     # global step at its first report after (re)joining) ...
-    step_slack: int = 64
+    step_slack: int = 32
     # ... where its pace is at most this many steps a second; None: 4 x its fastest measured pace.
     max_steps_per_s: float | None = None
     max_refusals: int = 50  # refusals of one learner within quarantine_s that quarantine it
@@ -453,7 +453,13 @@ class SyncerCore:
         self.notices.append(f"learner {learner} quarantined for {self.cfg.quarantine_s:g} s: {why}")
         self._lose(learner, now_s)
 
-    def _refused(self, now_s: float, learner: int, e: ProtocolError, logged: bool = False) -> None:
+    def refused(self, now_s: float, learner: int | None, e: ProtocolError) -> None:
+        """A message the driver refused before it became an event (it did not decode): counted and
+        logged like the core's own refusals, against ``learner`` (its credential's) when known."""
+        self.now_s = now_s
+        self._refused(now_s, learner, e)
+
+    def _refused(self, now_s: float, learner: int | None, e: ProtocolError, logged: bool = False) -> None:
         """Count a refusal of ``learner``'s message; log it (rate-limited; ``logged``: its quarantine
         notice says it already); quarantine a learner refused ``max_refusals`` times within
         ``quarantine_s`` (the run goes on without it meanwhile)."""
