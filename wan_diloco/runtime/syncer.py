@@ -636,6 +636,8 @@ class SyncerService:
         for p, v in enumerate(self.core.version):
             g.labels(str(p)).set(v)
         self.metrics.gauge("learners_alive", "Learners not known to be down").set(len(self.core.alive()))
+        self.metrics.gauge("learners_connected", "Learners heard from and alive (not waiting, lost or quarantined)").set(
+            len(self.core.connected()))
         self.metrics.gauge("global_step", "Highest learner step seen").set(self.core.global_step)
         sizes = self.core.stats.quorum_sizes
         self.metrics.gauge("last_quorum", "Learners merged in the latest round").set(sizes[-1] if sizes else 0)
