@@ -560,6 +560,7 @@ class SyncerService:
             "resumed_from": self.core.resumed_from, "snapshots_complete": len(self.snapshots_complete),
             "recoveries_served": self.donations.served, "donors_replaced": self.donations.replaced,
             "recovery_bytes": self.recovery_bytes,
+            "refused": dict(self.core.refusals.by_field),  # learner messages refused, by field (core.refusals)
             "last_snapshot": self.snapshots_complete[-1] if self.snapshots_complete else None,
         }
 
@@ -589,7 +590,6 @@ class SyncerService:
             "regions": list(self.cfg.regions.names), "versions": list(self.core.version),
             # Connected and alive: a learner never heard from is "waiting" (learners[m]["state"]), not alive.
             "quorum": self.core.quorum(), "alive": self.core.connected(),
-            "refused": dict(self.core.refusals.by_field),
             "quorum_sizes": list(st.quorum_sizes)[-100:], "grace_s": list(st.grace_s)[-100:],
             "grace_window_s": self.core.grace_window_s(), "history": history,
             "fragment_bytes": list(self.layout.nbytes), "final_done": self.final_done.is_set(),
