@@ -71,10 +71,10 @@ def test_an_absurd_outer_gradient_is_refused_and_its_learner_quarantined_while_t
 
 
 def test_a_merge_whose_outer_step_overflows_is_refused_and_theta_and_momentum_stay():
-    # A large but admissible Δ with an absurd outer learning rate: the step leaves float32.
-    s = syncer(outer=OuterConfig(lr=1e38, momentum=0.5), max_delta_ratio=1e6)
+    # A huge but admissible Δ with the largest outer learning rate allowed: the step leaves float32.
+    s = syncer(outer=OuterConfig(lr=10.0, momentum=0.5), max_delta_ratio=1e38)
     theta, momentum = dict(s.theta[0]), s.outer.states[0]
-    assert s.on_fragment(1.0, upload(0, delta=np.full(3, 100.0, np.float32))) == []
+    assert s.on_fragment(1.0, upload(0, delta=np.full(3, 1e38, np.float32))) == []
     assert s.stats.refused_rounds == 1 and "refused" in s.notices[-1]
     assert all(np.array_equal(theta[n], s.theta[0][n]) for n in theta) and s.outer.states[0] is momentum
     assert s.version == [0, 0]
