@@ -80,7 +80,8 @@ class ProcessView:
             for key, seen in status["learners"].items():
                 row, m = self.mon.learners[int(key)], int(key)
                 row["step"] = seen["step"]
-                row["status"] = {True: "training", False: "lost", None: "not seen"}[seen["alive"]]
+                row["status"] = ({"alive": "training", "lost": "lost", "waiting": "not seen", "quarantined": "quarantined"}
+                                 .get(seen.get("state")) or {True: "training", False: "lost", None: "not seen"}[seen["alive"]])
                 got = progress.get(m) or {}
                 if got.get("loss") is not None:
                     row["loss"] = got["loss"]

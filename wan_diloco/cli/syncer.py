@@ -95,7 +95,7 @@ async def serve(cfg: spec_lib.RunSpec, token: str, port: int | None = None, resu
             if time.monotonic() - last_report >= cfg.run.report_every_s:
                 last_report = time.monotonic()
                 emit({"event": "progress", "role": "syncer", "versions": list(service.core.version),
-                      "alive": service.core.alive(), **service.summary()})
+                      "alive": service.core.connected(), **service.summary()})  # never a learner not yet seen
                 if view is not None:
                     view.watch_syncer(service.status(), service.progress)
         if service.final_report is not None:

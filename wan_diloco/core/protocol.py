@@ -25,7 +25,14 @@ def learner_node(learner: int) -> str:
 
 
 class ProtocolError(ValueError):
-    """A message that breaks the protocol (wrong fragment, shapes, NaN...): rejected, no state changed."""
+    """A message that breaks the protocol (wrong fragment, shapes, NaN...): rejected, no state changed.
+
+    ``field``: a short dotted name of what was wrong ("metadata.step", "clock", "upload.base_version"),
+    what the syncer counts refusals by (``refused_total{field}`` on /metrics); "" when unnamed."""
+
+    def __init__(self, message: str = "", field: str = ""):
+        super().__init__(message)
+        self.field = field
 
 
 class IncarnationError(RuntimeError):

@@ -28,12 +28,14 @@ import asyncio
 import collections
 import dataclasses
 import logging
+import re
 import secrets
 import time
 from pathlib import Path
 from typing import Callable
 
 import grpc
+from prometheus_client import Counter
 
 from wan_diloco.assemble import Assembly, fragment_digest
 from wan_diloco.checkpoint import CheckpointError, SnapshotStore, save_params
@@ -123,6 +125,9 @@ class SyncerService:
         self.events: collections.deque = collections.deque(maxlen=EVENTS)
         self._liveness: dict[int, bool] = {}  # as of the last event: what ``_note_liveness`` compares with
         self.recovery_bytes = 0
+        # Refused learner messages by field (the core counts them; /status["refused"] shows its count).
+        self.refused_total = Counter("refused", "Learner messages refused, by the field that was wrong", ["field"],
+                                     namespace=metrics.namespace, registry=metrics.registry)
         if resume:
             self._resume()
         else:
@@ -147,6 +152,9 @@ class SyncerService:
             raise ResumeError(f"snapshot {snap} in {self.store.root} does not fit this config: {e}") from None
         self.core.epoch += 1
         self.core.resumed_from = self.core.snapshot_id = snap
+        cut = info.get("cut_unix_s")  # learners trained on from the cut until now (absent: an older snapshot)
+        age_s = time.time() - cut if isinstance(cut, (int, float)) else self.cfg.syncer.liveness_timeout_s
+        self.core.resumed_after(self.now(), age_s)
         self.snap_merges = sum(self.core.stats.fragment_syncs)
         self.resumed = {"snapshot": snap, "epoch": self.core.epoch, "skipped": list(self.store.skipped),
                         "versions": list(self.core.version), "global_step": self.core.global_step}
@@ -160,6 +168,7 @@ class SyncerService:
         self.core.snapshot_id = snap
         self.snap_merges = sum(self.core.stats.fragment_syncs)
         tensors, info = self.core.export()
+        info["cut_unix_s"] = time.time()  # a resume from it allows learners' steps since (core.pace)
         # Learners write their parts for shard 0's snapshots only (the others' reach them renumbered).
         waiting = {m for m in self.core.alive() if m in self.core.learners} if self.shard == 0 else set()
         self.snap_pending[snap] = {"learners": waiting, "syncer": False, "cut_s": self.now(),
@@ -347,15 +356,31 @@ class SyncerService:
         self.rejected += 1
         return Rejected(str(e), grpc.StatusCode.INVALID_ARGUMENT)
 
+    def _refuse(self, e: ProtocolError, frame=None) -> Rejected:
+        """A learner message refused: counted by field (on /metrics and /status), logged rate-limited
+        by the core. ``frame``: one that did not decode, counted here against its sender's credential."""
+        field = e.field or _decoded_field(str(e))
+        if frame is not None:
+            try:
+                m = serde.learner_id(frame.sender, self.M)
+            except ProtocolError:
+                m = None
+            self.core.refused(self.now(), m, ProtocolError(str(e), field))
+        self.refused_total.labels(field).inc()
+        self._log_notices()
+        return self._reject(e)
+
     # ---- Handler --------------------------------------------------------------------
 
     async def on_metadata(self, frame) -> Ack:
         try:
             meta = serde.metadata_from_frame(frame, self.M)
+        except ProtocolError as e:
+            raise self._refuse(e, frame) from None
+        try:
             self._act(self.core.on_metadata(self.now(), meta))
         except ProtocolError as e:
-            self._log_notices()
-            raise self._reject(e) from None
+            raise self._refuse(e) from None
         self.regions[meta.learner] = meta.region
         self._on_progress(meta)
         if meta.data:
@@ -377,18 +402,23 @@ class SyncerService:
     async def on_fragment(self, frame) -> Ack:
         try:
             donation = serde.donation_from_frame(frame, self.M)
-            if donation is not None:
+            up = serde.upload_from_frame(frame, self.codec, self.M) if donation is None else None
+        except ProtocolError as e:
+            raise self._refuse(e, frame) from None
+        if donation is not None:
+            try:
                 return self._on_donation(*donation, frame.payload)
-            up = serde.upload_from_frame(frame, self.codec, self.M)
-            self.regions[up.learner] = up.region
-            if up.final and self.core.final_done:
-                self.late_final.add(up.learner)  # it still gets the final fragments: wait for its fetch
-                return Ack(sender="syncer", global_step=self.core.global_step, detail="late: final sync already done")
+            except ProtocolError as e:
+                raise self._refuse(e, frame) from None
+        self.regions[up.learner] = up.region
+        if up.final and self.core.final_done:
+            self.late_final.add(up.learner)  # it still gets the final fragments: wait for its fetch
+            return Ack(sender="syncer", global_step=self.core.global_step, detail="late: final sync already done")
+        try:
             # A retried upload whose first try got through is a duplicate: the core ignores it.
             self._act(self.core.on_fragment(self.now(), up))
         except ProtocolError as e:
-            self._log_notices()
-            raise self._reject(e) from None
+            raise self._refuse(e) from None
         detail = "final" if up.final else f"v{self.core.version[up.fragment]}"
         return Ack(sender="syncer", global_step=self.core.global_step, detail=detail)
 
@@ -530,6 +560,7 @@ class SyncerService:
             "resumed_from": self.core.resumed_from, "snapshots_complete": len(self.snapshots_complete),
             "recoveries_served": self.donations.served, "donors_replaced": self.donations.replaced,
             "recovery_bytes": self.recovery_bytes,
+            "refused": dict(self.core.refusals.by_field),  # learner messages refused, by field (core.refusals)
             "last_snapshot": self.snapshots_complete[-1] if self.snapshots_complete else None,
         }
 
@@ -542,6 +573,7 @@ class SyncerService:
             learners[str(m)] = {
                 "region": self.regions.get(m, self.cfg.region(m)),
                 "alive": info.alive if info else None,
+                "state": self.core.learner_state(m),  # waiting (never heard from), alive, lost or quarantined
                 "last_seen_s_ago": round(now - info.last_seen_s, 3) if info else None,
                 "step": info.step if info else 0,
                 "step_s": info.step_s if info else None,
@@ -556,7 +588,8 @@ class SyncerService:
         return {
             "uptime_s": round(now - self.started_s, 3), "learners": learners,
             "regions": list(self.cfg.regions.names), "versions": list(self.core.version),
-            "quorum": self.core.quorum(), "alive": self.core.alive(),
+            # Connected and alive: a learner never heard from is "waiting" (learners[m]["state"]), not alive.
+            "quorum": self.core.quorum(), "alive": self.core.connected(),
             "quorum_sizes": list(st.quorum_sizes)[-100:], "grace_s": list(st.grace_s)[-100:],
             "grace_window_s": self.core.grace_window_s(), "history": history,
             "fragment_bytes": list(self.layout.nbytes), "final_done": self.final_done.is_set(),
@@ -603,6 +636,8 @@ class SyncerService:
         for p, v in enumerate(self.core.version):
             g.labels(str(p)).set(v)
         self.metrics.gauge("learners_alive", "Learners not known to be down").set(len(self.core.alive()))
+        self.metrics.gauge("learners_connected", "Learners heard from and alive (not waiting, lost or quarantined)").set(
+            len(self.core.connected()))
         self.metrics.gauge("global_step", "Highest learner step seen").set(self.core.global_step)
         sizes = self.core.stats.quorum_sizes
         self.metrics.gauge("last_quorum", "Learners merged in the latest round").set(sizes[-1] if sizes else 0)
@@ -617,6 +652,15 @@ class SyncerService:
                 rate.labels(str(m)).set(p["tokens_per_s"] if m in alive else 0.0)
                 total += p["tokens_per_s"] if m in alive else 0.0
         self.metrics.gauge("tokens_per_s", "Tokens a second all live learners train").set(total)
+
+
+def _decoded_field(text: str) -> str:
+    """The field of a frame that did not decode, from serde's "Metadata.step: ..." (else "frame")."""
+    found = re.match(r"(Metadata|FragmentUpload|Donation)\.(\w+)", text)
+    if found is None:
+        return "frame"
+    kind = {"Metadata": "metadata", "FragmentUpload": "upload", "Donation": "donation"}[found.group(1)]
+    return f"{kind}.{found.group(2)}"
 
 
 class LossCurve:
