@@ -1,0 +1,415 @@
+#!/usr/bin/env python
+"""Hostile-peer benchmark (#23): a real run with a compromised learner flooding the syncer, against the
+same run without it.
+
+Real processes on loopback (``runtime.launch.Cluster``): a syncer and learners 0 and 1 of a 3-learner
+micro run (quorum 1, so learner 2's absence blocks nothing); learner 2's slot belongs to the attacker
+(``bench.hostile_attack``), which holds learner 2's credential and sends ``--messages`` generated
+messages (``bench.hostile_cases``: fields at and past every limit, declared senders that are not the
+credential's, steps, clocks, versions, epochs, sizes, slow streams, no or wrong credentials). Then the
+clean run: the same config and seed, no attacker.
+
+Checks (``checks`` in the JSON; ``ok`` is their conjunction):
+- ``finished``: the syncer's final sync happened and every process of learners 0 and 1 exited 0;
+- ``digests_equal``: both learners' final fragment digests equal the syncer's, no ``digest_mismatch``;
+- ``loss_within_2pct``: final eval loss within 2 % of the clean run's;
+- ``refusals_counted``: for every (rpc, status code) the attacker was refused with, /metrics counts at
+  least as many (``refused_total{field}`` where the syncer has it, else the transport's
+  ``transport_errors{rpc,code}``);
+- ``nothing_taken_past_limit`` / ``no_impersonation_taken``: nothing that had to be refused was taken;
+- ``honest_not_quarantined``: learners 0 and 1 are never quarantined (/status learner state, events);
+- ``honest_state_untouched``: each honest learner's tokens are its steps x tokens per step (no step
+  jump), and the syncer's view of its step never exceeds the steps it trained.
+
+    python -m bench.chaos --hostile                 # 10,000 messages
+    python -m bench.hostile --messages 500 --out /tmp/hostile.json
+Writes bench/results/hostile.json after each run, and the attacker's rows (one per message) to
+WORK/hostile/attack_rows.jsonl as they happen.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import re
+import secrets
+import subprocess
+import sys
+import tempfile
+import time
+import tomllib
+import urllib.request
+from collections import Counter
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench import hostile_attack  # noqa: E402
+from wan_diloco import spec as spec_lib  # noqa: E402
+from wan_diloco.runtime.launch import Cluster, child_env, run_spec, write_config  # noqa: E402
+from wan_diloco.transport.security import derive_token  # noqa: E402
+
+STEP_S = 0.2
+HONEST = (0, 1)
+ATTACKER = 2
+LOSS_TOLERANCE = 0.02
+
+CONFIG = """\
+[run]
+learners = 3
+steps = {steps}
+batch_size = 8
+seed = {seed}
+eval_batches = 4
+eval_batch_size = 16
+tick_s = 0.2
+report_every_s = 0.5
+min_step_s = {step_s}
+
+[data]
+max_bytes = 1048576
+
+[model]
+d_model = 32
+n_layers = 2
+n_heads = 2
+d_ff = 64
+seq_len = 32
+
+[learner]
+sync_every = 8
+num_fragments = 2
+tau = 2
+
+[syncer]
+quorum = 1
+liveness_timeout_s = 20.0
+final_timeout_s = 20
+
+[train]
+warmup_steps = 10
+
+[transport]
+channels = 1
+call_timeout_s = 10.0
+retry_budget_s = 60.0
+{transport_extra}
+"""
+
+
+# ---- reading the syncer ---------------------------------------------------------------------------
+
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)$")
+_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+
+
+def parse_metrics(text: str) -> dict[str, list[tuple[dict, float]]]:
+    """Prometheus text -> {sample name: [(labels, value)]}."""
+    out: dict[str, list] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        m = _SAMPLE.match(line.strip())
+        if m is None:
+            continue
+        try:
+            value = float(m.group(3))
+        except ValueError:
+            continue
+        out.setdefault(m.group(1), []).append((dict(_LABEL.findall(m.group(2) or "")), value))
+    return out
+
+
+def refusals(text: str) -> dict:
+    """What /metrics counts as refused: ``refused_total`` by field when the syncer has it (H2), the
+    transport's errors by (rpc, code) always, and identity refusals where counted (H3)."""
+    samples = parse_metrics(text)
+    by_field = None
+    for name in ("wan_diloco_refused_total", "refused_total"):
+        if name in samples:
+            by_field = {labels.get("field", ""): int(v) for labels, v in samples[name]}
+            break
+    errors = {f"{lab.get('rpc')}/{lab.get('code')}": int(v)
+              for lab, v in samples.get("wan_diloco_transport_errors_total", [])}
+    identity = next((int(sum(v for _, v in samples[n])) for n in
+                     ("wan_diloco_identity_refused_total", "identity_refused_total") if n in samples), None)
+    return {"refused_total": by_field, "transport_errors": errors, "identity_refused_total": identity}
+
+
+_QUARANTINED = re.compile(r"learner (\d+) (?:is )?quarantined")
+
+
+def quarantined_of(status: dict) -> set[int]:
+    """Learners /status shows quarantined: their state (H2), or an event saying so."""
+    out = {int(m) for m, info in (status.get("learners") or {}).items()
+           if isinstance(info, dict) and info.get("state") == "quarantined"}
+    for e in status.get("events") or []:
+        for m in _QUARANTINED.findall(str(e.get("what", ""))):
+            out.add(int(m))
+    return out
+
+
+def _get(url: str, token: str) -> bytes:
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"})
+    with urllib.request.urlopen(req, timeout=5) as r:
+        return r.read()
+
+
+# ---- one run --------------------------------------------------------------------------------------
+
+def make_config(steps: int, seed: int, per_learner: bool) -> tuple[str, object]:
+    text = CONFIG.format(steps=steps, seed=seed, step_s=STEP_S,
+                         transport_extra="per_learner_tokens = true" if per_learner else "")
+    return text, spec_lib.from_document(tomllib.loads(text))
+
+
+def run_once(cfg, rdir: Path, attack: dict | None, note, timeout_s: float) -> dict:
+    """Learners 0 and 1 (and, with ``attack``, the attacker) against one syncer until the run ends.
+
+    Returns the processes' exit codes, the learners' and the syncer's final events, the honest
+    learners' own step reports, the last /status and /metrics read, and what was seen quarantined."""
+    rdir.mkdir(parents=True, exist_ok=True)
+    cfg = run_spec(cfg, rdir)
+    write_config(rdir / "config.toml", cfg)
+    token = secrets.token_urlsafe(24)
+    per_learner = cfg.transport.per_learner_tokens
+    out: dict = {"run_dir": str(rdir), "per_learner_tokens": per_learner, "exit_codes": {}, "finals": {},
+                 "syncer_final": None, "max_view_step": {}, "quarantined": [], "status": None, "metrics": None,
+                 "metrics_after_attack": None, "errors": [], "attack_exit": None}
+    events = open(rdir / "metrics.jsonl", "w")
+    attacker = None
+    t0 = time.monotonic()
+    with Cluster(cfg, rdir / "config.toml", rdir, token=token) as cluster:
+        cluster.start_syncer()
+        status_url = f"http://127.0.0.1:{cluster.status_port}"
+        for m in HONEST:
+            cluster.start_learner(m)
+        started: set[int] = set()
+        quarantined: set[int] = set()
+        next_poll = 0.0
+        deadline = time.monotonic() + timeout_s
+        while True:
+            while not cluster.events.empty():
+                name, e = cluster.events.get_nowait()
+                if "pid" not in e and e.get("event") != "attack_done":
+                    continue
+                events.write(json.dumps({"source": name, **e}) + "\n")
+                if e.get("event") == "start" and name.startswith("learner-"):
+                    started.add(int(name.split("-")[1]))
+                if e.get("event") == "final":
+                    if name == "syncer":
+                        out["syncer_final"] = e
+                    else:
+                        out["finals"][name] = e
+            if attack is not None and attacker is None and started >= set(HONEST):
+                attacker = start_attacker(cluster, cfg, rdir, token, per_learner, attack, status_url)
+                note(f"attacker started: {attack['messages']} messages at {attack['rate']:g}/s")
+            if time.monotonic() > next_poll and cluster.status_port:
+                next_poll = time.monotonic() + 1.0
+                try:
+                    status = json.loads(_get(status_url + "/status", token))
+                    out["status"] = status
+                    out["metrics"] = _get(status_url + "/metrics", token).decode()
+                    quarantined |= quarantined_of(status)
+                    for m, info in (status.get("learners") or {}).items():
+                        out["max_view_step"][m] = max(out["max_view_step"].get(m, 0), info.get("step") or 0)
+                    if attacker is not None and attacker.poll() is not None and out["metrics_after_attack"] is None:
+                        out["metrics_after_attack"] = out["metrics"]
+                except OSError:
+                    pass
+            codes = {n: c.exit_code for n, c in cluster.children.items()}
+            if all(codes.get(f"learner-{m}") is not None for m in HONEST) and codes.get("syncer") is not None:
+                break
+            if time.monotonic() > deadline:
+                out["errors"].append(f"timed out after {timeout_s:.0f} s")
+                break
+            time.sleep(0.1)
+        if attacker is not None:
+            try:
+                attacker.wait(max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                attacker.kill()
+                attacker.wait()
+                out["errors"].append("the attacker did not finish before the run ended; killed")
+            out["attack_exit"] = attacker.returncode
+        out["exit_codes"] = {n: c.exit_code for n, c in cluster.children.items()}
+    events.close()
+    out["quarantined"] = sorted(quarantined)
+    out["wall_s"] = round(time.monotonic() - t0, 1)
+    return out
+
+
+def start_attacker(cluster: Cluster, cfg, rdir: Path, token: str, per_learner: bool, attack: dict,
+                   status_url: str) -> subprocess.Popen:
+    own = derive_token(token, f"learner-{ATTACKER}") if per_learner else token
+    env = {**child_env(token), hostile_attack.OWN_TOKEN_ENV: own, hostile_attack.RUN_TOKEN_ENV: token}
+    args = [sys.executable, "-m", "bench.hostile_attack", "--config", str(rdir / "config.toml"),
+            "--target", f"127.0.0.1:{cluster.syncer_port}", "--status", status_url,
+            "--messages", str(attack["messages"]), "--rate", str(attack["rate"]), "--seed", str(attack["seed"]),
+            "--rows", str(rdir / "attack_rows.jsonl")] + (["--per-learner"] if per_learner else [])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+    log = open(rdir / "attacker.log", "ab")
+    try:
+        return subprocess.Popen(args, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    finally:
+        log.close()
+
+
+# ---- the report -----------------------------------------------------------------------------------
+
+def read_rows(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            continue  # a line cut short by a kill
+    return rows
+
+
+def run_right(run: dict, tokens_per_step: int) -> tuple[bool, bool, dict]:
+    """(finished, digests equal, {honest learner: how its state was touched}) of one run: the syncer's
+    final sync happened and every honest process exited 0; each honest learner's final digests are the
+    syncer's; each trained every step it counts (tokens = steps x tokens per step: a step that jumped
+    shows) and the syncer never saw it at a step beyond those it trained."""
+    finals, syncer = run["finals"], run["syncer_final"] or {}
+    exits = run["exit_codes"]
+    finished = bool(run["syncer_final"]) and all(exits.get(f"learner-{m}") == 0 for m in HONEST) and not run["errors"]
+    digests_equal = bool(syncer.get("digests")) and len(finals) == len(HONEST) and all(
+        f.get("digests") == syncer["digests"] and not f.get("digest_mismatch") for f in finals.values())
+    touched = {}
+    for m in HONEST:
+        f = finals.get(f"learner-{m}")
+        if f is None:
+            touched[m] = "no final event"
+        elif f.get("tokens") != f.get("steps", -1) * tokens_per_step:
+            touched[m] = f"tokens {f.get('tokens')} != steps {f.get('steps')} x {tokens_per_step}: its step moved"
+        elif run["max_view_step"].get(str(m), 0) > f["steps"]:
+            touched[m] = (f"the syncer saw step {run['max_view_step'][str(m)]} from learner {m}, "
+                          f"which trained {f['steps']} steps")
+    return finished, digests_equal, touched
+
+
+def final_eval_loss(run: dict) -> float | None:
+    losses = [f["final_eval_loss"] for f in run["finals"].values() if f.get("final_eval_loss") is not None]
+    return sum(losses) / len(losses) if losses else None
+
+
+def analyze(hostile: dict, clean: dict | None, rows: list[dict], tokens_per_step: int) -> dict:
+    """The report's figures and checks from the two runs and the attacker's rows."""
+    refused_rows = [r for r in rows if r["verdict"] == "refused"]
+    client_codes = Counter(f"{r['rpc'].replace('SlowUpload', 'Upload')}/{r['code']}" for r in refused_rows
+                           if r["code"] not in ("DEADLINE_EXCEEDED", "CANCELLED", "UNAVAILABLE"))
+    seen = refusals(hostile["metrics_after_attack"] or hostile["metrics"] or "")
+    undercounted = {k: {"attacker_saw": n, "metrics": seen["transport_errors"].get(k, 0)}
+                    for k, n in client_codes.items() if seen["transport_errors"].get(k, 0) < n}
+    by_field = seen["refused_total"]
+    source = "/metrics refused_total{field}"
+    if by_field is None:
+        by_field, source = dict(Counter(r["field"] for r in refused_rows)), "attacker rows (no refused_total on /metrics)"
+    if seen["refused_total"] is not None:  # H2: core refusals by field; every refused row is at least one count
+        core = sum(seen["refused_total"].values()) + (seen["identity_refused_total"] or 0)
+        if core + sum(seen["transport_errors"].values()) < len(refused_rows):
+            undercounted["refused_total"] = {"attacker_saw": len(refused_rows), "metrics": core}
+
+    finished, digests_equal, touched = run_right(hostile, tokens_per_step)
+    finals = hostile["finals"]
+    loss, clean_loss = final_eval_loss(hostile), (final_eval_loss(clean) if clean else None)
+    ratio = loss / clean_loss if loss is not None and clean_loss else None
+    verdicts = Counter(r["verdict"] for r in rows)
+    checks = {
+        "finished": finished,
+        "digests_equal": digests_equal,
+        "loss_within_2pct": ratio is not None and abs(ratio - 1) <= LOSS_TOLERANCE,
+        "refusals_counted": not undercounted and bool(hostile["metrics_after_attack"] or hostile["metrics"]),
+        "nothing_taken_past_limit": verdicts.get("taken_past_limit", 0) == 0,
+        "no_impersonation_taken": verdicts.get("impersonation_taken", 0) == 0,
+        "honest_not_quarantined": not set(hostile["quarantined"]) & set(HONEST),
+        "honest_state_untouched": not touched,
+    }
+    if clean is not None:  # the reference itself must be a right run, or the ratio means nothing
+        checks["clean_run_right"] = run_right(clean, tokens_per_step) == (True, True, {})
+    taken_bad = Counter((r["field"], r["value"], r["verdict"]) for r in rows
+                        if r["verdict"] in ("taken_past_limit", "impersonation_taken"))
+    return {
+        "messages": len(rows), "refused_by_field": dict(sorted(by_field.items())), "refused_by_field_source": source,
+        "quarantined": hostile["quarantined"], "final_eval_loss": _round(loss), "clean_eval_loss": _round(clean_loss),
+        "loss_ratio": _round(ratio), "digests_equal": digests_equal, "ok": all(checks.values()), "checks": checks,
+        "verdicts": dict(verdicts), "by_rpc": dict(Counter(r["rpc"] for r in rows)),
+        "by_code": dict(Counter(r["code"] for r in rows)),
+        "taken_that_should_be_refused": [{"field": f, "value": v, "verdict": k, "count": n}
+                                         for (f, v, k), n in taken_bad.most_common(40)],
+        "undercounted": undercounted, "honest_state_touched": {str(k): v for k, v in touched.items()},
+        "metrics": refusals(hostile["metrics_after_attack"] or hostile["metrics"] or ""),
+        "rejected": (hostile["status"] or {}).get("rejected"),
+        "exit_codes": hostile["exit_codes"], "attack_exit": hostile["attack_exit"], "errors": hostile["errors"],
+        "learners": {n: {k: f.get(k) for k in ("steps", "tokens", "final_eval_loss", "digest_mismatch")}
+                     for n, f in finals.items()},
+        "wall_s": {"hostile": hostile["wall_s"], "clean": clean["wall_s"] if clean else None},
+    }
+
+
+def _round(x, digits: int = 5):
+    return None if x is None or not math.isfinite(x) else round(float(x), digits)
+
+
+def save(out: dict, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=1) + "\n")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--messages", type=int, default=10_000, help="generated messages (default 10,000)")
+    ap.add_argument("--rate", type=float, default=200.0, help="attacker messages a second")
+    ap.add_argument("--seed", type=int, default=0, help="the run's seed and the generator's")
+    ap.add_argument("--steps", type=int, default=0,
+                    help="step budget (default: long enough for the attack at --rate, plus a margin)")
+    ap.add_argument("--per-learner-tokens", action="store_true",
+                    help="set transport.per_learner_tokens (otherwise the config's default)")
+    ap.add_argument("--no-clean", action="store_true", help="skip the clean run (no loss ratio)")
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "hostile.json")
+    ap.add_argument("--work", type=Path, help="run folders (default: a new temporary folder, kept)")
+    args = ap.parse_args(argv)
+    if args.messages < 1 or args.rate <= 0:
+        ap.error("--messages must be >= 1 and --rate > 0")
+    t_bench = time.monotonic()
+    attack_s = args.messages / args.rate
+    steps = args.steps or int(math.ceil((attack_s + 30.0) / STEP_S / 8) * 8)
+    text, cfg = make_config(steps, args.seed, args.per_learner_tokens)
+    work = args.work or Path(tempfile.mkdtemp(prefix="wdl-hostile-"))
+    timeout_s = attack_s * 3 + steps * STEP_S * 4 + 300
+    note = lambda line: print(f"[{time.monotonic() - t_bench:7.1f} s] {line}", flush=True)  # noqa: E731
+    attack = {"messages": args.messages, "rate": args.rate, "seed": args.seed}
+    tps = cfg.run.batch_size * cfg.model.seq_len
+    config = {"steps": steps, "step_s": STEP_S, "learners": 3, "honest": list(HONEST), "attacker": ATTACKER,
+              "quorum": cfg.syncer.quorum, "rate": args.rate, "seed": args.seed, "transport": "loopback"}
+
+    note(f"hostile run: {steps} steps, {args.messages} messages -> {work / 'hostile'}")
+    hostile = run_once(cfg, work / "hostile", attack, note, timeout_s)
+    rows = read_rows(work / "hostile" / "attack_rows.jsonl")
+    out = {**analyze(hostile, None, rows, tps), "config": config, "per_learner_tokens": hostile["per_learner_tokens"],
+           "partial": "the clean run has not run yet", "work": str(work), "host": platform.machine()}
+    save(out, args.out)  # a failure later keeps what was measured
+    clean = None
+    if not args.no_clean:
+        note(f"clean run of the same config and seed -> {work / 'clean'}")
+        clean = run_once(cfg, work / "clean", None, note, timeout_s)
+    out = {**analyze(hostile, clean, rows, tps), "config": config, "per_learner_tokens": hostile["per_learner_tokens"],
+           "work": str(work), "host": platform.machine(), "bench_wall_s": round(time.monotonic() - t_bench, 1)}
+    if clean is not None:
+        out["clean"] = {"exit_codes": clean["exit_codes"], "errors": clean["errors"], "wall_s": clean["wall_s"]}
+    save(out, args.out)
+    print(json.dumps({k: out[k] for k in ("messages", "quarantined", "final_eval_loss", "clean_eval_loss",
+                                          "loss_ratio", "digests_equal", "ok", "checks")}, indent=1))
+    print(f"wrote {args.out}")
+    return 0 if out["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
