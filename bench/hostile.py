@@ -56,6 +56,7 @@ STEP_S = 0.2
 HONEST = (0, 1)
 ATTACKER = 2
 LOSS_TOLERANCE = 0.02
+ATTACKER_GRACE_S = 60.0  # after the run: for the attacker's calls in flight to be answered (they time out in 10 s)
 
 CONFIG = """\
 [run]
@@ -169,77 +170,104 @@ def make_config(steps: int, seed: int, per_learner: bool) -> tuple[str, object]:
 def run_once(cfg, rdir: Path, attack: dict | None, note, timeout_s: float) -> dict:
     """Learners 0 and 1 (and, with ``attack``, the attacker) against one syncer until the run ends.
 
-    Returns the processes' exit codes, the learners' and the syncer's final events, the honest
-    learners' own step reports, the last /status and /metrics read, and what was seen quarantined."""
+    Returns the processes' exit codes, the learners' and the syncer's final events, the highest step
+    the syncer showed for each learner, the last /status and /metrics read, and who was seen quarantined."""
     rdir.mkdir(parents=True, exist_ok=True)
     cfg = run_spec(cfg, rdir)
     write_config(rdir / "config.toml", cfg)
     token = secrets.token_urlsafe(24)
-    per_learner = cfg.transport.per_learner_tokens
-    out: dict = {"run_dir": str(rdir), "per_learner_tokens": per_learner, "exit_codes": {}, "finals": {},
-                 "syncer_final": None, "max_view_step": {}, "quarantined": [], "status": None, "metrics": None,
-                 "metrics_after_attack": None, "errors": [], "attack_exit": None}
+    out: dict = {"run_dir": str(rdir), "per_learner_tokens": cfg.transport.per_learner_tokens, "exit_codes": {},
+                 "finals": {}, "syncer_final": None, "max_view_step": {}, "quarantined": [], "status": None,
+                 "metrics": None, "metrics_after_attack": None, "errors": [], "attack_exit": None}
+    t0, procs = time.monotonic(), {}
     events = open(rdir / "metrics.jsonl", "w")
-    attacker = None
-    t0 = time.monotonic()
-    with Cluster(cfg, rdir / "config.toml", rdir, token=token) as cluster:
-        cluster.start_syncer()
-        status_url = f"http://127.0.0.1:{cluster.status_port}"
-        for m in HONEST:
-            cluster.start_learner(m)
-        started: set[int] = set()
-        quarantined: set[int] = set()
-        next_poll = 0.0
-        deadline = time.monotonic() + timeout_s
-        while True:
-            while not cluster.events.empty():
-                name, e = cluster.events.get_nowait()
-                if "pid" not in e and e.get("event") != "attack_done":
-                    continue
-                events.write(json.dumps({"source": name, **e}) + "\n")
-                if e.get("event") == "start" and name.startswith("learner-"):
-                    started.add(int(name.split("-")[1]))
-                if e.get("event") == "final":
-                    if name == "syncer":
-                        out["syncer_final"] = e
-                    else:
-                        out["finals"][name] = e
-            if attack is not None and attacker is None and started >= set(HONEST):
-                attacker = start_attacker(cluster, cfg, rdir, token, per_learner, attack, status_url)
-                note(f"attacker started: {attack['messages']} messages at {attack['rate']:g}/s")
-            if time.monotonic() > next_poll and cluster.status_port:
-                next_poll = time.monotonic() + 1.0
-                try:
-                    status = json.loads(_get(status_url + "/status", token))
-                    out["status"] = status
-                    out["metrics"] = _get(status_url + "/metrics", token).decode()
-                    quarantined |= quarantined_of(status)
-                    for m, info in (status.get("learners") or {}).items():
-                        out["max_view_step"][m] = max(out["max_view_step"].get(m, 0), info.get("step") or 0)
-                    if attacker is not None and attacker.poll() is not None and out["metrics_after_attack"] is None:
-                        out["metrics_after_attack"] = out["metrics"]
-                except OSError:
-                    pass
-            codes = {n: c.exit_code for n, c in cluster.children.items()}
-            if all(codes.get(f"learner-{m}") is not None for m in HONEST) and codes.get("syncer") is not None:
-                break
-            if time.monotonic() > deadline:
-                out["errors"].append(f"timed out after {timeout_s:.0f} s")
-                break
-            time.sleep(0.1)
-        if attacker is not None:
-            try:
-                attacker.wait(max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                attacker.kill()
-                attacker.wait()
-                out["errors"].append("the attacker did not finish before the run ended; killed")
-            out["attack_exit"] = attacker.returncode
-        out["exit_codes"] = {n: c.exit_code for n, c in cluster.children.items()}
-    events.close()
-    out["quarantined"] = sorted(quarantined)
+    try:
+        with Cluster(cfg, rdir / "config.toml", rdir, token=token) as cluster:
+            _drive(cluster, cfg, rdir, token, attack, note, timeout_s, out, events, procs)
+            out["exit_codes"] = {n: c.exit_code for n, c in cluster.children.items()}
+    finally:
+        events.close()
+        if "attacker" in procs:
+            out["attack_exit"] = stop_attacker(procs["attacker"], (rdir / "attack_rows.jsonl.go").exists(),
+                                               out["errors"])
     out["wall_s"] = round(time.monotonic() - t0, 1)
     return out
+
+
+def _drive(cluster: Cluster, cfg, rdir: Path, token: str, attack: dict | None, note, timeout_s: float, out: dict,
+           events, procs: dict) -> None:
+    cluster.start_syncer()
+    status_url = f"http://127.0.0.1:{cluster.status_port}"
+    go = rdir / "attack_rows.jsonl.go"
+    attacker = None
+    if attack is not None:  # it prepares (imports, payloads) while the learners start
+        attacker = procs["attacker"] = start_attacker(cluster, cfg, rdir, token, cfg.transport.per_learner_tokens,
+                                                      attack, status_url)
+    for m in HONEST:
+        cluster.start_learner(m)
+    started: set[int] = set()
+    quarantined: set[int] = set()
+    next_poll, deadline = 0.0, time.monotonic() + timeout_s
+    while True:
+        while not cluster.events.empty():
+            name, e = cluster.events.get_nowait()
+            if "pid" not in e:  # the reader's own exit marker
+                continue
+            events.write(json.dumps({"source": name, **e}) + "\n")
+            if e.get("event") == "start" and name.startswith("learner-"):
+                started.add(int(name.split("-")[1]))
+            if e.get("event") == "final":
+                if name == "syncer":
+                    out["syncer_final"] = e
+                else:
+                    out["finals"][name] = e
+        if attacker is not None and not go.exists() and started >= set(HONEST) and ready(attacker, rdir):
+            go.touch()
+            note(f"learners 0 and 1 train; attack: {attack['messages']} messages at {attack['rate']:g}/s")
+        if time.monotonic() > next_poll and cluster.status_port:
+            next_poll = time.monotonic() + 1.0
+            try:
+                status = json.loads(_get(status_url + "/status", token))
+                out["status"] = status
+                out["metrics"] = _get(status_url + "/metrics", token).decode()
+                quarantined |= quarantined_of(status)
+                for m, info in (status.get("learners") or {}).items():
+                    out["max_view_step"][m] = max(out["max_view_step"].get(m, 0), info.get("step") or 0)
+                if attacker is not None and attacker.poll() is not None and out["metrics_after_attack"] is None:
+                    out["metrics_after_attack"] = out["metrics"]
+            except OSError:
+                pass
+            out["quarantined"] = sorted(quarantined)
+        codes = {n: c.exit_code for n, c in cluster.children.items()}
+        if all(codes.get(f"learner-{m}") is not None for m in HONEST) and codes.get("syncer") is not None:
+            return
+        if time.monotonic() > deadline:
+            out["errors"].append(f"timed out after {timeout_s:.0f} s")
+            return
+        time.sleep(0.1)
+
+
+def stop_attacker(attacker: subprocess.Popen, went: bool, errors: list[str]) -> int:
+    """Its exit code: waited for a while if it was attacking (its last answers are on their way), killed
+    at once if it never got the go (it would wait for ever)."""
+    try:
+        attacker.wait(ATTACKER_GRACE_S if went else 0.1)
+    except subprocess.TimeoutExpired:
+        attacker.kill()
+        attacker.wait()
+        errors.append("the attacker was still running when the run ended; killed" if went else
+                      "the learners never all trained: the attack did not start")
+    return attacker.returncode
+
+
+def ready(attacker: subprocess.Popen, rdir: Path) -> bool:
+    """The attacker has built its payloads and waits for the go; RuntimeError if it died first."""
+    if (rdir / "attack_rows.jsonl.ready").exists():
+        return True
+    if attacker.poll() is not None:
+        raise RuntimeError(f"the attacker exited with code {attacker.returncode} before it was ready; "
+                           f"see {rdir / 'attacker.log'}")
+    return False
 
 
 def start_attacker(cluster: Cluster, cfg, rdir: Path, token: str, per_learner: bool, attack: dict,
@@ -272,26 +300,33 @@ def read_rows(path: Path) -> list[dict]:
     return rows
 
 
-def run_right(run: dict, tokens_per_step: int) -> tuple[bool, bool, dict]:
+def run_right(run: dict, tokens_per_step: int, sync_every: int = 8) -> tuple[bool, bool, dict]:
     """(finished, digests equal, {honest learner: how its state was touched}) of one run: the syncer's
     final sync happened and every honest process exited 0; each honest learner's final digests are the
-    syncer's; each trained every step it counts (tokens = steps x tokens per step: a step that jumped
-    shows) and the syncer never saw it at a step beyond those it trained."""
+    syncer's; neither ends at, nor was seen by the syncer at, a step beyond what the honest learners
+    trained (tokens / tokens per step) plus one sync period ``sync_every``."""
     finals, syncer = run["finals"], run["syncer_final"] or {}
     exits = run["exit_codes"]
     finished = bool(run["syncer_final"]) and all(exits.get(f"learner-{m}") == 0 for m in HONEST) and not run["errors"]
     digests_equal = bool(syncer.get("digests")) and len(finals) == len(HONEST) and all(
         f.get("digests") == syncer["digests"] and not f.get("digest_mismatch") for f in finals.values())
     touched = {}
+    trained = {m: finals[f"learner-{m}"].get("tokens", 0) // tokens_per_step for m in HONEST
+               if f"learner-{m}" in finals}
+    # A learner's step may jump to the global step (a faster peer's), never past what some honest learner
+    # trained plus one sync period: beyond that, a step nobody trained moved it (issue case 1).
+    bound = max(trained.values(), default=0) + sync_every
     for m in HONEST:
         f = finals.get(f"learner-{m}")
+        view = run["max_view_step"].get(str(m), 0)
         if f is None:
             touched[m] = "no final event"
-        elif f.get("tokens") != f.get("steps", -1) * tokens_per_step:
-            touched[m] = f"tokens {f.get('tokens')} != steps {f.get('steps')} x {tokens_per_step}: its step moved"
-        elif run["max_view_step"].get(str(m), 0) > f["steps"]:
-            touched[m] = (f"the syncer saw step {run['max_view_step'][str(m)]} from learner {m}, "
-                          f"which trained {f['steps']} steps")
+        elif f.get("steps", 0) > bound:
+            touched[m] = (f"ended at step {f.get('steps')}, but the honest learners trained at most "
+                          f"{bound - sync_every} steps ({f.get('tokens')} tokens here): its step was moved")
+        elif view > bound:
+            touched[m] = (f"the syncer saw learner {m} at step {view}; the honest learners trained at most "
+                          f"{bound - sync_every}: a message in its name that it did not send")
     return finished, digests_equal, touched
 
 
@@ -300,8 +335,10 @@ def final_eval_loss(run: dict) -> float | None:
     return sum(losses) / len(losses) if losses else None
 
 
-def analyze(hostile: dict, clean: dict | None, rows: list[dict], tokens_per_step: int) -> dict:
-    """The report's figures and checks from the two runs and the attacker's rows."""
+def analyze(hostile: dict, clean: dict | None, rows: list[dict], tokens_per_step: int,
+            requested: int | None = None) -> dict:
+    """The report's figures and checks from the two runs and the attacker's rows (``requested``: how many
+    it was to send; all of them must have been answered before the syncer's final sync)."""
     refused_rows = [r for r in rows if r["verdict"] == "refused"]
     client_codes = Counter(f"{r['rpc'].replace('SlowUpload', 'Upload')}/{r['code']}" for r in refused_rows
                            if r["code"] not in ("DEADLINE_EXCEEDED", "CANCELLED", "UNAVAILABLE"))
@@ -322,7 +359,10 @@ def analyze(hostile: dict, clean: dict | None, rows: list[dict], tokens_per_step
     loss, clean_loss = final_eval_loss(hostile), (final_eval_loss(clean) if clean else None)
     ratio = loss / clean_loss if loss is not None and clean_loss else None
     verdicts = Counter(r["verdict"] for r in rows)
+    final_t = (hostile["syncer_final"] or {}).get("t")
+    late = [r for r in rows if final_t is None or r.get("t", 0) > final_t]
     checks = {
+        "attack_in_training": (requested is None or len(rows) == requested) and not late,
         "finished": finished,
         "digests_equal": digests_equal,
         "loss_within_2pct": ratio is not None and abs(ratio - 1) <= LOSS_TOLERANCE,
@@ -344,7 +384,7 @@ def analyze(hostile: dict, clean: dict | None, rows: list[dict], tokens_per_step
         "by_code": dict(Counter(r["code"] for r in rows)),
         "taken_that_should_be_refused": [{"field": f, "value": v, "verdict": k, "count": n}
                                          for (f, v, k), n in taken_bad.most_common(40)],
-        "undercounted": undercounted, "honest_state_touched": {str(k): v for k, v in touched.items()},
+        "late_messages": len(late), "undercounted": undercounted, "honest_state_touched": {str(k): v for k, v in touched.items()},
         "metrics": refusals(hostile["metrics_after_attack"] or hostile["metrics"] or ""),
         "rejected": (hostile["status"] or {}).get("rejected"),
         "exit_codes": hostile["exit_codes"], "attack_exit": hostile["attack_exit"], "errors": hostile["errors"],
@@ -380,7 +420,8 @@ def main(argv=None) -> int:
         ap.error("--messages must be >= 1 and --rate > 0")
     t_bench = time.monotonic()
     attack_s = args.messages / args.rate
-    steps = args.steps or int(math.ceil((attack_s + 30.0) / STEP_S / 8) * 8)
+    # Training outlasts the attack with room to spare: the attacker may fall behind its rate on a busy host.
+    steps = args.steps or int(math.ceil((1.5 * attack_s + 30.0) / STEP_S / 8) * 8)
     text, cfg = make_config(steps, args.seed, args.per_learner_tokens)
     work = args.work or Path(tempfile.mkdtemp(prefix="wdl-hostile-"))
     timeout_s = attack_s * 3 + steps * STEP_S * 4 + 300
@@ -393,14 +434,14 @@ def main(argv=None) -> int:
     note(f"hostile run: {steps} steps, {args.messages} messages -> {work / 'hostile'}")
     hostile = run_once(cfg, work / "hostile", attack, note, timeout_s)
     rows = read_rows(work / "hostile" / "attack_rows.jsonl")
-    out = {**analyze(hostile, None, rows, tps), "config": config, "per_learner_tokens": hostile["per_learner_tokens"],
+    out = {**analyze(hostile, None, rows, tps, args.messages), "config": config, "per_learner_tokens": hostile["per_learner_tokens"],
            "partial": "the clean run has not run yet", "work": str(work), "host": platform.machine()}
     save(out, args.out)  # a failure later keeps what was measured
     clean = None
     if not args.no_clean:
         note(f"clean run of the same config and seed -> {work / 'clean'}")
         clean = run_once(cfg, work / "clean", None, note, timeout_s)
-    out = {**analyze(hostile, clean, rows, tps), "config": config, "per_learner_tokens": hostile["per_learner_tokens"],
+    out = {**analyze(hostile, clean, rows, tps, args.messages), "config": config, "per_learner_tokens": hostile["per_learner_tokens"],
            "work": str(work), "host": platform.machine(), "bench_wall_s": round(time.monotonic() - t_bench, 1)}
     if clean is not None:
         out["clean"] = {"exit_codes": clean["exit_codes"], "errors": clean["errors"], "wall_s": clean["wall_s"]}

@@ -143,6 +143,12 @@ class Attacker:
 
     async def main(self) -> int:
         self.live["payloads"] = payloads(self.spec)
+        # Ready (JAX imported, payloads built: tens of seconds on a loaded machine); the driver starts the
+        # learners now and says go once they train, so that every message lands in the training.
+        ready, go = Path(f"{self.args.rows}.ready"), Path(f"{self.args.rows}.go")
+        ready.touch()
+        while not go.exists():
+            await asyncio.sleep(0.05)
         ctx = hc.Context(learners=self.spec.run.learners, steps=self.spec.run.steps,
                          fragments=self.spec.learner.num_fragments)
         # Several connections, as a real peer could open: one would serialize everything on one HTTP/2 link.

@@ -168,8 +168,8 @@ def _metadata_mutations(ctx: Context) -> list[tuple[str, str, str, Callable[[dic
 def _metadata_case(ctx: Context, i: int, mutation, cred="own", sender=None, header_sender=None,
                    fragment=0) -> Case:
     field, value, limit, mutate = mutation
-    sender = sender or learner_node(ATTACKER)
-    header_sender = header_sender or sender
+    sender = learner_node(ATTACKER) if sender is None else sender  # "" is a sender to try, not a default
+    header_sender = sender if header_sender is None else header_sender
     base = valid_metadata(ctx, ATTACKER)
     expect = "either" if limit in ("at", "valid") else "refuse"
     if sender != learner_node(ATTACKER) or header_sender != learner_node(ATTACKER) or cred in ("none", "wrong"):
@@ -275,7 +275,7 @@ def _upload_mutations(ctx: Context) -> list[tuple[str, str, str, Callable[[dict,
 
 def _upload_case(ctx: Context, i: int, mutation, sender: str | None = None) -> Case:
     field, value, limit, mutate, payload = mutation
-    sender = sender or learner_node(ATTACKER)
+    sender = learner_node(ATTACKER) if sender is None else sender
     expect = "either" if limit == "at" and sender == learner_node(ATTACKER) else "refuse"
 
     def build(live: dict) -> bytes:
