@@ -345,6 +345,8 @@ def analyze(hostile: dict, clean: dict | None, rows: list[dict], tokens_per_step
     seen = refusals(hostile["metrics_after_attack"] or hostile["metrics"] or "")
     undercounted = {k: {"attacker_saw": n, "metrics": seen["transport_errors"].get(k, 0)}
                     for k, n in client_codes.items() if seen["transport_errors"].get(k, 0) < n}
+    if rows and hostile["metrics_after_attack"] is None:  # the syncer was gone before the attack ended
+        undercounted["not_judged"] = "/metrics was not read after the attacker's last answer"
     by_field = seen["refused_total"]
     source = "/metrics refused_total{field}"
     if by_field is None:
@@ -366,7 +368,7 @@ def analyze(hostile: dict, clean: dict | None, rows: list[dict], tokens_per_step
         "finished": finished,
         "digests_equal": digests_equal,
         "loss_within_2pct": ratio is not None and abs(ratio - 1) <= LOSS_TOLERANCE,
-        "refusals_counted": not undercounted and bool(hostile["metrics_after_attack"] or hostile["metrics"]),
+        "refusals_counted": not undercounted,
         "nothing_taken_past_limit": verdicts.get("taken_past_limit", 0) == 0,
         "no_impersonation_taken": verdicts.get("impersonation_taken", 0) == 0,
         "honest_not_quarantined": not set(hostile["quarantined"]) & set(HONEST),
@@ -387,6 +389,9 @@ def analyze(hostile: dict, clean: dict | None, rows: list[dict], tokens_per_step
         "late_messages": len(late), "undercounted": undercounted, "honest_state_touched": {str(k): v for k, v in touched.items()},
         "metrics": refusals(hostile["metrics_after_attack"] or hostile["metrics"] or ""),
         "rejected": (hostile["status"] or {}).get("rejected"),
+        "status_refused": (hostile["status"] or {}).get("refused"),  # H2's {field: count}, where the syncer has it
+        "learner_states": {m: info.get("state") for m, info in ((hostile["status"] or {}).get("learners") or {}).items()
+                           if isinstance(info, dict)},
         "exit_codes": hostile["exit_codes"], "attack_exit": hostile["attack_exit"], "errors": hostile["errors"],
         "learners": {n: {k: f.get(k) for k in ("steps", "tokens", "final_eval_loss", "digest_mismatch")}
                      for n, f in finals.items()},

@@ -137,7 +137,7 @@ def made_up_run(steps=(168, 168), loss=2.5, view=None, quarantined=(), digests=(
     return {"finals": finals, "syncer_final": {"digests": ["a", "b"], "t": 100.0}, "exit_codes": {"syncer": 0, "learner-0": exit_code,
                                                                                        "learner-1": 0},
             "errors": [], "max_view_step": view or {"0": steps[0], "1": steps[1]}, "quarantined": list(quarantined),
-            "metrics": text.render().decode(), "metrics_after_attack": None, "status": {"rejected": 1},
+            "metrics": text.render().decode(), "metrics_after_attack": text.render().decode(), "status": {"rejected": 1},
             "attack_exit": 0, "wall_s": 60.0}
 
 
@@ -168,6 +168,8 @@ def test_a_right_run_passes_every_check():
     (made_up_run(), ROWS + [dict(ROWS[0])], "refusals_counted"),
     # Sent after the final sync: it tested nothing of the training.
     (made_up_run(), ROWS + [{**ROWS[1], "t": 101.0}], "attack_in_training"),
+    # The syncer was gone before the attack ended: what /metrics counted is not known.
+    ({**made_up_run(), "metrics_after_attack": None}, ROWS, "refusals_counted"),
 ])
 def test_each_wrong_outcome_fails_its_check(run, rows, check):
     out = hostile.analyze(run, made_up_run(), rows, TPS)
