@@ -11,7 +11,7 @@ from prometheus_client import Counter
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from bench import hostile, hostile_attack, hostile_cases as hc  # noqa: E402
+from bench import hostile_attack, hostile_cases as hc, hostile_report as report  # noqa: E402
 from wan_diloco.runtime import serde  # noqa: E402
 from wan_diloco.transport import messages as wire  # noqa: E402
 from wan_diloco.transport.metrics import TransportMetrics  # noqa: E402
@@ -101,7 +101,7 @@ def test_refusals_are_read_by_field_when_the_syncer_counts_them_and_by_status_co
     metrics.error("Metadata", "INVALID_ARGUMENT")
     metrics.error("Metadata", "INVALID_ARGUMENT")
     metrics.error("Upload", "RESOURCE_EXHAUSTED")
-    today = hostile.refusals(metrics.render().decode())
+    today = report.refusals(metrics.render().decode())
     assert today == {"refused_total": None, "identity_refused_total": None,
                      "transport_errors": {"Metadata/INVALID_ARGUMENT": 2, "Upload/RESOURCE_EXHAUSTED": 1}}
     refused = Counter("refused", "Refusals by field", ["field"], namespace="wan_diloco", registry=metrics.registry)
@@ -109,7 +109,7 @@ def test_refusals_are_read_by_field_when_the_syncer_counts_them_and_by_status_co
     refused.labels("clock").inc()
     Counter("identity_refused", "Declared sender is not the credential's", namespace="wan_diloco",
             registry=metrics.registry).inc(4)
-    later = hostile.refusals(metrics.render().decode())
+    later = report.refusals(metrics.render().decode())
     assert later["refused_total"] == {"metadata.step": 3, "clock": 1}
     assert later["identity_refused_total"] == 4 and later["transport_errors"] == today["transport_errors"]
 
@@ -118,8 +118,8 @@ def test_quarantined_learners_are_read_from_their_state_or_the_events():
     status = {"learners": {"0": {"state": "alive"}, "1": {"state": "quarantined"}, "2": {"alive": True}},
               "events": [{"kind": "warning", "what": "learner 2 quarantined for 60 s: outer gradient too large"},
                          {"kind": "warning", "what": "merge of fragment 0 refused"}]}
-    assert hostile.quarantined_of(status) == {1, 2}
-    assert hostile.quarantined_of({"learners": {}, "events": []}) == set()
+    assert report.quarantined_of(status) == {1, 2}
+    assert report.quarantined_of({"learners": {}, "events": []}) == set()
 
 
 # ---- the verdict on made-up runs ------------------------------------------------------------------
@@ -147,7 +147,7 @@ ROWS = [{"rpc": "Metadata", "field": "metadata.step", "value": "steps", "code": 
 
 
 def test_a_right_run_passes_every_check():
-    out = hostile.analyze(made_up_run(), made_up_run(loss=2.49), ROWS, TPS)
+    out = report.analyze(made_up_run(), made_up_run(loss=2.49), ROWS, TPS)
     assert SCHEMA <= set(out) and out["ok"], out["checks"]
     assert out["refused_by_field"] == {"metadata.step": 1} and out["messages"] == 2
     assert out["loss_ratio"] == pytest.approx(2.5 / 2.49, rel=1e-4) and out["digests_equal"]
@@ -172,7 +172,7 @@ def test_a_right_run_passes_every_check():
     ({**made_up_run(), "metrics_after_attack": None}, ROWS, "refusals_counted"),
 ])
 def test_each_wrong_outcome_fails_its_check(run, rows, check):
-    out = hostile.analyze(run, made_up_run(), rows, TPS)
+    out = report.analyze(run, made_up_run(), rows, TPS)
     assert not out["checks"][check] and not out["ok"]
     assert [k for k, v in out["checks"].items() if not v] == [check]
 
