@@ -29,6 +29,7 @@ WORK/hostile/attack_rows.jsonl as they happen.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -106,9 +107,13 @@ def _get(url: str, token: str) -> bytes:
 
 # ---- one run --------------------------------------------------------------------------------------
 
-def make_config(steps: int, seed: int, per_learner: bool) -> tuple[str, object]:
+def make_config(steps: int, seed: int, per_learner: bool = True) -> tuple[str, object]:
+    """The run's config: per-learner tokens as ``launch`` hands them out (#23), or the shared token."""
     text = CONFIG.format(steps=steps, seed=seed, step_s=STEP_S,
-                         transport_extra="per_learner_tokens = true" if per_learner else "")
+                         transport_extra=f"per_learner_tokens = {'true' if per_learner else 'false'}")
+    if "min_learners_to_start" in {f.name for f in dataclasses.fields(spec_lib.RunConfig)}:
+        # A start barrier (#23) must not wait for learner 2: its slot is the attacker's, never a learner.
+        text = text.replace("[run]\n", f"[run]\nmin_learners_to_start = {len(HONEST)}\n", 1)
     return text, spec_lib.from_document(tomllib.loads(text))
 
 
@@ -243,8 +248,9 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0, help="the run's seed and the generator's")
     ap.add_argument("--steps", type=int, default=0,
                     help="step budget (default: long enough for the attack at --rate, plus a margin)")
-    ap.add_argument("--per-learner-tokens", action="store_true",
-                    help="set transport.per_learner_tokens (otherwise the config's default)")
+    ap.add_argument("--shared-token", action="store_true",
+                    help="one token for every learner (transport.per_learner_tokens = false): any holder may speak "
+                         "for any learner, so no_impersonation_taken is expected to fail")
     ap.add_argument("--no-clean", action="store_true", help="skip the clean run (no loss ratio)")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "hostile.json")
     ap.add_argument("--work", type=Path, help="run folders (default: a new temporary folder, kept)")
@@ -255,7 +261,7 @@ def main(argv=None) -> int:
     attack_s = args.messages / args.rate
     # Training outlasts the attack with room to spare: the attacker may fall behind its rate on a busy host.
     steps = args.steps or int(math.ceil((1.5 * attack_s + 30.0) / STEP_S / 8) * 8)
-    text, cfg = make_config(steps, args.seed, args.per_learner_tokens)
+    text, cfg = make_config(steps, args.seed, per_learner=not args.shared_token)
     work = args.work or Path(tempfile.mkdtemp(prefix="wdl-hostile-"))
     timeout_s = attack_s * 3 + steps * STEP_S * 4 + 300
     note = lambda line: print(f"[{time.monotonic() - t_bench:7.1f} s] {line}", flush=True)  # noqa: E731
