@@ -9,7 +9,8 @@ messages (``bench.hostile_cases``: fields at and past every limit, declared send
 credential's, steps, clocks, versions, epochs, sizes, slow streams, no or wrong credentials). Then the
 clean run: the same config and seed, no attacker.
 
-Checks (``checks`` in the JSON; ``ok`` is their conjunction):
+Checks (``checks`` in the JSON, ``bench.hostile_report``; ``ok`` is their conjunction):
+- ``attack_in_training``: every message was answered before the syncer's final sync;
 - ``finished``: the syncer's final sync happened and every process of learners 0 and 1 exited 0;
 - ``digests_equal``: both learners' final fragment digests equal the syncer's, no ``digest_mismatch``;
 - ``loss_within_2pct``: final eval loss within 2 % of the clean run's;
@@ -18,8 +19,9 @@ Checks (``checks`` in the JSON; ``ok`` is their conjunction):
   ``transport_errors{rpc,code}``);
 - ``nothing_taken_past_limit`` / ``no_impersonation_taken``: nothing that had to be refused was taken;
 - ``honest_not_quarantined``: learners 0 and 1 are never quarantined (/status learner state, events);
-- ``honest_state_untouched``: each honest learner's tokens are its steps x tokens per step (no step
-  jump), and the syncer's view of its step never exceeds the steps it trained.
+- ``honest_state_untouched``: no honest learner ends at, or is seen by the syncer at, a step beyond
+  what the honest learners trained (tokens / tokens per step) plus one sync period;
+- ``clean_run_right``: the reference run itself finished with equal digests and untouched learners.
 
     python -m bench.chaos --hostile                 # 10,000 messages
     python -m bench.hostile --messages 500 --out /tmp/hostile.json
@@ -261,7 +263,7 @@ def main(argv=None) -> int:
     attack_s = args.messages / args.rate
     # Training outlasts the attack with room to spare: the attacker may fall behind its rate on a busy host.
     steps = args.steps or int(math.ceil((1.5 * attack_s + 30.0) / STEP_S / 8) * 8)
-    text, cfg = make_config(steps, args.seed, per_learner=not args.shared_token)
+    _, cfg = make_config(steps, args.seed, per_learner=not args.shared_token)
     work = args.work or Path(tempfile.mkdtemp(prefix="wdl-hostile-"))
     timeout_s = attack_s * 3 + steps * STEP_S * 4 + 300
     note = lambda line: print(f"[{time.monotonic() - t_bench:7.1f} s] {line}", flush=True)  # noqa: E731
@@ -273,15 +275,16 @@ def main(argv=None) -> int:
     note(f"hostile run: {steps} steps, {args.messages} messages -> {work / 'hostile'}")
     hostile = run_once(cfg, work / "hostile", attack, note, timeout_s)
     rows = read_rows(work / "hostile" / "attack_rows.jsonl")
-    out = {**analyze(hostile, None, rows, tps, args.messages), "config": config, "per_learner_tokens": hostile["per_learner_tokens"],
-           "partial": "the clean run has not run yet", "work": str(work), "host": platform.machine()}
+    about = {"config": config, "per_learner_tokens": hostile["per_learner_tokens"], "work": str(work),
+             "host": platform.machine()}
+    out = {**analyze(hostile, None, rows, tps, args.messages), **about, "partial": "the clean run has not run yet"}
     save(out, args.out)  # a failure later keeps what was measured
     clean = None
     if not args.no_clean:
         note(f"clean run of the same config and seed -> {work / 'clean'}")
         clean = run_once(cfg, work / "clean", None, note, timeout_s)
-    out = {**analyze(hostile, clean, rows, tps, args.messages), "config": config, "per_learner_tokens": hostile["per_learner_tokens"],
-           "work": str(work), "host": platform.machine(), "bench_wall_s": round(time.monotonic() - t_bench, 1)}
+    out = {**analyze(hostile, clean, rows, tps, args.messages), **about,
+           "bench_wall_s": round(time.monotonic() - t_bench, 1)}
     if clean is not None:
         out["clean"] = {"exit_codes": clean["exit_codes"], "errors": clean["errors"], "wall_s": clean["wall_s"]}
     save(out, args.out)

@@ -128,7 +128,8 @@ def analyze(hostile: dict, clean: dict | None, rows: list[dict], tokens_per_step
     by_field = seen["refused_total"]
     source = "/metrics refused_total{field}"
     if by_field is None:
-        by_field, source = dict(Counter(r["field"] for r in refused_rows)), "attacker rows (no refused_total on /metrics)"
+        by_field = dict(Counter(r["field"] for r in refused_rows))
+        source = "attacker rows (no refused_total on /metrics)"
     if seen["refused_total"] is not None:  # H2: core refusals by field; every refused row is at least one count
         core = sum(seen["refused_total"].values()) + (seen["identity_refused_total"] or 0)
         if core + sum(seen["transport_errors"].values()) < len(refused_rows):
@@ -164,7 +165,8 @@ def analyze(hostile: dict, clean: dict | None, rows: list[dict], tokens_per_step
         "by_code": dict(Counter(r["code"] for r in rows)),
         "taken_that_should_be_refused": [{"field": f, "value": v, "verdict": k, "count": n}
                                          for (f, v, k), n in taken_bad.most_common(40)],
-        "late_messages": len(late), "undercounted": undercounted, "honest_state_touched": {str(k): v for k, v in touched.items()},
+        "late_messages": len(late), "undercounted": undercounted,
+        "honest_state_touched": {str(k): v for k, v in touched.items()},
         "metrics": refusals(hostile["metrics_after_attack"] or hostile["metrics"] or ""),
         "rejected": (hostile["status"] or {}).get("rejected"),
         "status_refused": (hostile["status"] or {}).get("refused"),  # H2's {field: count}, where the syncer has it

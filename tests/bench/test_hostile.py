@@ -21,8 +21,8 @@ LIVE = {"versions": [3, 3], "epoch": 1, "global_step": 40,
         "payloads": {k: b"p" * 16 for k in ("zero", "fragment_P", "huge", "truncated", "garbage", "donation0")}}
 SCHEMA = {"messages", "refused_by_field", "quarantined", "final_eval_loss", "clean_eval_loss", "loss_ratio",
           "digests_equal", "checks", "ok"}
-RIGHT = ("attack_in_training", "finished", "digests_equal", "refusals_counted", "nothing_taken_past_limit", "no_impersonation_taken",
-         "honest_not_quarantined", "honest_state_untouched")
+RIGHT = ("attack_in_training", "finished", "digests_equal", "refusals_counted", "nothing_taken_past_limit",
+         "no_impersonation_taken", "honest_not_quarantined", "honest_state_untouched")
 
 
 # ---- the generator --------------------------------------------------------------------------------
@@ -132,13 +132,13 @@ def made_up_run(steps=(168, 168), loss=2.5, view=None, quarantined=(), digests=(
     """Two honest learners' finals; learner 0 counts ``jumped`` steps it never trained."""
     finals = {f"learner-{m}": {"steps": s + (jumped if m == 0 else 0), "tokens": s * TPS, "final_eval_loss": loss,
                                "digests": list(digests), "digest_mismatch": []} for m, s in enumerate(steps)}
-    text = TransportMetrics()
-    text.error("Metadata", "INVALID_ARGUMENT")
-    return {"finals": finals, "syncer_final": {"digests": ["a", "b"], "t": 100.0}, "exit_codes": {"syncer": 0, "learner-0": exit_code,
-                                                                                       "learner-1": 0},
-            "errors": [], "max_view_step": view or {"0": steps[0], "1": steps[1]}, "quarantined": list(quarantined),
-            "metrics": text.render().decode(), "metrics_after_attack": text.render().decode(), "status": {"rejected": 1},
-            "attack_exit": 0, "wall_s": 60.0}
+    metrics = TransportMetrics()
+    metrics.error("Metadata", "INVALID_ARGUMENT")
+    text = metrics.render().decode()
+    return {"finals": finals, "syncer_final": {"digests": ["a", "b"], "t": 100.0},
+            "exit_codes": {"syncer": 0, "learner-0": exit_code, "learner-1": 0}, "errors": [],
+            "max_view_step": view or {"0": steps[0], "1": steps[1]}, "quarantined": list(quarantined),
+            "metrics": text, "metrics_after_attack": text, "status": {"rejected": 1}, "attack_exit": 0, "wall_s": 60.0}
 
 
 ROWS = [{"rpc": "Metadata", "field": "metadata.step", "value": "steps", "code": "INVALID_ARGUMENT",
