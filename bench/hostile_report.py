@@ -172,6 +172,10 @@ def analyze(hostile: dict, clean: dict | None, rows: list[dict], tokens_per_step
         "status_refused": (hostile["status"] or {}).get("refused"),  # H2's {field: count}, where the syncer has it
         "learner_states": {m: info.get("state") for m, info in ((hostile["status"] or {}).get("learners") or {}).items()
                            if isinstance(info, dict)},
+        # Refusals the syncer charged to each learner, where /status shows them (a per-learner count of H2's).
+        "refused_by_learner": {m: info.get("refused") for m, info in ((hostile["status"] or {}).get("learners")
+                                                                       or {}).items()
+                               if isinstance(info, dict) and info.get("refused") is not None},
         "exit_codes": hostile["exit_codes"], "attack_exit": hostile["attack_exit"], "errors": hostile["errors"],
         "learners": {n: {k: f.get(k) for k in ("steps", "tokens", "final_eval_loss", "digest_mismatch")}
                      for n, f in finals.items()},
