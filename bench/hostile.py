@@ -173,9 +173,14 @@ def _drive(cluster: Cluster, cfg, rdir: Path, token: str, attack: dict | None, n
                     out["syncer_final"] = e
                 else:
                     out["finals"][name] = e
-        if attacker is not None and not go.exists() and started >= set(HONEST) and ready(attacker, rdir):
-            go.touch()
-            note(f"learners 0 and 1 train; attack: {attack['messages']} messages at {attack['rate']:g}/s")
+        if attacker is not None and not go.exists() and started >= set(HONEST):
+            try:
+                if ready(attacker, rdir):
+                    go.touch()
+                    note(f"learners 0 and 1 train; attack: {attack['messages']} messages at {attack['rate']:g}/s")
+            except RuntimeError as e:  # the report says so; the run is stopped, nothing was attacked
+                out["errors"].append(str(e))
+                return
         if time.monotonic() > next_poll and cluster.status_port:
             next_poll = time.monotonic() + 1.0
             try:
