@@ -56,6 +56,7 @@ from wan_diloco.transport.security import derive_token  # noqa: E402
 
 STEP_S = 0.2
 ATTACKER = 2
+SYNCER_GRACE_S = 90.0  # the syncer ends final_timeout_s (20 s) after the learners' final fetches, at most
 ATTACKER_GRACE_S = 60.0  # after the run: for the attacker's calls in flight to be answered (they time out in 10 s)
 
 CONFIG = """\
@@ -159,7 +160,7 @@ def _drive(cluster: Cluster, cfg, rdir: Path, token: str, attack: dict | None, n
         cluster.start_learner(m)
     started: set[int] = set()
     quarantined: set[int] = set()
-    next_poll, deadline = 0.0, time.monotonic() + timeout_s
+    next_poll, deadline, learners_gone = 0.0, time.monotonic() + timeout_s, 0.0
     while True:
         while not cluster.events.empty():
             name, e = cluster.events.get_nowait()
@@ -196,8 +197,13 @@ def _drive(cluster: Cluster, cfg, rdir: Path, token: str, attack: dict | None, n
                 pass
             out["quarantined"] = sorted(quarantined)
         codes = {n: c.exit_code for n, c in cluster.children.items()}
-        if all(codes.get(f"learner-{m}") is not None for m in HONEST) and codes.get("syncer") is not None:
-            return
+        if all(codes.get(f"learner-{m}") is not None for m in HONEST):
+            if codes.get("syncer") is not None:
+                return
+            learners_gone = learners_gone or time.monotonic()
+            if time.monotonic() - learners_gone > SYNCER_GRACE_S:
+                out["errors"].append(f"the syncer was still running {SYNCER_GRACE_S:g} s after the learners exited")
+                return
         if time.monotonic() > deadline:
             out["errors"].append(f"timed out after {timeout_s:.0f} s")
             return

@@ -141,7 +141,7 @@ def analyze(hostile: dict, clean: dict | None, rows: list[dict], tokens_per_step
     ratio = loss / clean_loss if loss is not None and clean_loss else None
     verdicts = Counter(r["verdict"] for r in rows)
     final_t = (hostile["syncer_final"] or {}).get("t")
-    late = [r for r in rows if final_t is None or r.get("t", 0) > final_t]
+    late = [r for r in rows if final_t is not None and r.get("t", 0) > final_t]  # no final sync: ``finished`` says so
     checks = {
         "attack_in_training": (requested is None or len(rows) == requested) and not late,
         "finished": finished,
