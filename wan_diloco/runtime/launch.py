@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Callable
 
 from wan_diloco import spec as spec_lib
+from wan_diloco.checkpoint import describe_os_error
 from wan_diloco.regions import Emulator, EmulatorError
 from wan_diloco.spec import TOKEN_ENV, RunSpec
 from wan_diloco.transport.dev_certs import make_dev_certs
@@ -523,11 +524,14 @@ def launch(cfg: RunSpec, config_text: str, run_dir: str | None = None,
 
         writer_class()  # ConfigError now, not after the processes started
     rdir = Path(run_dir) if run_dir else Path(cfg.run.run_dir) / time.strftime("%Y%m%d-%H%M%S")
-    rdir.mkdir(parents=True, exist_ok=True)
-    cfg = cfg if resume else run_spec(cfg, rdir)
-    if not emulate:
-        if not resume:
+    try:
+        rdir.mkdir(parents=True, exist_ok=True)
+        cfg = cfg if resume else run_spec(cfg, rdir)
+        if not emulate and not resume:
             write_config(rdir / "config.toml", cfg)
+    except OSError as e:  # a full or read-only disk: the launcher's own files, one line and no traceback
+        return 1, {"error": f"cannot write the run folder {rdir}: {describe_os_error(e)}", "run_dir": str(rdir)}
+    if not emulate:
         return _run(cfg, rdir, watch, resume=resume)
     try:
         with contextlib.ExitStack() as stack:
@@ -597,6 +601,9 @@ def _run(cfg: RunSpec, rdir: Path, watch: Callable[[RunState], None] | None,
                 learners = [c for n, c in cluster.children.items() if not is_syncer(n) and not learner_process(n)[1]]
                 finished = {0: mon.syncer_final, **mon.shard_finals}
                 for c in syncers:
+                    lost = (finished.get(shard_of(c.name)) or {}).get("params_error")
+                    if c.exit_code is not None and lost:  # the run's result: not a success, and not a crash
+                        raise RunFailed(f"final parameters not written: {lost}")
                     if c.exit_code is not None and (c.exit_code != 0 or finished.get(shard_of(c.name)) is None):
                         raise RunFailed(f"the syncer died: {died(c)}" if c.name == "syncer" else
                                         f"syncer shard {shard_of(c.name)} died: {died(c)}")
@@ -627,6 +634,10 @@ def _run(cfg: RunSpec, rdir: Path, watch: Callable[[RunState], None] | None,
         return 0, summary
     except RunFailed as e:
         return (128 + stop["sig"] if stop["sig"] else 1), {"error": str(e), "run_dir": str(rdir)}
+    except OSError as e:  # the launcher's own files (logs, metrics.jsonl) on a full or read-only disk
+        where = f" ({e.filename})" if getattr(e, "filename", None) else ""
+        return 1, {"error": f"the launcher could not write its files in {rdir}{where}: {describe_os_error(e)}; "
+                            f"every process was stopped", "run_dir": str(rdir)}
     finally:
         if tb is not None:
             tb.close()

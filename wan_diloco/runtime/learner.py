@@ -360,7 +360,7 @@ class Learner:
                 arrived_s, update = item
                 self._handle(self.core.on_update(arrived_s, update))
             elif kind == "identity":  # a (re)connected update stream: is it still the syncer we follow?
-                if self.core.identity(item.run_id, item.epoch, item.resumed_from) == "new":
+                if self.core.meet(item.run_id, item.epoch, item.resumed_from, item.process) == "new":
                     self._rejoin(item.epoch, item.resumed_from)
             elif kind == "donate":
                 if item.recipient != self.m:

@@ -123,7 +123,8 @@ class NetThread:
                     control = serde.control_from_frame(frame)
                     if self.view is not None and isinstance(control, serde.Identity):
                         E, resumed = self.view.seen(shard, control.epoch, control.resumed_from)
-                        control = dataclasses.replace(control, epoch=E, resumed_from=resumed)
+                        control = dataclasses.replace(control, epoch=E, resumed_from=resumed,
+                                                      process=self.view.process_ids(shard, control.process))
                     if control is not None:  # ("identity", Identity) or ("donate", Donate)
                         self.inbox.put((type(control).__name__.lower(), control))
                         continue

@@ -1,0 +1,83 @@
+"""#23 case 2: writes that fail are failures. A full checkpoint disk (simulated: ``FAULT_ENV`` makes
+every state-file write fail with ENOSPC while a flag file exists) is loud on /status["storage"], the
+final parameters are tried again for ``checkpoint.final_write_retry_s`` and, if space never returns,
+the syncer and `launch` exit non-zero naming the path and the OS error."""
+import asyncio
+import json
+
+import pytest
+
+from wan_diloco import spec as rt
+from wan_diloco.checkpoint import load_params
+from wan_diloco.checkpoint.format import FAULT_ENV
+from wan_diloco.runtime.launch import launch
+from wan_diloco.runtime.syncer import SyncerService
+from wan_diloco.transport import TransportMetrics
+
+from .conftest import micro_config
+
+
+def _config(tmp_path, retry_s, steps=40, every_merges=0):
+    extra = (f'\n[checkpoint]\ndir = "{tmp_path / "ckpt"}"\nevery_merges = {every_merges}\n'
+             f'final_write_retry_s = {retry_s}\n')
+    return rt.load(micro_config(tmp_path, learners=1, steps=steps, extra=extra))
+
+
+async def _final_write(service, free_after_s=None, flag=None):
+    service.params_path = service.store.params_path
+    if free_after_s is not None:
+        asyncio.get_running_loop().call_later(free_after_s, flag.unlink)
+    await service._save_final(service.core.global_params(), {"run_id": "r"}, [])
+
+
+def test_a_final_write_on_a_full_disk_is_retried_then_fails_the_run_naming_path_and_error(tmp_path, monkeypatch):
+    flag = tmp_path / "disk-full"
+    flag.touch()
+    monkeypatch.setenv(FAULT_ENV, str(flag))
+    service = SyncerService(_config(tmp_path, retry_s=2.5), TransportMetrics())
+    asyncio.run(_final_write(service))
+    path = tmp_path / "ckpt" / "params.safetensors"
+    assert service.params_error.startswith(f"could not write the final parameters to {path}: "
+                                           f"[Errno 28] No space left on device (gave up after ")
+    assert service.params_path is None and not path.exists()
+    assert service.final_report["params_error"] == service.params_error
+    storage = service.status()["storage"]
+    assert storage["ok"] is False and storage["failures"] >= 3 and storage["dir"] == str(tmp_path / "ckpt")
+    assert "[Errno 28]" in storage["last_error"] and storage["free_bytes"] > 0
+    assert any(e["kind"] == "warning" and "[Errno 28]" in e["what"] for e in service.status()["events"])
+
+
+def test_space_freed_while_the_final_write_is_retried_saves_the_run(tmp_path, monkeypatch):
+    flag = tmp_path / "disk-full"
+    flag.touch()
+    monkeypatch.setenv(FAULT_ENV, str(flag))
+    service = SyncerService(_config(tmp_path, retry_s=30), TransportMetrics())
+    asyncio.run(_final_write(service, free_after_s=1.5, flag=flag))
+    assert service.params_error is None and service.final_report["params_error"] is None
+    _, info = load_params(tmp_path / "ckpt" / "params.safetensors")
+    assert info["run_id"] == "r"
+    storage = service.storage()
+    assert storage["ok"] is True and storage["failures"] >= 1 and "[Errno 28]" in storage["last_error"]
+
+
+def test_launch_on_a_full_checkpoint_disk_exits_non_zero_naming_the_lost_final_parameters(tmp_path, monkeypatch):
+    flag = tmp_path / "disk-full"
+    flag.touch()
+    monkeypatch.setenv(FAULT_ENV, str(flag))
+    cfg = _config(tmp_path, retry_s=1, steps=24, every_merges=2)
+    code, summary = launch(cfg, "", str(tmp_path / "run"))
+    assert code == 1
+    assert summary["error"].startswith(f"final parameters not written: could not write the final parameters to "
+                                       f"{tmp_path / 'ckpt' / 'params.safetensors'}: [Errno 28] No space left")
+    events = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    progress = [e for e in events if e["source"] == "syncer" and e.get("event") == "progress"]
+    assert progress and progress[-1]["storage"]["ok"] is False  # the snapshots failed loudly first
+    assert any(e.get("event") == "warning" and "snapshot" in e.get("what", "") for e in events)
+
+
+def test_a_run_folder_that_cannot_be_created_is_one_line_not_a_traceback(tmp_path):
+    (tmp_path / "blocked").write_text("a file where the run folder should go")
+    cfg = _config(tmp_path, retry_s=1)
+    code, summary = launch(cfg, "", str(tmp_path / "blocked" / "run"))
+    assert code == 1 and summary["error"].startswith(f"cannot write the run folder {tmp_path / 'blocked' / 'run'}: ")
+    assert "\n" not in summary["error"]
