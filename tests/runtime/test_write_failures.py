@@ -81,3 +81,25 @@ def test_a_run_folder_that_cannot_be_created_is_one_line_not_a_traceback(tmp_pat
     code, summary = launch(cfg, "", str(tmp_path / "blocked" / "run"))
     assert code == 1 and summary["error"].startswith(f"cannot write the run folder {tmp_path / 'blocked' / 'run'}: ")
     assert "\n" not in summary["error"]
+
+
+def test_failing_writes_are_a_red_row_of_the_live_table_with_the_free_space():
+    from rich.console import Console
+
+    from wan_diloco.cli.launch import table
+    from wan_diloco.runtime.launch import RunState
+
+    state = RunState(rt.from_document({"run": {"learners": 1}}))
+    state.fold("syncer", {"event": "progress", "versions": [1, 1], "global_step": 8, "bytes_out": 10,
+                          "storage": {"dir": "/ckpt", "ok": True, "failures": 0, "last_error": None,
+                                      "free_bytes": 1 << 30}})
+    console = Console(width=250, record=True)
+    console.print(table(state))
+    assert "WRITES FAILING" not in console.export_text()
+    state.fold("syncer", {"event": "progress", "storage": {
+        "dir": "/ckpt", "ok": False, "failures": 3, "free_bytes": 5 << 20,
+        "last_error": "snapshot 2: could not write the syncer's part: [Errno 28] No space left on device"}})
+    console.print(table(state))
+    text = console.export_text()
+    assert "WRITES FAILING (3 so far) in /ckpt: snapshot 2: could not write the syncer's part: [Errno 28]" in text
+    assert "free 5.2 MB" in text
