@@ -93,7 +93,9 @@ def test_a_syncer_restarted_from_scratch_stops_the_learners_instead_of_mixing_mo
     incarnation 1. Over the run's checkpoint.dir it refuses to start; over another folder (say on another
     host) the learners see a new process with no snapshot and stop rather than feed it."""
     path = config(tmp_path)
-    path.write_text(path.read_text().replace("[run]\n", '[run]\nrun_id = "run-fixed"\n', 1))
+    # A run id as launch writes one; the learners wait out two syncer start-ups on a loaded machine.
+    path.write_text(path.read_text().replace("[run]\n", '[run]\nrun_id = "run-fixed"\n', 1)
+                    .replace("retry_budget_s = 15.0", "retry_budget_s = 90.0"))
     cfg = rt.load(path)
     with Cluster(cfg, path, tmp_path / "run") as cluster:
         syncer = cluster.start_syncer()

@@ -140,6 +140,16 @@ def run(args: argparse.Namespace) -> int:
             f"{args.shard}")
     require(all(u.startswith(("http://", "https://")) for u in others), "--shard-status",
             f"expected http(s)://HOST:PORT URLs, got {args.shard_status!r}")
+    if cfg.checkpoint.dir and not args.resume:  # before the model is built: a refusal costs no start-up
+        from pathlib import Path
+
+        from wan_diloco.checkpoint import SnapshotStore
+
+        root = Path(cfg.checkpoint.dir) / f"shard-{args.shard}" if args.shard else Path(cfg.checkpoint.dir)
+        why = SnapshotStore(root).fork_refusal()
+        if why is not None:
+            print(f"wan-diloco syncer: refusing to start: {why}", file=sys.stderr)
+            return 2
     preflight(cfg, data=False)  # the syncer reads no data: its host need not have the corpus
     from wan_diloco.cli import live
 

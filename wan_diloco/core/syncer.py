@@ -18,6 +18,7 @@ import numpy as np
 from wan_diloco import tree
 from wan_diloco.clock import VectorClock
 from wan_diloco.config import require
+from wan_diloco.core import fingerprint as fingerprint_lib
 from wan_diloco.core.protocol import (
     FINAL_TIMER,
     SYNCER,
@@ -180,11 +181,28 @@ class SyncerCore:
         self.quarantined: dict[int, tuple[float, str]] = {}  # learner -> (until, why)
         self.notices: deque[str] = deque(maxlen=1000)  # what the driver should log: quarantines, refused merges
         self.nodes = {learner_node(m) for m in range(cfg.num_learners)} | {SYNCER}
+        # The settings a learner must run with (``core.fingerprint``; set by the network driver, "" compares
+        # nothing), and the learners refused for theirs: learner -> the one line that says why.
+        self.fingerprint = ""
+        self.settings_refused: dict[int, str] = {}
 
     # ---- events ---------------------------------------------------------------------
 
+    def check_settings(self, learner: int, fingerprint: str) -> None:
+        """A learner's settings (``Metadata.fingerprint``) against this syncer's ``fingerprint``: first,
+        before anything else from it counts. ProtocolError names the differing settings; until that
+        learner sends matching ones, its uploads are refused too."""
+        if not self.fingerprint or not fingerprint:
+            return
+        differ = fingerprint_lib.differences(self.fingerprint, fingerprint)
+        if differ:
+            self.settings_refused[learner] = f"learner {learner}: {fingerprint_lib.SETTINGS_DIFFER}: {'; '.join(differ)}"
+            raise ProtocolError(self.settings_refused[learner])
+        self.settings_refused.pop(learner, None)
+
     def on_metadata(self, now_s: float, msg: Metadata) -> list:
         self._check_learner(msg.learner)
+        self.check_settings(msg.learner, msg.fingerprint)
         self._check_quarantine(now_s, msg.learner)
         self._check_clock(msg.learner, msg.clock)
         if self.cfg.max_step is not None and msg.step > self.cfg.max_step:
@@ -205,6 +223,8 @@ class SyncerCore:
 
     def on_fragment(self, now_s: float, msg: FragmentUpload) -> list:
         """A learner's Δ for fragment p. Validated before any state changes."""
+        if msg.learner in self.settings_refused:
+            raise ProtocolError(self.settings_refused[msg.learner])
         self._check_quarantine(now_s, msg.learner)
         self._validate_upload(msg)
         self._check_norm(now_s, msg)

@@ -91,6 +91,7 @@ class SyncerService:
         self.layout, self.codec, self.bulk_codec = parts.layout, parts.codec, parts.bulk_codec
         self.plan = parts.shard_plan
         self.core = parts.syncer_core(bounded=True, shard=shard if self.S > 1 else None)
+        self.core.fingerprint = parts.fingerprint  # a learner with other settings is refused at its hello
         self.hub = UpdateHub(cfg.transport.chunk_bytes)
         self.M, self.P = cfg.run.learners, len(self.layout.fragments)
         self.started_s = time.monotonic()
@@ -168,15 +169,9 @@ class SyncerService:
     def _refuse_fork(self) -> None:
         """A fresh start over existing snapshots would fork the run: the learners (which keep the run id
         and incarnation 1) would feed fresh parameters, and the final file would overwrite the real one."""
-        if self.store is None:
-            return
-        found = self.store.ids()
-        if found:
-            complete = self.store.complete_ids()
-            raise ForkRefused(
-                f"{self.store.root} holds {len(found)} snapshot(s) ({len(complete)} complete, newest {found[-1]}) "
-                f"of an earlier start; starting afresh would fork the run: resume it with --resume (launch: "
-                f"`wan-diloco launch --resume RUN_DIR`), or move that folder away to start a new run")
+        why = self.store.fork_refusal() if self.store is not None else None
+        if why is not None:
+            raise ForkRefused(why)
 
     def snapshot_now(self) -> int | None:
         """Cut a snapshot now (its parts are written in the background); returns its id, or None when
@@ -400,11 +395,17 @@ class SyncerService:
     # ---- Handler --------------------------------------------------------------------
 
     async def on_metadata(self, frame) -> Ack:
+        meta, refused_before = None, True
         try:
             meta = serde.metadata_from_frame(frame, self.M)
+            refused_before = meta.learner in self.core.settings_refused
             self._act(self.core.on_metadata(self.now(), meta))
         except ProtocolError as e:
             self._log_notices()
+            if not refused_before and meta is not None and meta.learner in self.core.settings_refused:  # once per learner, not per try
+                log.error("%s", e)
+                emit({"event": "warning", "role": "syncer", "what": str(e)})
+                self._event("warning", meta.learner, str(e))
             raise self._reject(e) from None
         self.regions[meta.learner] = meta.region
         self._on_progress(meta)
