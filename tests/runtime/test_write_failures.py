@@ -103,3 +103,11 @@ def test_failing_writes_are_a_red_row_of_the_live_table_with_the_free_space():
     text = console.export_text()
     assert "WRITES FAILING (3 so far) in /ckpt: snapshot 2: could not write the syncer's part: [Errno 28]" in text
     assert "free 5.2 MB" in text
+
+
+def test_the_launchers_own_file_failing_is_one_line_and_stops_the_run(tmp_path):
+    (tmp_path / "run" / "metrics.jsonl").mkdir(parents=True)  # what the launcher writes every event to
+    code, summary = launch(_config(tmp_path, retry_s=1), "", str(tmp_path / "run"))
+    assert code == 1
+    assert summary["error"] == (f"the launcher failed on {tmp_path / 'run' / 'metrics.jsonl'}: [Errno 21] Is a "
+                                f"directory; every process was stopped")

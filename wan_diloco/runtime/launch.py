@@ -635,9 +635,9 @@ def _run(cfg: RunSpec, rdir: Path, watch: Callable[[RunState], None] | None,
     except RunFailed as e:
         return (128 + stop["sig"] if stop["sig"] else 1), {"error": str(e), "run_dir": str(rdir)}
     except OSError as e:  # the launcher's own files (logs, metrics.jsonl) on a full or read-only disk
-        where = f" ({e.filename})" if getattr(e, "filename", None) else ""
-        return 1, {"error": f"the launcher could not write its files in {rdir}{where}: {describe_os_error(e)}; "
-                            f"every process was stopped", "run_dir": str(rdir)}
+        where = e.filename or rdir
+        return 1, {"error": f"the launcher failed on {where}: {describe_os_error(e)}; every process was stopped",
+                   "run_dir": str(rdir)}
     finally:
         if tb is not None:
             tb.close()

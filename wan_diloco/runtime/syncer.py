@@ -698,6 +698,11 @@ class SyncerService:
                 rate.labels(str(m)).set(p["tokens_per_s"] if m in alive else 0.0)
                 total += p["tokens_per_s"] if m in alive else 0.0
         self.metrics.gauge("tokens_per_s", "Tokens a second all live learners train").set(total)
+        if self.store is not None:  # failing writes lose snapshots or the result: alert on them
+            self.metrics.gauge("checkpoint_write_failures", "Snapshot and final-parameter writes that failed"
+                               ).set(self.write_failures)
+            self.metrics.gauge("checkpoint_ok", "1 while the latest checkpoint write succeeded").set(
+                0 if self.write_error is not None or self.params_error is not None else 1)
 
 
 def _free_bytes(where: str | None) -> int | None:
