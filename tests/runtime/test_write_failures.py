@@ -45,6 +45,10 @@ def test_a_final_write_on_a_full_disk_is_retried_then_fails_the_run_naming_path_
     assert storage["ok"] is False and storage["failures"] >= 3 and storage["dir"] == str(tmp_path / "ckpt")
     assert "[Errno 28]" in storage["last_error"] and storage["free_bytes"] > 0
     assert any(e["kind"] == "warning" and "[Errno 28]" in e["what"] for e in service.status()["events"])
+    service.refresh_gauges()
+    text = service.metrics.render().decode()
+    assert "wan_diloco_checkpoint_ok 0.0" in text
+    assert f"wan_diloco_checkpoint_write_failures {float(storage['failures'])}" in text
 
 
 def test_space_freed_while_the_final_write_is_retried_saves_the_run(tmp_path, monkeypatch):
