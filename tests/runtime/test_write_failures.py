@@ -115,3 +115,37 @@ def test_the_launchers_own_file_failing_is_one_line_and_stops_the_run(tmp_path):
     assert code == 1
     assert summary["error"] == (f"the launcher failed on {tmp_path / 'run' / 'metrics.jsonl'}: [Errno 21] Is a "
                                 f"directory; every process was stopped")
+
+
+@pytest.fixture
+def tiny_tmpfs(tmp_path):
+    """A 64 KiB tmpfs (smaller than the micro model's parameters), unmounted afterwards; root only."""
+    import os
+    import subprocess
+
+    where = tmp_path / "disk"
+    where.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(where)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("needs root and tmpfs mounts")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+def test_a_real_full_disk_then_space_freed_during_the_retries(tmp_path, tiny_tmpfs):
+    import subprocess
+
+    cfg = _config(tmp_path, retry_s=30).with_changes(checkpoint={"dir": str(tiny_tmpfs / "ckpt")})
+    service = SyncerService(cfg, TransportMetrics())
+
+    async def go():
+        service.params_path = service.store.params_path
+        grow = ["mount", "-o", "remount,size=4m", str(tiny_tmpfs)]  # the operator frees space
+        asyncio.get_running_loop().call_later(1.5, lambda: subprocess.run(grow, check=True))
+        await service._save_final(service.core.global_params(), {"run_id": "r"}, [])
+
+    asyncio.run(go())
+    assert service.params_error is None and load_params(tiny_tmpfs / "ckpt" / "params.safetensors")[1]["run_id"] == "r"
+    assert service.write_failures >= 1 and "[Errno 28] No space left on device" in service.last_write_error
