@@ -149,3 +149,14 @@ def test_a_real_full_disk_then_space_freed_during_the_retries(tmp_path, tiny_tmp
     asyncio.run(go())
     assert service.params_error is None and load_params(tiny_tmpfs / "ckpt" / "params.safetensors")[1]["run_id"] == "r"
     assert service.write_failures >= 1 and "[Errno 28] No space left on device" in service.last_write_error
+
+
+def test_a_shards_missing_final_file_is_named_not_skipped(tmp_path):
+    from wan_diloco.checkpoint import CheckpointError
+    from wan_diloco.runtime.launch import join_shard_params
+
+    cfg = _config(tmp_path, retry_s=1)
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "params.shard-0.safetensors").write_bytes(b"")
+    with pytest.raises(CheckpointError, match=r"params.shard-1.safetensors is missing"):
+        join_shard_params(cfg, 2)

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Callable
 
 from wan_diloco import spec as spec_lib
-from wan_diloco.checkpoint import describe_os_error
+from wan_diloco.checkpoint import CheckpointError, describe_os_error
 from wan_diloco.regions import Emulator, EmulatorError
 from wan_diloco.spec import TOKEN_ENV, RunSpec
 from wan_diloco.transport.dev_certs import make_dev_certs
@@ -472,14 +472,15 @@ def joined_final(first: dict, others: dict[int, dict]) -> dict:
 
 
 def join_shard_params(cfg: RunSpec, shards: int) -> Path | None:
-    """The shards' final parameters as one file (``checkpoint.dir/params.safetensors``); None if a shard's
-    file is missing."""
+    """The shards' final parameters as one file (``checkpoint.dir/params.safetensors``); CheckpointError
+    naming a shard's file that is missing, OSError if the joined file cannot be written."""
     from wan_diloco.checkpoint.params import join_params
 
     root = Path(cfg.checkpoint.dir)
     parts = [root / f"params.shard-{s}.safetensors" for s in range(shards)]
-    if not all(p.is_file() for p in parts):
-        return None
+    missing = [p for p in parts if not p.is_file()]
+    if missing:
+        raise CheckpointError(f"{missing[0]} is missing")
     return join_params(parts, root / "params.safetensors")
 
 
@@ -619,8 +620,13 @@ def _run(cfg: RunSpec, rdir: Path, watch: Callable[[RunState], None] | None,
         summary = {**summarize(mon, time.monotonic() - t0), "run_dir": str(rdir), "failed_learners": failed,
                    "tensorboard": str(rdir / "tensorboard") if tb is not None else None}
         if cfg.syncer.shards > 1 and cfg.checkpoint.dir:
-            joined = join_shard_params(cfg, cfg.syncer.shards)
-            summary["params_path"] = str(joined) if joined else None
+            try:
+                summary["params_path"] = str(join_shard_params(cfg, cfg.syncer.shards))
+            except (OSError, CheckpointError) as e:  # the run's result is not there: not a success
+                why = describe_os_error(e) if isinstance(e, OSError) else str(e)
+                where = f"{e.filename}: " if isinstance(e, OSError) and e.filename else ""
+                return 1, {**summary, "params_path": None,
+                           "error": f"final parameters not written: joining the shards' files: {where}{why}"}
         try:
             from wan_diloco.runtime.run_plot import plot_run
 
