@@ -106,7 +106,8 @@ async def serve(cfg: spec_lib.RunSpec, token: str, port: int | None = None, resu
             print(f"wan-diloco syncer: final parameters not written: {service.params_error}", file=sys.stderr,
                   flush=True)
             return 1
-        return 0 if service.final_done.is_set() else 143
+        # Stopped while the final parameters were still being written (or retried): not a success.
+        return 0 if service.final_saved.is_set() else 143
     finally:
         service.stopping = True
         if status is not None:

@@ -402,7 +402,8 @@ class SyncerService:
             self._act(self.core.on_metadata(self.now(), meta))
         except ProtocolError as e:
             self._log_notices()
-            if not refused_before and meta is not None and meta.learner in self.core.settings_refused:  # once per learner, not per try
+            # Said once per learner, not at every metadata it sends before it stops.
+            if not refused_before and meta is not None and meta.learner in self.core.settings_refused:
                 log.error("%s", e)
                 emit({"event": "warning", "role": "syncer", "what": str(e)})
                 self._event("warning", meta.learner, str(e))
