@@ -3,6 +3,7 @@ snapshots refuses to start (one line, exit 2) instead of forking the run under t
 import pytest
 
 from wan_diloco import spec as rt
+from wan_diloco.assemble import Assembly
 from wan_diloco.checkpoint import SnapshotStore
 from wan_diloco.cli import main
 from wan_diloco.runtime.syncer import ForkRefused, SyncerService
@@ -12,8 +13,7 @@ from .conftest import micro_config
 
 
 def _config(tmp_path):
-    extra = f'\n[checkpoint]\ndir = "{tmp_path / "ckpt"}"\n'
-    return micro_config(tmp_path, learners=2, extra=extra)
+    return micro_config(tmp_path, learners=2, extra=f'\n[checkpoint]\ndir = "{tmp_path / "ckpt"}"\n')
 
 
 def _with_run_id(path):
@@ -25,10 +25,11 @@ def _with_run_id(path):
 def test_a_syncer_without_resume_over_existing_snapshots_refuses_to_start(tmp_path):
     path = _with_run_id(_config(tmp_path))
     cfg = rt.load(path)
-    SyncerService(cfg, TransportMetrics())  # an empty folder: a fresh start is fine
+    parts = Assembly(cfg)
+    SyncerService(cfg, TransportMetrics(), parts=parts)  # an empty folder: a fresh start is fine
     SnapshotStore(tmp_path / "ckpt").save_part(1, "syncer", {}, {"run_id": "run-fixed"}, "syncer")
     with pytest.raises(ForkRefused, match=r"1 snapshot\(s\) \(0 complete, newest 1\).*--resume.*move that folder"):
-        SyncerService(cfg, TransportMetrics())
+        SyncerService(cfg, TransportMetrics(), parts=parts)
 
 
 def test_the_syncer_command_refuses_in_one_line_with_exit_2(tmp_path, capsys):

@@ -17,6 +17,14 @@ from wan_diloco.transport import TransportMetrics
 from .conftest import micro_config
 
 
+@pytest.fixture(scope="module")
+def parts(tmp_path_factory):
+    """One micro model for the in-process syncers here (their configs differ only in [checkpoint])."""
+    from wan_diloco.assemble import Assembly
+
+    return Assembly(_config(tmp_path_factory.mktemp("parts"), retry_s=1))
+
+
 def _config(tmp_path, retry_s, steps=40, every_merges=0):
     extra = (f'\n[checkpoint]\ndir = "{tmp_path / "ckpt"}"\nevery_merges = {every_merges}\n'
              f'final_write_retry_s = {retry_s}\n')
@@ -30,11 +38,12 @@ async def _final_write(service, free_after_s=None, flag=None):
     await service._save_final(service.core.global_params(), {"run_id": "r"}, [])
 
 
-def test_a_final_write_on_a_full_disk_is_retried_then_fails_the_run_naming_path_and_error(tmp_path, monkeypatch):
+def test_a_final_write_on_a_full_disk_is_retried_then_fails_the_run_naming_path_and_error(tmp_path, monkeypatch,
+                                                                                          parts):
     flag = tmp_path / "disk-full"
     flag.touch()
     monkeypatch.setenv(FAULT_ENV, str(flag))
-    service = SyncerService(_config(tmp_path, retry_s=2.5), TransportMetrics())
+    service = SyncerService(_config(tmp_path, retry_s=2.5), TransportMetrics(), parts=parts)
     asyncio.run(_final_write(service))
     path = tmp_path / "ckpt" / "params.safetensors"
     assert service.params_error.startswith(f"could not write the final parameters to {path}: "
@@ -51,11 +60,11 @@ def test_a_final_write_on_a_full_disk_is_retried_then_fails_the_run_naming_path_
     assert f"wan_diloco_checkpoint_write_failures {float(storage['failures'])}" in text
 
 
-def test_space_freed_while_the_final_write_is_retried_saves_the_run(tmp_path, monkeypatch):
+def test_space_freed_while_the_final_write_is_retried_saves_the_run(tmp_path, monkeypatch, parts):
     flag = tmp_path / "disk-full"
     flag.touch()
     monkeypatch.setenv(FAULT_ENV, str(flag))
-    service = SyncerService(_config(tmp_path, retry_s=30), TransportMetrics())
+    service = SyncerService(_config(tmp_path, retry_s=30), TransportMetrics(), parts=parts)
     asyncio.run(_final_write(service, free_after_s=1.5, flag=flag))
     assert service.params_error is None and service.final_report["params_error"] is None
     _, info = load_params(tmp_path / "ckpt" / "params.safetensors")
@@ -134,11 +143,11 @@ def tiny_tmpfs(tmp_path):
         subprocess.run(["umount", "-l", str(where)], check=False)
 
 
-def test_a_real_full_disk_then_space_freed_during_the_retries(tmp_path, tiny_tmpfs):
+def test_a_real_full_disk_then_space_freed_during_the_retries(tmp_path, tiny_tmpfs, parts):
     import subprocess
 
     cfg = _config(tmp_path, retry_s=30).with_changes(checkpoint={"dir": str(tiny_tmpfs / "ckpt")})
-    service = SyncerService(cfg, TransportMetrics())
+    service = SyncerService(cfg, TransportMetrics(), parts=parts)
 
     async def go():
         service.params_path = service.store.params_path
