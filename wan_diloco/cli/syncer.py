@@ -43,7 +43,8 @@ def add_view_arguments(p: argparse.ArgumentParser) -> None:
 
 async def serve(cfg: spec_lib.RunSpec, token: str, port: int | None = None, resume: bool = False,
                 view=None, shard: int = 0, shard_status: list[str] | None = None) -> int:
-    """Run the syncer; returns 0 after a completed final sync, 143 when stopped by a signal. ``view``
+    """Run the syncer; returns 0 after a completed final sync, 1 when its final parameters could not
+    be written, 143 when stopped by a signal. ``view``
     (cli.live.ProcessView) is shown the learners as the syncer sees them at each report."""
     from wan_diloco.runtime.syncer import SyncerService
 
@@ -100,7 +101,14 @@ async def serve(cfg: spec_lib.RunSpec, token: str, port: int | None = None, resu
                     view.watch_syncer(service.status(), service.progress)
         if service.final_report is not None:
             emit({**service.final_report, **service.summary()})
-        return 0 if service.final_done.is_set() else 143
+        if service.params_error is not None:
+            # The run's result is lost: not a success, whatever else went well (one line, exit 1).
+            emit({"event": "error", "role": "syncer", "error": f"final parameters not written: {service.params_error}"})
+            print(f"wan-diloco syncer: final parameters not written: {service.params_error}", file=sys.stderr,
+                  flush=True)
+            return 1
+        # Stopped while the final parameters were still being written (or retried): not a success.
+        return 0 if service.final_saved.is_set() else 143
     finally:
         service.stopping = True
         if status is not None:
@@ -112,7 +120,7 @@ async def serve(cfg: spec_lib.RunSpec, token: str, port: int | None = None, resu
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.WARNING, format="syncer %(levelname)s %(name)s: %(message)s")
-    from wan_diloco.runtime.syncer import ResumeError
+    from wan_diloco.runtime.syncer import ForkRefused, ResumeError
     from wan_diloco.transport import ListenError
     from wan_diloco.transport.security import check_port
 
@@ -138,6 +146,16 @@ def run(args: argparse.Namespace) -> int:
             f"{args.shard}")
     require(all(u.startswith(("http://", "https://")) for u in others), "--shard-status",
             f"expected http(s)://HOST:PORT URLs, got {args.shard_status!r}")
+    if cfg.checkpoint.dir and not args.resume:  # before the model is built: a refusal costs no start-up
+        from pathlib import Path
+
+        from wan_diloco.checkpoint import SnapshotStore
+
+        root = Path(cfg.checkpoint.dir) / f"shard-{args.shard}" if args.shard else Path(cfg.checkpoint.dir)
+        why = SnapshotStore(root).fork_refusal()
+        if why is not None:
+            print(f"wan-diloco syncer: refusing to start: {why}", file=sys.stderr)
+            return 2
     preflight(cfg, data=False)  # the syncer reads no data: its host need not have the corpus
     from wan_diloco.cli import live
 
@@ -151,6 +169,9 @@ def run(args: argparse.Namespace) -> int:
                                   shard_status=others))
     except ResumeError as e:
         print(f"wan-diloco syncer: cannot resume: {e}", file=sys.stderr)
+        return 2
+    except ForkRefused as e:
+        print(f"wan-diloco syncer: refusing to start: {e}", file=sys.stderr)
         return 2
     except ListenError as e:
         # A port in use (say a syncer still running) is the operator's to fix, not a crash:

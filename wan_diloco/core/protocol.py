@@ -83,6 +83,9 @@ class Metadata:
     data: str = ""
     loss: float | None = None  # its latest training loss (for /metrics; the syncer does not act on it)
     tokens: int = 0  # tokens this learner process trained on so far (tokens/s on /metrics)
+    # The settings this learner runs with (``core.fingerprint``); the syncer refuses it if they differ
+    # from its own. "" (the simulator, which builds both ends from one spec): not compared.
+    fingerprint: str = ""
 
 
 @dataclass(frozen=True)

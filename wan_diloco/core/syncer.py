@@ -18,6 +18,7 @@ import numpy as np
 from wan_diloco import tree
 from wan_diloco.clock import VectorClock
 from wan_diloco.config import require
+from wan_diloco.core import fingerprint as fingerprint_lib
 from wan_diloco.core.protocol import (
     FINAL_TIMER,
     SYNCER,
@@ -210,8 +211,24 @@ class SyncerCore:
         self.syncer_ticks = 0
         self.clock_restored = 0
         self.clock_leeway = 0
+        # The settings a learner must run with (``core.fingerprint``; set by the network driver, "" compares
+        # nothing), and the learners refused for theirs: learner -> the one line that says why.
+        self.fingerprint = ""
+        self.settings_refused: dict[int, str] = {}
 
     # ---- events ---------------------------------------------------------------------
+
+    def check_settings(self, learner: int, fingerprint: str) -> None:
+        """A learner's settings (``Metadata.fingerprint``) against this syncer's ``fingerprint``: first,
+        before anything else from it counts. ProtocolError names the differing settings; until that
+        learner sends matching ones, its uploads are refused too."""
+        if not self.fingerprint or not fingerprint:
+            return
+        differ = fingerprint_lib.differences(self.fingerprint, fingerprint)
+        if differ:
+            self.settings_refused[learner] = f"learner {learner}: {fingerprint_lib.SETTINGS_DIFFER}: {'; '.join(differ)}"
+            raise ProtocolError(self.settings_refused[learner], "fingerprint")
+        self.settings_refused.pop(learner, None)
 
     def on_metadata(self, now_s: float, msg: Metadata) -> list:
         """A learner's counters. Refused (ProtocolError, counted, nothing else changed) when implausible."""
@@ -224,6 +241,7 @@ class SyncerCore:
 
     def _on_metadata(self, now_s: float, msg: Metadata) -> list:
         self._check_learner(msg.learner)
+        self.check_settings(msg.learner, msg.fingerprint)
         self._check_quarantine(now_s, msg.learner)
         self._check_clock(msg.learner, msg.clock)
         if self.cfg.max_step is not None and msg.step > self.cfg.max_step:
@@ -260,6 +278,8 @@ class SyncerCore:
             raise
 
     def _on_fragment(self, now_s: float, msg: FragmentUpload) -> list:
+        if msg.learner in self.settings_refused:
+            raise ProtocolError(self.settings_refused[msg.learner], "fingerprint")
         self._check_quarantine(now_s, msg.learner)
         self._check_learner(msg.learner)
         self._validate_upload(msg)

@@ -81,6 +81,7 @@ class Learner:
         self.cfg, self.m = cfg, learner
         self.region = cfg.region(learner)
         parts = parts or Assembly(cfg, learner)
+        self.fingerprint = parts.fingerprint  # with every metadata: the syncer refuses other settings
         self.state = parts.state0
         self.layout = parts.layout
         self.codec = parts.codec
@@ -245,7 +246,7 @@ class Learner:
             position = ""
         loss = self.loss if math.isfinite(self.loss) else None  # a diverged step is the syncer's to see, not a crash
         self.net.send_metadata(dataclasses.replace(msg, data=position, recovering=recovering, loss=loss,
-                                                   tokens=self.tokens))
+                                                   tokens=self.tokens, fingerprint=self.fingerprint))
 
     def _take_up_data_position(self) -> None:
         """(Re)joined a run in progress without its own snapshot part: go on with the data stream where
@@ -360,7 +361,7 @@ class Learner:
                 arrived_s, update = item
                 self._handle(self.core.on_update(arrived_s, update))
             elif kind == "identity":  # a (re)connected update stream: is it still the syncer we follow?
-                if self.core.identity(item.run_id, item.epoch, item.resumed_from) == "new":
+                if self.core.meet(item.run_id, item.epoch, item.resumed_from, item.process) == "new":
                     self._rejoin(item.epoch, item.resumed_from)
             elif kind == "donate":
                 if item.recipient != self.m:
@@ -387,6 +388,8 @@ class Learner:
                 else:
                     self.core.saved(snap)
                     self.snapshots_written += 1
+            elif kind == "refused":  # the syncer runs other settings: retrying cannot help
+                raise SyncerLost(str(item))
             else:
                 raise SyncerLost(f"learner {self.m}: {item}")
         silent = self.net.silent_s()
@@ -540,7 +543,11 @@ class Learner:
             if self.cfg.learner.peer_recovery:
                 self._recover_from_peer()
         self.position_known = True
-        self._send_metadata(self.core.metadata())
+        self._send_metadata(self.core.metadata())  # the hello: it carries this learner's settings
+        hello_by = time.monotonic() + self.cfg.transport.call_timeout_s
+        while not self.net.hello_answered.is_set() and time.monotonic() < hello_by and not self.stop.is_set():
+            self._drain(block_s=0.05)  # refused settings stop the learner here, before its first step
+        self._drain()
         self.net.start_probing()
         initial_loss = self.evaluate()
         emit({"event": "start", "role": "learner", "learner": self.m, "region": self.region,

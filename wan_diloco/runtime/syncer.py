@@ -30,6 +30,7 @@ import dataclasses
 import logging
 import re
 import secrets
+import shutil
 import time
 from pathlib import Path
 from typing import Callable
@@ -38,7 +39,7 @@ import grpc
 from prometheus_client import Counter
 
 from wan_diloco.assemble import Assembly, fragment_digest
-from wan_diloco.checkpoint import CheckpointError, SnapshotStore, save_params
+from wan_diloco.checkpoint import CheckpointError, SnapshotStore, describe_os_error, save_params
 from wan_diloco.config import ConfigError
 from wan_diloco.core import Broadcast, ProtocolError, SetTimer, learner_node
 from wan_diloco.core.recovery import AskDonor, Candidate, Donations, NoDonor
@@ -55,6 +56,11 @@ EVENTS = 200  # learners joined, lost, rejoined and warnings on /status (merges 
 
 class ResumeError(RuntimeError):
     """``--resume`` found no snapshot to resume from; the text says where it looked and why."""
+
+
+class ForkRefused(RuntimeError):
+    """A syncer started without ``--resume`` over a checkpoint.dir that holds snapshots: it would start the
+    run's model again from scratch beside (and over) the one those snapshots hold."""
 
 
 @dataclasses.dataclass
@@ -87,6 +93,7 @@ class SyncerService:
         self.layout, self.codec, self.bulk_codec = parts.layout, parts.codec, parts.bulk_codec
         self.plan = parts.shard_plan
         self.core = parts.syncer_core(bounded=True, shard=shard if self.S > 1 else None)
+        self.core.fingerprint = parts.fingerprint  # a learner with other settings is refused at its hello
         self.hub = UpdateHub(cfg.transport.chunk_bytes)
         self.M, self.P = cfg.run.learners, len(self.layout.fragments)
         self.started_s = time.monotonic()
@@ -128,9 +135,17 @@ class SyncerService:
         # Refused learner messages by field (the core counts them; /status["refused"] shows its count).
         self.refused_total = Counter("refused", "Learner messages refused, by the field that was wrong", ["field"],
                                      namespace=metrics.namespace, registry=metrics.registry)
+        # Writes that failed (snapshot parts, manifests, the final parameters): /status["storage"].
+        self.write_failures = 0
+        self.write_error: str | None = None  # the latest failure's; None again after a write succeeds
+        self.last_write_error: str | None = None
+        self.params_error: str | None = None  # the final parameters could not be written: the run failed
+        self.final_saved = asyncio.Event()  # the final parameters are written (or given up on)
+        self.process_id = secrets.token_hex(8)  # in each stream's Identity: a restart is told apart
         if resume:
             self._resume()
         else:
+            self._refuse_fork()
             self.core.run_id = cfg.run.run_id or f"run-{secrets.token_hex(6)}"
 
     # ---- snapshots --------------------------------------------------------------------
@@ -159,6 +174,13 @@ class SyncerService:
         self.resumed = {"snapshot": snap, "epoch": self.core.epoch, "skipped": list(self.store.skipped),
                         "versions": list(self.core.version), "global_step": self.core.global_step}
 
+    def _refuse_fork(self) -> None:
+        """A fresh start over existing snapshots would fork the run: the learners (which keep the run id
+        and incarnation 1) would feed fresh parameters, and the final file would overwrite the real one."""
+        why = self.store.fork_refusal() if self.store is not None else None
+        if why is not None:
+            raise ForkRefused(why)
+
     def snapshot_now(self) -> int | None:
         """Cut a snapshot now (its parts are written in the background); returns its id, or None when
         there is nowhere to write or the run is ending."""
@@ -180,10 +202,10 @@ class SyncerService:
         try:
             nbytes = await asyncio.to_thread(self.store.save_part, snap, "syncer", tensors, info, "syncer")
         except (OSError, CheckpointError) as e:
-            log.error("snapshot %d: could not write the syncer's part: %s", snap, e)
-            emit({"event": "warning", "role": "syncer", "what": f"snapshot {snap} failed: {e}"})
+            self._write_failed(f"snapshot {snap}: could not write the syncer's part", e)
             self.snap_pending.pop(snap, None)
             return
+        self.write_error = None
         pending = self.snap_pending.get(snap)
         if pending is not None:
             pending.update(syncer=True, bytes=nbytes)
@@ -212,14 +234,37 @@ class SyncerService:
                 continue
             del self.snap_pending[snap]
             parts = ["syncer", *sorted(pending["parts"])]
-            self.store.mark_complete(snap, {"run_id": self.core.run_id, "epoch": self.core.epoch, "parts": parts,
-                                            "versions": pending["versions"],
-                                            "learners": self.M})
+            try:
+                self.store.mark_complete(snap, {"run_id": self.core.run_id, "epoch": self.core.epoch, "parts": parts,
+                                                "versions": pending["versions"],
+                                                "learners": self.M})
+            except OSError as e:
+                self._write_failed(f"snapshot {snap}: could not write its manifest", e)
+                continue
             self.snapshots_complete.append(snap)
             removed = self.store.gc(self.cfg.checkpoint.keep)
             emit({"event": "snapshot", "role": "syncer", "snapshot": snap, "parts": parts,
                   "syncer_bytes": pending.get("bytes", 0), "seconds": round(now - pending["cut_s"], 3),
                   "removed": removed})
+
+    def _write_failed(self, what: str, e: Exception) -> None:
+        """A write failed: loud in the log, the events, /status["storage"] and the live table."""
+        self.write_failures += 1
+        self.write_error = self.last_write_error = f"{what}: {describe_os_error(e)}"
+        log.error("%s (%d failed writes so far; free space: %s)", self.write_error, self.write_failures,
+                  _free(self.storage_dir()))
+        emit({"event": "warning", "role": "syncer", "what": self.write_error, "storage": self.storage()})
+        self._event("warning", None, self.write_error)
+
+    def storage_dir(self) -> str | None:
+        return str(self.store.root) if self.store is not None else None
+
+    def storage(self) -> dict:
+        """/status["storage"]: where snapshots and the final parameters go, and whether writing works."""
+        where = self.storage_dir()
+        return {"dir": where, "ok": self.write_error is None and self.params_error is None,
+                "failures": self.write_failures, "last_error": self.last_write_error,
+                "free_bytes": _free_bytes(where)}
 
     def _maybe_snapshot(self) -> None:
         every = self.cfg.checkpoint.every_merges
@@ -373,13 +418,20 @@ class SyncerService:
     # ---- Handler --------------------------------------------------------------------
 
     async def on_metadata(self, frame) -> Ack:
+        meta, refused_before = None, True
         try:
             meta = serde.metadata_from_frame(frame, self.M)
+            refused_before = meta.learner in self.core.settings_refused
         except ProtocolError as e:
             raise self._refuse(e, frame) from None
         try:
             self._act(self.core.on_metadata(self.now(), meta))
         except ProtocolError as e:
+            # Said once per learner, not at every metadata it sends before it stops.
+            if not refused_before and meta.learner in self.core.settings_refused:
+                log.error("%s", e)
+                emit({"event": "warning", "role": "syncer", "what": str(e)})
+                self._event("warning", meta.learner, str(e))
             raise self._refuse(e) from None
         self.regions[meta.learner] = meta.region
         self._on_progress(meta)
@@ -434,7 +486,8 @@ class SyncerService:
         self.streams[m] = self.streams.get(m, 0) + 1
         superseded = False
         try:
-            yield serde.control_to_frame(serde.Identity(self.core.run_id, self.core.epoch, self.core.resumed_from))
+            yield serde.control_to_frame(serde.Identity(self.core.run_id, self.core.epoch, self.core.resumed_from,
+                                                           self.process_id))
             async for item in stream:
                 yield item
             superseded = True  # a newer subscription of the same learner took over
@@ -513,30 +566,58 @@ class SyncerService:
         self.final_done.set()
         digests = [fragment_digest(self.core.theta[p], self.layout.fragments[p]) if self.core.owns(p) else None
                    for p in range(self.P)]
-        if self.store is not None:
-            # A shard writes its fragments' tensors; `launch` joins the shards' files into one.
-            self.params_path = (self.store.params_path if self.S == 1 else
-                                Path(self.cfg.checkpoint.dir) / f"params.shard-{self.shard}.safetensors")
-            info = {"run_id": self.core.run_id, "epoch": self.core.epoch, "versions": list(self.core.version),
-                    "global_step": self.core.global_step, "digests": digests, "preset": self.cfg.preset,
-                    "shard": self.shard, "shards": self.S, "owned": list(self.core.owned),
-                    "model": dataclasses.asdict(self.cfg.model)}
-            try:  # small next to the run; on the loop so the report below names a file that exists
-                save_params(self.params_path, self.core.global_params(), info)
-            except OSError as e:
-                log.error("could not write the final parameters to %s: %s", self.params_path, e)
-                self.params_path = None
+        if self.store is None:
+            self._report_final(digests)
+            return
+        # A shard writes its fragments' tensors; `launch` joins the shards' files into one.
+        self.params_path = (self.store.params_path if self.S == 1 else
+                            Path(self.cfg.checkpoint.dir) / f"params.shard-{self.shard}.safetensors")
+        info = {"run_id": self.core.run_id, "epoch": self.core.epoch, "versions": list(self.core.version),
+                "global_step": self.core.global_step, "digests": digests, "preset": self.cfg.preset,
+                "shard": self.shard, "shards": self.S, "owned": list(self.core.owned),
+                "model": dataclasses.asdict(self.cfg.model)}
+        asyncio.get_running_loop().create_task(self._save_final(self.core.global_params(), info, digests))
+
+    async def _save_final(self, params, info: dict, digests: list) -> None:
+        """Write the final parameters; a failure (a full disk) is tried again with backoff for
+        ``checkpoint.final_write_retry_s``, then the run has failed (``params_error``). The learners
+        fetch their final fragments meanwhile; the syncer ends only after this."""
+        retry_s = self.cfg.checkpoint.final_write_retry_s
+        deadline, wait_s, tries = self.now() + retry_s, 1.0, 0
+        while True:
+            tries += 1
+            try:
+                await asyncio.to_thread(save_params, self.params_path, params, info)
+                self.write_error = None
+                break
+            except (OSError, CheckpointError) as e:
+                self._write_failed(f"could not write the final parameters to {self.params_path}", e)
+                left = deadline - self.now()
+                if left <= 0:
+                    self.params_error = (f"{self.write_error} (gave up after {tries} tries over {retry_s:g} s, "
+                                         f"checkpoint.final_write_retry_s)")
+                    self.params_path = None
+                    break
+                log.error("trying the final parameters again in %.0f s (for %.0f s more): free some space in %s",
+                          min(wait_s, left), left, self.params_path.parent)
+                await asyncio.sleep(min(wait_s, left))
+                wait_s = min(2 * wait_s, 15.0)
+        self._report_final(digests)
+
+    def _report_final(self, digests: list) -> None:
         self.final_report = {
             "event": "final", "role": "syncer", "versions": list(self.core.version), "digests": digests,
             "final_learners": sorted(self.core.final_participants()),
             "params_path": str(self.params_path) if self.params_path else None,
+            "params_error": self.params_error,
             **self.summary(),
         }
+        self.final_saved.set()
         asyncio.get_running_loop().call_later(self.cfg.syncer.final_timeout_s, self.finished.set)
         self._check_finished()
 
     def _check_finished(self) -> None:
-        if not self.final_done.is_set():
+        if not self.final_done.is_set() or not self.final_saved.is_set():
             return
         # Everyone who took part, arrived late, or is still alive gets to fetch the final fragments.
         waiting = self.core.final_participants() | self.late_final | set(self.core.alive())
@@ -562,6 +643,7 @@ class SyncerService:
             "recovery_bytes": self.recovery_bytes,
             "refused": dict(self.core.refusals.by_field),  # learner messages refused, by field (core.refusals)
             "last_snapshot": self.snapshots_complete[-1] if self.snapshots_complete else None,
+            "storage": self.storage(),
         }
 
     def status(self) -> dict:
@@ -652,6 +734,29 @@ class SyncerService:
                 rate.labels(str(m)).set(p["tokens_per_s"] if m in alive else 0.0)
                 total += p["tokens_per_s"] if m in alive else 0.0
         self.metrics.gauge("tokens_per_s", "Tokens a second all live learners train").set(total)
+        if self.store is not None:  # failing writes lose snapshots or the result: alert on them
+            self.metrics.gauge("checkpoint_write_failures", "Snapshot and final-parameter writes that failed"
+                               ).set(self.write_failures)
+            self.metrics.gauge("checkpoint_ok", "1 while the latest checkpoint write succeeded").set(
+                0 if self.write_error is not None or self.params_error is not None else 1)
+
+
+def _free_bytes(where: str | None) -> int | None:
+    """Free bytes on the file system of ``where`` (or of its nearest existing parent); None if unknown."""
+    if not where:
+        return None
+    path = Path(where).absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return None
+
+
+def _free(where: str | None) -> str:
+    free = _free_bytes(where)
+    return "unknown" if free is None else f"{free / 2**20:.0f} MiB"
 
 
 def _decoded_field(text: str) -> str:
