@@ -107,8 +107,8 @@ def test_refusals_are_read_by_field_when_the_syncer_counts_them_and_by_status_co
     refused = Counter("refused", "Refusals by field", ["field"], namespace="wan_diloco", registry=metrics.registry)
     refused.labels("metadata.step").inc(3)
     refused.labels("clock").inc()
-    Counter("identity_refused", "Declared sender is not the credential's", namespace="wan_diloco",
-            registry=metrics.registry).inc(4)
+    for reason in ("token", "token", "certificate", "message"):
+        metrics.identity_refused(reason)
     later = report.refusals(metrics.render().decode())
     assert later["refused_total"] == {"metadata.step": 3, "clock": 1}
     assert later["identity_refused_total"] == 4 and later["transport_errors"] == today["transport_errors"]

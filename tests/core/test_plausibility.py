@@ -25,7 +25,8 @@ def md(learner, step, clock=None):
     """A learner's metadata as an honest learner sends it: its clock ticks once a step."""
     from wan_diloco.core import Metadata
 
-    return Metadata(learner=learner, step=step, c_steps=(1, 1), c_tokens=(100, 100),
+    c = min(step, 1)  # steps since a fragment's last sync: never more than the learner took
+    return Metadata(learner=learner, step=step, c_steps=(c, c), c_tokens=(100 * c, 100 * c),
                     clock=VectorClock(clock if clock is not None else {f"learner-{learner}": step}), step_s=0.05)
 
 

@@ -42,6 +42,10 @@ from wan_diloco.outer import OuterConfig, OuterOptimizer
 
 MAX_TAU = 1000  # a learner reporting a larger overlap is refused (τ < H, and H is steps between syncs)
 MAX_CLOCK = 1 << 53  # vector-clock entries count events: no run gets near; far from int64's end
+MAX_TIMING_S = 86_400.0  # a learner's measured step or sync time past a day is nonsense (it bounds the grace)
+# A learner reports the newest snapshot it wrote a part of: never far past what this syncer cut (after a
+# resume from an older snapshot the learner may still name a newer one of the last incarnation).
+SNAPSHOT_LEEWAY = 1000
 # A learner's own clock entry may advance this much per message (it ticks a few times a step; one that
 # trained on alone for a long while, or through a syncer restart, sends many ticks at once) ...
 CLOCK_ADVANCE = 1 << 20
@@ -81,6 +85,9 @@ class SyncerConfig:
     # ... where its pace is at most this many steps a second; None: 4 x its fastest measured pace.
     max_steps_per_s: float | None = None
     max_refusals: int = 50  # refusals of one learner within quarantine_s that quarantine it
+    # Tokens one learner step trains (batch x sequence length): a counter claiming more per step would
+    # outweigh the others in the token-weighted merge. None: not checked (the simulator's own learners).
+    max_tokens_per_step: int | None = None
 
     def validate(self) -> None:
         require(self.num_learners >= 1, "num_learners", f"must be >= 1, got {self.num_learners}")
@@ -104,6 +111,8 @@ class SyncerConfig:
         require(self.max_steps_per_s is None or (self.max_steps_per_s > 0 and math.isfinite(self.max_steps_per_s)),
                 "max_steps_per_s", f"must be a finite number > 0, or unset to measure each learner's pace, "
                 f"got {self.max_steps_per_s}")
+        require(self.max_tokens_per_step is None or self.max_tokens_per_step >= 1, "max_tokens_per_step",
+                f"must be >= 1, got {self.max_tokens_per_step}")
         require(isinstance(self.max_refusals, int) and not isinstance(self.max_refusals, bool)
                 and self.max_refusals >= 1, "max_refusals", f"must be an integer >= 1, got {self.max_refusals!r}")
         self.outer.validate()
@@ -258,6 +267,7 @@ class SyncerCore:
         if msg.tau is not None and not 0 <= msg.tau <= MAX_TAU:
             raise ProtocolError(f"metadata from learner {msg.learner}: tau must be in [0, {MAX_TAU}], got {msg.tau}",
                                 "metadata.tau")
+        self._check_metadata_counters(msg)
         self.pace.accept(msg.learner, now_s, msg.step, self.global_step)
         info = self._seen(now_s, msg.learner)
         info.step = max(info.step, msg.step)
@@ -491,6 +501,38 @@ class SyncerCore:
             self.quarantine(now_s, learner, f"{self.cfg.max_refusals} messages refused within "
                                             f"{self.cfg.quarantine_s:g} s (the latest: {e.field or 'other'})")
 
+    def _check_metadata_counters(self, msg: Metadata) -> None:
+        """Counters and timings no honest learner reports: per-fragment steps past its step, tokens past
+        its steps' worth, a negative or absurd step or sync time, an incarnation or snapshot this syncer
+        never had."""
+        m, step = msg.learner, msg.step
+        tokens = self.cfg.max_tokens_per_step
+        for name, c in (("c_steps", msg.c_steps), ("c_tokens", msg.c_tokens)):
+            if any(x < 0 for x in c):
+                raise ProtocolError(f"metadata from learner {m}: negative {name}", f"metadata.{name}")
+        if max(msg.c_steps, default=0) > step:
+            raise ProtocolError(f"metadata from learner {m}: c_steps {max(msg.c_steps)} past its step {step}",
+                                "metadata.c_steps")
+        if tokens is not None:
+            worst = max((t - c * tokens for t, c in zip(msg.c_tokens, msg.c_steps)), default=0)
+            if worst > 0:
+                raise ProtocolError(f"metadata from learner {m}: c_tokens past {tokens} tokens a step "
+                                    "(syncer.max_tokens_per_step)", "metadata.c_tokens")
+            if msg.tokens > (step + self.cfg.step_slack) * tokens:
+                raise ProtocolError(f"metadata from learner {m}: {msg.tokens} tokens trained in {step} steps of "
+                                    f"at most {tokens}", "metadata.tokens")
+        for name in ("step_s", "sync_s"):
+            v = getattr(msg, name)
+            if v is not None and not (math.isfinite(v) and 0 <= v <= MAX_TIMING_S):
+                raise ProtocolError(f"metadata from learner {m}: {name} must be in [0, {MAX_TIMING_S:g}] s, got {v}",
+                                    f"metadata.{name}")
+        if msg.epoch > self.epoch:
+            raise ProtocolError(f"metadata from learner {m}: incarnation {msg.epoch}, this syncer is at {self.epoch}",
+                                "metadata.epoch")
+        if msg.snapshot > self.snapshot_id + SNAPSHOT_LEEWAY:
+            raise ProtocolError(f"metadata from learner {m}: snapshot {msg.snapshot}, this syncer cut "
+                                f"{self.snapshot_id}", "metadata.snapshot")
+
     def _validate_upload(self, msg: FragmentUpload) -> None:
         self._check_clock(msg.learner, msg.clock)
         if self.cfg.max_step is not None and msg.due_step > self.cfg.max_step:
@@ -505,6 +547,16 @@ class SyncerCore:
         if msg.c_steps < 0 or msg.c_tokens < 0 or msg.due_step < 1 or msg.base_version < 0:
             raise ProtocolError(f"fragment upload from learner {msg.learner}: negative counters or step",
                                 "upload.counters")
+        if msg.c_steps > msg.due_step + self.cfg.step_slack:
+            raise ProtocolError(f"fragment upload from learner {msg.learner}: c_steps {msg.c_steps} past its due step "
+                                f"{msg.due_step}", "upload.c_steps")
+        tokens = self.cfg.max_tokens_per_step
+        if tokens is not None and msg.c_tokens > msg.c_steps * tokens:
+            raise ProtocolError(f"fragment upload from learner {msg.learner}: {msg.c_tokens} tokens in {msg.c_steps} "
+                                f"steps of at most {tokens} (syncer.max_tokens_per_step)", "upload.c_tokens")
+        if msg.epoch > self.epoch:
+            raise ProtocolError(f"fragment upload from learner {msg.learner}: incarnation {msg.epoch}, this syncer is "
+                                f"at {self.epoch}", "upload.epoch")
         if msg.epoch in (0, self.epoch) and msg.base_version > self.version[msg.fragment]:
             # Versions come from this syncer only (an earlier incarnation's are told apart by epoch).
             raise ProtocolError(f"fragment upload from learner {msg.learner}: base version {msg.base_version} of "
