@@ -97,6 +97,9 @@ async def serve(cfg: spec_lib.RunSpec, token: str, port: int | None = None, resu
                       "alive": service.core.alive(), **service.summary()})
                 if view is not None:
                     view.watch_syncer(service.status(), service.progress)
+        if service.failed is not None:  # the run could not start: one line, and not a success
+            print(f"wan-diloco syncer: {service.failed}", file=sys.stderr)
+            return 1
         if service.final_report is not None:
             emit({**service.final_report, **service.summary()})
         return 0 if service.final_done.is_set() else 143

@@ -45,6 +45,7 @@ from wan_diloco.assemble import Assembly, fragment_digest
 from wan_diloco.checkpoint import CheckpointError, SnapshotStore, decode_state, encode_state
 from wan_diloco.config import ConfigError
 from wan_diloco.planning import LinkEstimate, confirmed_move, replan_reasons, tau_for_link
+from wan_diloco.core.barrier import BarrierView
 from wan_diloco.core import (
     ApplyGlobal, IncarnationError, ProtocolError, Rejoin, Resync, SaveState, SendFragment, SendMetadata, Snapshot,
     learner_node,
@@ -68,6 +69,10 @@ HEARTBEAT_S = 5.0
 
 class SyncerLost(RuntimeError):
     """The syncer stayed unreachable for longer than the transport's retry budget."""
+
+
+class StartTimeout(RuntimeError):
+    """The start barrier was not met within run.start_timeout_s; the text names who never joined."""
 
 
 class Stopped(Exception):
@@ -121,6 +126,7 @@ class Learner:
         # metadata carries no position: the join's would replace the one the syncer keeps for it.
         self.position_known = False
         self.on_compiled = lambda: None  # called once the first step compiled (signal handlers go in then)
+        self.barrier = BarrierView(cfg.run.start_timeout_s)  # the syncer's word on the start barrier
         if cfg.run.run_id:
             self.core.run_id = cfg.run.run_id  # a syncer serving another run is refused at the join
 
@@ -362,6 +368,8 @@ class Learner:
             elif kind == "identity":  # a (re)connected update stream: is it still the syncer we follow?
                 if self.core.identity(item.run_id, item.epoch, item.resumed_from) == "new":
                     self._rejoin(item.epoch, item.resumed_from)
+            elif kind == "barrier":
+                self.barrier.on_status(item.started, item.need, item.joined, item.waiting_for)
             elif kind == "donate":
                 if item.recipient != self.m:
                     self.donating[item.recipient] = item.versions
@@ -536,7 +544,8 @@ class Learner:
         self.position_known = True
         self._send_metadata(self.core.metadata())
         self.net.start_probing()
-        initial_loss = self.evaluate()
+        initial_loss = self.evaluate()  # while the others join: the eval's compile is not spent waiting
+        self._await_start()
         emit({"event": "start", "role": "learner", "learner": self.m, "region": self.region,
               "step": self.core.step, "schedule_step": int(train_lib.schedule_step(self.state)),
               "eval_loss": initial_loss, "bytes_sent": self.net.bytes_sent,
@@ -587,6 +596,31 @@ class Learner:
                 "snapshot_stall_s": self.snapshot_stall_s, "stale_updates": self.core.stale_updates,
                 "recovery": self.recovery,
                 **report}
+
+    def _await_start(self) -> None:
+        """The start barrier: take no step before the syncer says enough learners joined (at once for a
+        learner that joins a run already started). Metadata every few seconds keeps it alive meanwhile."""
+        said, last_md_s = None, time.monotonic()
+        every_s = min(5.0, self.cfg.syncer.liveness_timeout_s / 3)
+        while not self.stop.is_set():
+            self._drain(block_s=0.1)
+            now = time.monotonic()
+            if not self.barrier.must_wait(now):
+                if said is not None:
+                    emit({"event": "barrier", "role": "learner", "learner": self.m, "started": True,
+                          "need": self.barrier.need, "joined": list(self.barrier.joined), "waiting_for": []})
+                return
+            if self.barrier.expired(now):
+                raise StartTimeout(self.barrier.failure())
+            seen = (self.barrier.joined, self.barrier.waiting_for)
+            if seen != said and self.barrier.need:
+                said = seen
+                emit({"event": "barrier", "role": "learner", "learner": self.m, "started": False,
+                      "need": self.barrier.need, "joined": list(seen[0]), "waiting_for": list(seen[1])})
+            if now - last_md_s >= every_s:
+                last_md_s = now
+                self._send_metadata(self.core.metadata())
+        raise Stopped()
 
     def _maybe_eval(self) -> None:
         """Every ``run.eval_every`` steps, one learner in turn evaluates the global model as it holds it (its
@@ -743,7 +777,7 @@ def run_learner(cfg: RunSpec, learner: int, target: str, token: str, resume: boo
 def _run_to_end(lrn: Learner, learner: int, target: str) -> int:
     try:
         result = lrn.run()
-    except (IncarnationError, SyncerLost, TransportError, MessageError) as e:  # the network, not a bug: one line
+    except (IncarnationError, SyncerLost, StartTimeout, TransportError, MessageError) as e:  # not a bug: one line
         why = str(e)
         if isinstance(e, TransportError) and e.code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
             why = (f"the syncer at {target} refused this learner's token ({e.code.name}): the run's token is "
