@@ -160,9 +160,12 @@ class SyncerService:
         if manifest is None and self.S == 1:
             missing = self.store.missing(snap, self.M)
             have = [n for n in self.store.parts_present(snap) if n.startswith("learner-")]
-            notes.append(f"snapshot {snap} is incomplete: no part of {', '.join(missing)}; "
-                         + (f"they recover from a peer ({', '.join(have)} resume their parts)" if have else
-                            "every learner goes on from the global parameters with a fresh inner optimizer"))
+            if not missing:
+                notes.append(f"snapshot {snap} has every part but was not marked complete (the run stopped first)")
+            else:
+                notes.append(f"snapshot {snap} is incomplete: no part of {', '.join(missing)}; "
+                             + (f"they recover from a peer ({', '.join(have)} resume their parts)" if have else
+                                "every learner goes on from the global parameters with a fresh inner optimizer"))
         for note in notes:
             log.warning("--resume: %s", note)
         self.resumed = {"snapshot": snap, "epoch": self.core.epoch, "skipped": list(self.store.skipped),
