@@ -1,5 +1,6 @@
 """Ctrl-C of `wan-diloco launch` is a stop, not a failure (#23, case 9): it takes a last snapshot, stops
-every child, prints the command that goes on and exits 130; that command then finishes the run."""
+every child, prints the command that goes on and exits 130; that command then finishes the run. A learner
+whose part of that snapshot is damaged takes its state from a peer (case 12), not a fresh one."""
 import json
 import os
 import signal
@@ -42,12 +43,21 @@ def test_a_launch_stopped_by_sigint_soon_after_its_start_can_be_resumed(tmp_path
         assert not any(alive(p) for p in pids)
         store = SnapshotStore(run_dir / "checkpoints")
         assert store.ids(), "the stop took no snapshot"
+        part = store.part(store.ids()[-1], "learner-1")
+        data = bytearray(part.read_bytes())
+        data[len(data) // 2] ^= 0xFF  # a flipped byte: the part fails its digest
+        part.write_bytes(bytes(data))
         resumed = subprocess.run([*launch, "--resume", str(run_dir), "--json", str(tmp_path / "s.json")], env=env,
                                  capture_output=True, text=True, timeout=300)
         assert resumed.returncode == 0, resumed.stderr[-2000:]
         summary = json.loads((tmp_path / "s.json").read_text())
         assert summary["learners_finished"] == 2 and summary["bit_identical"]
         assert summary["syncer_epoch"] == 2 and summary["resumed"]["snapshot"] == store.ids()[0]
+        events = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        assert any(e["event"] == "resumed" and e["source"] == "learner-0" for e in events)
+        recovered = [e for e in events if e["event"] == "recovered" and e["source"] == "learner-1"]
+        assert recovered and recovered[0]["from_peer"] and recovered[0]["donor"] == 0
+        assert not any("fresh inner optimizer" in e.get("what", "") for e in events)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

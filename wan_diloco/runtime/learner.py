@@ -272,11 +272,14 @@ class Learner:
         emit({"event": "data_position", "role": "learner", "learner": self.m, "restored": True,
               "batches": self.batches.drawn})
 
-    def _recover_from_peer(self) -> None:
+    def _recover_from_peer(self, patience_s: float = 0.0) -> bool:
         """(Re)joined without state of its own while others train: take a healthy peer's parameters,
         inner optimizer and residuals (the syncer picks the donor), then replay the updates that
-        arrived meanwhile. Without one (none healthy, timeout, a bad state) it goes on from Θ alone."""
+        arrived meanwhile; True if it did. Without one (none healthy, timeout, a bad state) it goes on
+        from Θ alone. ``patience_s``: while no peer is healthy yet (a whole run resuming: the peers are
+        still taking up their own parts), ask again for this long."""
         t0 = time.monotonic()
+        patient_until = t0 + patience_s
         state_bytes = sum(getattr(a, "nbytes", 0) for a in jax.tree_util.tree_leaves((self.state, self.core.base)))
         self._send_metadata(self.core.metadata(), recovering=True)
         # Each donor gets donor_timeout_s without progress; the state crosses two links (donor -> syncer ->
@@ -292,6 +295,11 @@ class Learner:
                     data = self._wait(fut, max(0.0, deadline - time.monotonic()))
                     break
                 except TransportError as e:
+                    if "no healthy learner" in e.details and time.monotonic() < patient_until:
+                        if self.stop.wait(1.0):
+                            raise Stopped() from None
+                        self._send_metadata(self.core.metadata(), recovering=True)  # the syncer asks again
+                        continue
                     if "still arriving" not in e.details or time.monotonic() >= deadline:
                         raise
             tensors, info = decode_state(data, "donation", what="peer state")
@@ -303,9 +311,9 @@ class Learner:
                 fut.cancel()
             self.recovery = {"from_peer": False, "why": str(e) or type(e).__name__}
             emit({"event": "warning", "role": "learner", "learner": self.m,
-                  "what": f"no peer state ({self.recovery['why']}): going on from the global parameters "
-                          f"with a fresh inner optimizer"})
-            return
+                  "what": f"no peer state ({self.recovery['why']})" + (
+                      ": going on from the global parameters with a fresh inner optimizer" if not patience_s else "")})
+            return False
         self.state = self.state.replace(params=jax.tree_util.tree_map(jnp.asarray, params),
                                         opt_state=jax.tree_util.tree_map(jnp.asarray, opt))
         # The donor's optimizer as it came, bit for bit; only its schedule position moves (_take_up_step).
@@ -318,10 +326,15 @@ class Learner:
                          "schedule_step": int(train_lib.schedule_step(self.state)),
                          "seconds": round(time.monotonic() - t0, 3), "replayed": replayed}
         emit({"event": "recovered", "role": "learner", "learner": self.m, "step": self.core.step, **self.recovery})
+        return True
 
-    def _restore_part(self, snap: int) -> bool:
-        """``--resume``: take up this learner's part of snapshot ``snap`` (the one the syncer resumed from)."""
+    def _restore_part(self, snap: int, fallback: bool = False) -> bool:
+        """``--resume``: take up this learner's part of snapshot ``snap`` (the one the syncer resumed from).
+        ``self.part_unusable`` says afterwards whether the part was missing or broken (then the state is
+        recovered from a peer, or from an earlier part: ``_restore_earlier_part``). ``fallback``: ``snap``
+        is such an earlier snapshot."""
         what = f"--resume: learner {self.m}"
+        self.part_unusable = False
         if not snap or self.store is None:
             why = "the syncer started fresh, not from a snapshot" if not snap else "checkpoint.dir is empty"
             emit({"event": "warning", "role": "learner", "learner": self.m, "what": f"{what}: nothing to resume ({why})"})
@@ -331,7 +344,7 @@ class Learner:
             if info.get("run_id") != self.core.run_id or info.get("learner") != self.m:
                 raise CheckpointError(f"the part is of run {info.get('run_id')!r}, learner {info.get('learner')}")
             lived_past = [i for i in self.store.ids() if i > snap and self.store.part(i, f"learner-{self.m}").exists()]
-            if lived_past:
+            if lived_past and not fallback:
                 # The syncer resumed from this snapshot and this learner trained on past it (it wrote a part
                 # of snapshot lived_past[-1]) before it died: its optimizer, residuals and data position in
                 # snapshot `snap` are older than its peers' (the data since would be read again).
@@ -344,15 +357,35 @@ class Learner:
             self.core.restore_feedback(tensors)
             train_step, step, tokens = int(info["train_step"]), int(info["step"]), int(info["tokens"])
         except (CheckpointError, ValueError, KeyError, TypeError) as e:
-            emit({"event": "warning", "role": "learner", "learner": self.m,
-                  "what": f"{what}: no usable part of snapshot {snap} ({e}); fresh inner optimizer and data order"})
+            self.part_unusable = True
+            if not fallback:
+                emit({"event": "warning", "role": "learner", "learner": self.m,
+                      "what": f"{what}: no usable part of snapshot {snap} ({e}); recovering its state from a peer, "
+                              f"else from an earlier snapshot's part"})
             return False
         self.state = self.state.replace(opt_state=jax.tree_util.tree_map(jnp.asarray, opt),
                                         step=jnp.asarray(max(train_step, self.core.step), jnp.int32))
         self.core.step = max(self.core.step, step)
         self.tokens = tokens
-        emit({"event": "resumed", "role": "learner", "learner": self.m, "snapshot": snap, "step": self.core.step})
+        emit({"event": "resumed", "role": "learner", "learner": self.m, "snapshot": snap, "step": self.core.step,
+              **({"fallback": True} if fallback else {})})
         return True
+
+    def _restore_earlier_part(self, snap: int) -> bool:
+        """Its part of snapshot ``snap`` was missing or broken and no peer gave a state: the newest earlier part
+        of its own that verifies (an older optimizer, residuals and data position: windows since are read
+        again, none skipped) rather than a fresh state."""
+        for earlier in reversed([i for i in self.store.ids() if i < snap]):
+            if self.store.part(earlier, f"learner-{self.m}").exists() and self._restore_part(earlier, fallback=True):
+                self.recovery = {"from_peer": False, "from_snapshot": earlier}
+                emit({"event": "warning", "role": "learner", "learner": self.m,
+                      "what": f"--resume: learner {self.m}: state taken from its part of the earlier snapshot "
+                              f"{earlier} (its part of snapshot {snap} was unusable and no peer gave one)"})
+                return True
+        emit({"event": "warning", "role": "learner", "learner": self.m,
+              "what": f"--resume: learner {self.m}: no peer state and no earlier part of its own: going on from the "
+                      f"global parameters with a fresh inner optimizer and data order"})
+        return False
 
     def _drain(self, block_s: float = 0.0) -> None:
         """Merge what arrived; with ``block_s`` wait that long for the first item."""
@@ -534,13 +567,18 @@ class Learner:
 
     def _run(self) -> dict:
         joined = self.join(self.cfg.transport.call_timeout_s + self.cfg.transport.retry_budget_s)
+        self.part_unusable = False
         restored = self.resume and self._restore_part(joined.resumed_from)
         # At a run's start nobody has trained yet: there is no state worth copying.
         if not restored and self.core.step > 0:
             self._take_up_data_position()
             self.position_known = True
-            if self.cfg.learner.peer_recovery:
-                self._recover_from_peer()
+            # A resumed run's peers are taking up their own parts meanwhile: wait for one to be ready.
+            patience_s = (self.cfg.syncer.donor_timeout_s if self.resume and joined.resumed_from
+                          and self.cfg.run.learners > 1 else 0.0)
+            recovered = self.cfg.learner.peer_recovery and self._recover_from_peer(patience_s)
+            if not recovered and self.part_unusable and self.store is not None:
+                self._restore_earlier_part(joined.resumed_from)
         self.position_known = True
         self._send_metadata(self.core.metadata())
         self.net.start_probing()

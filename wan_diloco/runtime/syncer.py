@@ -173,6 +173,11 @@ class SyncerService:
                         "complete": manifest is not None, "notes": notes}
         # A run that had started stays started: its learners come back to go on, not to wait for each other.
         self.barrier.started = bool(info.get("barrier_started", self.core.global_step > 0))
+        positions = info.get("positions")
+        if isinstance(positions, dict):
+            self.positions = {int(m): pos for m, pos in positions.items()
+                              if isinstance(m, str) and m.isdigit() and int(m) < self.M and isinstance(pos, str)
+                              and len(pos) <= serde.MAX_STR_CHARS}
 
     def snapshot_now(self) -> int | None:
         """Cut a snapshot now (its parts are written in the background); returns its id, or None when
@@ -184,6 +189,9 @@ class SyncerService:
         self.snap_merges = sum(self.core.stats.fragment_syncs)
         tensors, info = self.core.export()
         info["barrier_started"] = self.barrier.started
+        # Each learner's data position as of its latest metadata: a learner whose own part turns out unusable
+        # at a resume takes it from here (``position/M``) instead of reading its shard again from the start.
+        info["positions"] = {str(m): pos for m, pos in self.positions.items()}
         # Learners write their parts for shard 0's snapshots only (the others' reach them renumbered). The cut
         # holds the learners that trained: one that never took a step (still joining or compiling) has no
         # state of its own to keep, and waiting for its part would leave every snapshot incomplete.
