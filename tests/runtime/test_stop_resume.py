@@ -8,12 +8,15 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from wan_diloco.checkpoint import SnapshotStore
 
 from .conftest import micro_config
 from .test_signals import alive
 
 
+@pytest.mark.slow  # two whole launches (~170 s on the shared CI box); test_signals covers the stop by default
 def test_a_launch_stopped_by_sigint_soon_after_its_start_can_be_resumed(tmp_path):
     # No periodic snapshots: what the resume takes up is the one the stop asked for.
     extra = "\n[checkpoint]\nevery_merges = 0\n"
