@@ -74,7 +74,11 @@ async def serve(cfg: spec_lib.RunSpec, token: str, port: int | None = None, resu
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_stop)
-    loop.add_signal_handler(signal.SIGUSR1, service.snapshot_now)
+    def on_snapshot_request() -> None:
+        # Said on stdout: a launcher stopping the run waits for this snapshot, or not at all when there is none.
+        emit({"event": "snapshot_requested", "role": "syncer", "snapshot": service.snapshot_now()})
+
+    loop.add_signal_handler(signal.SIGUSR1, on_snapshot_request)
     await server.start()
     try:
         status_port = await status.start() if status is not None else None

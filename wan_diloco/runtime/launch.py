@@ -380,14 +380,20 @@ def stop_snapshot(cluster: "Cluster", take: Callable[[str, dict], None], stop: d
                 os.kill(c.proc.pid, signal.SIGUSR1)
             except ProcessLookupError:
                 pass
-    asked, deadline = stop["count"], time.monotonic() + wait_s
+    asked, deadline, cut = stop["count"], time.monotonic() + wait_s, None
     while time.monotonic() < deadline and stop["count"] == asked and syncer.exit_code is None:
         try:
             name, e = cluster.events.get(timeout=0.25)
         except queue.Empty:
             continue
         take(name, e)
-        if name == "syncer" and e.get("event") == "snapshot":
+        if name != "syncer":
+            continue
+        if e.get("event") == "snapshot_requested":
+            if e.get("snapshot") is None:
+                return None  # nothing to cut (the final sync began): no use waiting
+            cut = int(e["snapshot"])
+        elif e.get("event") == "snapshot" and cut is not None and int(e["snapshot"]) >= cut:
             return int(e["snapshot"])
     return None
 
