@@ -580,9 +580,11 @@ class Learner:
             if not recovered and self.part_unusable and self.store is not None:
                 self._restore_earlier_part(joined.resumed_from)
         self.position_known = True
+        # Before the first metadata, which counts as this learner's join at the start barrier: a learner that
+        # joined is ready to step at once (the eval's compile would otherwise hold it back behind its peers).
+        initial_loss = self.evaluate()
         self._send_metadata(self.core.metadata())
         self.net.start_probing()
-        initial_loss = self.evaluate()  # while the others join: the eval's compile is not spent waiting
         self._await_start()
         emit({"event": "start", "role": "learner", "learner": self.m, "region": self.region,
               "step": self.core.step, "schedule_step": int(train_lib.schedule_step(self.state)),
@@ -651,7 +653,7 @@ class Learner:
             if self.barrier.expired(now):
                 raise StartTimeout(self.barrier.failure())
             seen = (self.barrier.joined, self.barrier.waiting_for)
-            if seen != said and self.barrier.need:
+            if seen != said and self.barrier.need and self.m not in seen[1]:  # (not before its own join counted)
                 said = seen
                 emit({"event": "barrier", "role": "learner", "learner": self.m, "started": False,
                       "need": self.barrier.need, "joined": list(seen[0]), "waiting_for": list(seen[1])})
