@@ -586,6 +586,7 @@ class Learner:
         self._send_metadata(self.core.metadata())
         self.net.start_probing()
         self._await_start()
+        self._take_up_step()  # updates merged while it waited moved the global step on
         emit({"event": "start", "role": "learner", "learner": self.m, "region": self.region,
               "step": self.core.step, "schedule_step": int(train_lib.schedule_step(self.state)),
               "eval_loss": initial_loss, "bytes_sent": self.net.bytes_sent,
