@@ -5,6 +5,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from wan_diloco import spec as rt
 from wan_diloco.clock import VectorClock
 from wan_diloco.core import Metadata
@@ -28,6 +30,7 @@ def barrier_config(tmp_path, need, timeout_s=600.0, steps=40):
     return path
 
 
+@pytest.mark.slow  # two learner start-ups one after the other: ~110 s on 2 shared cores
 def test_the_first_learner_waits_for_the_second_and_both_train(tmp_path):
     path = barrier_config(tmp_path, need=2, steps=24)
     cfg = rt.load(path)
