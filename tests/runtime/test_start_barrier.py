@@ -1,17 +1,23 @@
 """The start barrier with real processes (#23, case 8): a learner that joined first takes no step before
 the others joined, so a short run is not trained by one learner and reported as done by all; a barrier
 not met in time fails the run naming who never joined."""
+import asyncio
+import json
 import subprocess
 import sys
+import threading
 import time
+import types
 
 import pytest
 
 from wan_diloco import spec as rt
 from wan_diloco.clock import VectorClock
 from wan_diloco.core import Metadata
+from wan_diloco.core.barrier import BarrierView
 from wan_diloco.runtime import serde
 from wan_diloco.runtime.launch import Cluster, child_env
+from wan_diloco.runtime.learner import Learner, StartTimeout
 from wan_diloco.runtime.syncer import SyncerService
 from wan_diloco.transport import TransportMetrics
 
@@ -84,7 +90,6 @@ def test_the_syncer_announces_joins_and_the_start_and_fails_once_the_timeout_pas
         assert service.failed is not None and "never joined: learner-1" in service.failed
         assert service.finished.is_set()
 
-    import asyncio
     asyncio.run(main())
 
     fresh = SyncerService(cfg, TransportMetrics())
@@ -97,3 +102,36 @@ def test_the_syncer_announces_joins_and_the_start_and_fails_once_the_timeout_pas
         assert fresh.failed is None
 
     asyncio.run(met())
+
+
+def _waiting_learner(says, timeout_s):
+    """A Learner reduced to its barrier wait: ``says`` is what each drain hears from the syncer."""
+    lrn = object.__new__(Learner)
+    lrn.m, lrn.stop, lrn.barrier = 0, threading.Event(), BarrierView(timeout_s)
+    lrn.cfg = types.SimpleNamespace(syncer=types.SimpleNamespace(liveness_timeout_s=0.3))
+    lrn.core = types.SimpleNamespace(metadata=lambda: "metadata")
+    lrn.sent = []
+    lrn._send_metadata = lrn.sent.append
+
+    def drain(block_s=0.0):
+        time.sleep(block_s)
+        lrn.barrier.on_status(*says(time.monotonic()))
+
+    lrn._drain = drain
+    return lrn
+
+
+def test_a_learner_left_waiting_stops_with_one_line_and_one_met_in_time_goes_on(capsys):
+    lrn = _waiting_learner(lambda now: (False, 2, (0,), (1,)), timeout_s=0.5)
+    with pytest.raises(StartTimeout, match="never joined: learner-1") as e:
+        lrn._await_start()
+    assert "\n" not in str(e.value) and lrn.sent  # it kept saying it lives while it waited
+    said = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert said[0]["event"] == "barrier" and said[0]["waiting_for"] == [1] and not said[0]["started"]
+
+    t0 = time.monotonic()
+    lrn = _waiting_learner(lambda now: (now - t0 > 0.3, 2, (0, 1) if now - t0 > 0.3 else (0,),
+                                        () if now - t0 > 0.3 else (1,)), timeout_s=30)
+    lrn._await_start()  # returns once the syncer says started
+    said = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [e["started"] for e in said] == [False, True]
