@@ -18,6 +18,7 @@ finishes, uptime >= 0.9, final eval loss within 2 % of the fault-free run.
     python -m bench.chaos --quick   # M = 2, a kill every 30 s, ~3 min of training per run: < 10 min in all
     python -m bench.chaos           # M = 3, a kill every minute, ~9 min of training per run
     python -m bench.chaos --quick --reanalyze DIR   # the report again from the runs recorded in DIR (--work)
+    python -m bench.chaos --hostile [--messages N]  # the hostile-peer benchmark instead (bench/hostile.py)
 Writes bench/results/chaos.json (after each run) and bench/results/chaos.png.
 """
 from __future__ import annotations
@@ -140,7 +141,14 @@ def report(record: chaos.RunRecord, base: chaos.RunRecord | None, cfg, s: Scenar
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--hostile" in argv:  # a fault of another kind: a compromised peer, not dead processes
+        from bench import hostile
+
+        return hostile.main([a for a in argv if a != "--hostile"])
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--hostile", action="store_true",
+                    help="run the hostile-peer benchmark instead (bench/hostile.py; its flags follow, see --hostile --help)")
     ap.add_argument("--quick", action="store_true", help="M = 2, a kill every 30 s, ~3 min of training per run")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "chaos.json")
     ap.add_argument("--work", type=Path, help="run folders (default: a new temporary folder, kept)")

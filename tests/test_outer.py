@@ -91,3 +91,18 @@ def test_set_state_copies_a_read_only_snapshot_state():
     opt.commit(0, {"w": np.ones(2, np.float32)})  # writes into its own copy
     np.testing.assert_array_equal(opt.states[0][0].trace["w"], [1.5, 2.0])
     np.testing.assert_array_equal(frozen, [1.0, 2.0])
+
+
+@pytest.mark.parametrize("table, text", [
+    ({"lr": 1e300}, r"syncer\.outer\.lr: must be a number in \(0, 10\], got 1e\+300"),
+    ({"lr": 0.0}, r"syncer\.outer\.lr"),
+    ({"lr": -0.4}, r"syncer\.outer\.lr"),
+    ({"momentum": 1.0}, r"syncer\.outer\.momentum: must be in \[0, 1\)"),
+    ({"momentum": -0.1}, r"syncer\.outer\.momentum"),
+])
+def test_an_outer_setting_out_of_its_sane_range_is_refused_at_load_naming_the_key(table, text):
+    from wan_diloco import spec
+
+    with pytest.raises(ConfigError, match=text):
+        spec.from_document({"syncer": {"outer": table}})
+    assert spec.from_document({"syncer": {"outer": {"lr": 10.0, "momentum": 0.99}}}).syncer.outer.lr == 10.0

@@ -23,6 +23,7 @@ from wan_diloco import tree
 from wan_diloco.compression import CodecConfig, FragmentCodec
 from wan_diloco.config import ConfigError, require
 from wan_diloco.core import LearnerCore, SyncerCore
+from wan_diloco.core import fingerprint as fingerprint_lib
 from wan_diloco.fragments import Layout, make_fragments
 from wan_diloco.spec import RunSpec
 
@@ -127,6 +128,26 @@ class Assembly:
     def shard_plan(self) -> list[int]:
         """The syncer shard of each fragment (``shards.owners``, balanced by bytes)."""
         return shards_lib.owners(self.layout.nbytes, self.spec.syncer.shards)
+
+    @cached_property
+    def fingerprint(self) -> str:
+        """What a learner and the syncer must agree on (``core.fingerprint``): the learner sends it with
+        its metadata, the syncer refuses a learner whose fingerprint differs from its own."""
+        spec, lay, c = self.spec, self.layout, self.spec.codec
+        layout = fingerprint_lib.digest(repr([(n, lay.shapes[n], "float32") for f in lay.fragments for n in f]
+                                             + [len(f) for f in lay.fragments]))
+        return fingerprint_lib.encode({
+            "layout": layout,
+            "learner": {"sync_every": spec.learner.sync_every, "num_fragments": spec.learner.num_fragments,
+                        "offset": "p*H//P", "tau": spec.learner.tau, "plan.adapt_tau": spec.plan.adapt_tau,
+                        "plan.max_tau": spec.plan.max_tau},
+            "codec": {"bits": c.bits, "block_size": c.block_size, "scale_dtype": c.scale_dtype,
+                      "int4_codebook": c.int4_codebook, "zstd": c.zstd},
+            # One shard owns everything: only with more is there a plan to disagree on.
+            "syncer": {"shards": spec.syncer.shards, **({"plan": fingerprint_lib.digest(repr(self.shard_plan))}
+                                                        if spec.syncer.shards > 1 else {})},
+            "run": {"run_id": spec.run.run_id, "learners": spec.run.learners},
+        })
 
     def syncer_core(self, bounded: bool = False, shard: int | None = None) -> SyncerCore:
         """``bounded``: refuse learner steps past the run's budget (a networked run, where learners stop

@@ -17,6 +17,9 @@ from wan_diloco.config import require
 from wan_diloco.merge import SERIAL, Workers, chunks
 
 
+MAX_LR = 10.0  # outer learning rate bound (``OuterConfig.validate``)
+
+
 @dataclass(frozen=True)
 class OuterConfig:
     """DiLoCo published lr 0.7 / momentum 0.9 and Streaming DiLoCo lr 0.4; these defaults were
@@ -28,8 +31,13 @@ class OuterConfig:
     nesterov: bool = True
 
     def validate(self) -> None:
-        require(0 < self.lr < float("inf"), "lr", f"must be a finite number > 0, got {self.lr}")
-        require(0 <= self.momentum < 1, "momentum", f"must be in [0, 1), got {self.momentum}")
+        # Published outer lrs are 0.4-1.0; past MAX_LR one outer step moves Θ by many times the merged
+        # Δ (and 1e300 is -inf in float32): every merge would then be refused as non-finite, or worse.
+        require(isinstance(self.lr, (int, float)) and 0 < self.lr <= MAX_LR, "lr",
+                f"must be a number in (0, {MAX_LR:g}], got {self.lr}")
+        require(isinstance(self.momentum, (int, float)) and 0 <= self.momentum < 1, "momentum",
+                f"must be in [0, 1), got {self.momentum}")
+        require(isinstance(self.nesterov, bool), "nesterov", f"must be true or false, got {self.nesterov!r}")
 
 
 def make_outer_optimizer(cfg: OuterConfig) -> optax.GradientTransformation:

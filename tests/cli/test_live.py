@@ -102,3 +102,14 @@ def test_a_standalone_learner_that_cannot_reach_its_syncer_says_why_in_its_summa
     assert "cannot reach the syncer at 127.0.0.1:9" in err and "refused" in err  # the summary says why
     error = [json.loads(x) for x in events.read_text().splitlines() if '"error"' in x]
     assert error and "127.0.0.1:9" in error[-1]["error"]
+
+
+def test_a_syncer_shows_a_learner_it_never_heard_from_as_not_seen_not_lost(tmp_path):
+    # Case 10 of #23: a learner that never connected was shown "lost" once the liveness check gave up on it.
+    view, _ = view_of(tmp_path, "syncer")
+    status = {"learners": {"0": {"step": 9, "alive": False, "state": "quarantined"},
+                           "1": {"step": 0, "alive": False, "state": "waiting"}}}
+    with view:
+        view.watch_syncer(status, {})
+        rows = {m: view.mon.learners[m]["status"] for m in (0, 1)}
+    assert rows == {0: "quarantined", 1: "not seen"}

@@ -37,7 +37,8 @@ def test_a_step_beyond_the_run_is_refused_and_changes_nothing():
     s = syncer(max_step=300)
     s.on_metadata(0.0, meta(0, step=8))
     with pytest.raises(ProtocolError, match="step 1000000000 beyond the run's 300 steps"):
-        s.on_metadata(0.1, meta(1, step=10**9))
+        # a plausible clock: a step past the budget is refused for that alone
+        s.on_metadata(0.1, dataclasses.replace(meta(1, step=10**9), clock=VectorClock({"learner-1": 1})))
     assert s.global_step == 8 and 1 not in s.learners
     with pytest.raises(ProtocolError, match="due step 400 beyond"):
         s.on_fragment(0.2, upload(1, due=400))
@@ -70,10 +71,10 @@ def test_an_absurd_outer_gradient_is_refused_and_its_learner_quarantined_while_t
 
 
 def test_a_merge_whose_outer_step_overflows_is_refused_and_theta_and_momentum_stay():
-    # A large but admissible Δ with an absurd outer learning rate: the step leaves float32.
-    s = syncer(outer=OuterConfig(lr=1e38, momentum=0.5), max_delta_ratio=1e6)
+    # A huge but admissible Δ with the largest outer learning rate allowed: the step leaves float32.
+    s = syncer(outer=OuterConfig(lr=10.0, momentum=0.5), max_delta_ratio=1e38)
     theta, momentum = dict(s.theta[0]), s.outer.states[0]
-    assert s.on_fragment(1.0, upload(0, delta=np.full(3, 100.0, np.float32))) == []
+    assert s.on_fragment(1.0, upload(0, delta=np.full(3, 1e38, np.float32))) == []
     assert s.stats.refused_rounds == 1 and "refused" in s.notices[-1]
     assert all(np.array_equal(theta[n], s.theta[0][n]) for n in theta) and s.outer.states[0] is momentum
     assert s.version == [0, 0]

@@ -95,19 +95,31 @@ def test_resume_restores_the_snapshots_global_state_and_skips_a_corrupt_one(tmp_
 
 @pytest.mark.slow  # ~45 s; the core's IncarnationError tests cover the decision
 def test_a_syncer_restarted_from_scratch_stops_the_learners_instead_of_mixing_models(tmp_path):
+    """#23 case 3: with run.run_id set (as launch always does) a fresh syncer has the run's id and
+    incarnation 1. Over the run's checkpoint.dir it refuses to start; over another folder (say on another
+    host) the learners see a new process with no snapshot and stop rather than feed it."""
     path = config(tmp_path)
+    # A run id as launch writes one; the learners wait out two syncer start-ups on a loaded machine.
+    path.write_text(path.read_text().replace("[run]\n", '[run]\nrun_id = "run-fixed"\n', 1)
+                    .replace("retry_budget_s = 15.0", "retry_budget_s = 90.0"))
     cfg = rt.load(path)
     with Cluster(cfg, path, tmp_path / "run") as cluster:
         syncer = cluster.start_syncer()
         learners = [cluster.start_learner(m) for m in range(2)]
         wait_for("merges", lambda: any(e.get("event") == "progress" and sum(e["versions"]) >= 4 for e in syncer.events),
                  timeout_s=120)
+        wait_for("a snapshot", lambda: event(syncer, "snapshot") is not None, timeout_s=60)
         cluster.kill("syncer")
-        cluster.start_syncer()  # same port, no --resume: a fresh model at version 0
+        with pytest.raises(RuntimeError, match="refusing to start.*--resume"):
+            cluster.start_syncer()  # same port, same folder, no --resume
+        elsewhere = tmp_path / "elsewhere.toml"
+        elsewhere.write_text(path.read_text().replace(str(tmp_path / "ckpt"), str(tmp_path / "ckpt2")))
+        cluster.config_path = elsewhere
+        cluster.start_syncer()  # a fresh model at version 0, the same run id and incarnation
         wait_for("the learners to stop", lambda: all(c.exit_code is not None for c in learners), timeout_s=90)
         assert [c.exit_code for c in learners] == [3, 3]
         for child in learners:
-            assert "would mix two models" in event(child, "error")["error"]
+            assert "restarted from scratch" in event(child, "error")["error"]
         cluster.stop_all()
 
 

@@ -309,7 +309,7 @@ def test_fuzz_update_from_frame():
     run_fuzz(3, make, lambda d: serde.update_from_frame(*d), check)
 
 
-CONTROLS = [serde.control_to_frame(serde.Identity("run-a", 3, 7)), serde.control_to_frame(serde.Donate(1, (3, 0)))]
+CONTROLS = [serde.control_to_frame(serde.Identity("run-a", 3, 7, "9f2c01d4e5a6b7c8")), serde.control_to_frame(serde.Donate(1, (3, 0)))]
 
 
 def test_fuzz_control_from_frame():
@@ -330,7 +330,7 @@ def test_fuzz_control_from_frame():
         assert type(msg) is {"identity": serde.Identity, "donate": serde.Donate}[kinds[0]]
         for f in dataclasses.fields(msg):
             v = getattr(msg, f.name)
-            assert (type(v) is str if f.name == "run_id" else type(v) is tuple if f.name == "versions"
+            assert (type(v) is str if f.name in ("run_id", "process") else type(v) is tuple if f.name == "versions"
                     else type(v) is int and v >= 0), (f.name, v)
         if isinstance(msg, serde.Donate) and msg.recipient > MAX_INT - serde.DONATE_KEY:
             return  # known, not sendable again: test_a_donate_frame_for_no_possible_learner_is_refused

@@ -129,10 +129,12 @@ def test_hostile_token_holder_cannot_end_the_run_stall_it_or_crash_the_syncer(sy
     raw = FragmentCodec(CodecConfig(bits=32, zstd=False), layout).encode(huge)
     fat = metadata(1, 5)
     fat = dataclasses.replace(fat, meta={**fat.meta, "clock": {f"node-{i}": 1 for i in range(25_000)}})
+    far = metadata(1, 10**9)
+    far = dataclasses.replace(far, meta={**far.meta, "clock": {"learner-1": 1}})  # the step alone is wrong
 
     async def main():
         async with SyncerClient(syncer.syncer_target, TOKEN, rt.load(None).transport) as client:
-            for call, text in ((client.send_metadata(metadata(1, 10**9)), "beyond the run's"),
+            for call, text in ((client.send_metadata(far), "beyond the run's"),
                                (client.send_metadata(fat), "unknown node"),
                                (client.upload_fragment(upload(0, raw)), "quarantined")):
                 with pytest.raises(TransportError) as err:

@@ -95,6 +95,7 @@ class FakeRun:
             },
             "loss_history": {str(m): self.curve(m, n) for m in self.REGIONS},
             # Two syncer shards, the second one not answering shard 0 (runtime.shard_status).
+            "shard": 0, "owned": [0, 3],
             "shards": [{"shard": 0, "reachable": True, "error": None, "owned": [0, 3]},
                        {"shard": 1, "reachable": False, "error": "ClientConnectorError: refused", "owned": [1, 2]}],
         }
@@ -276,6 +277,7 @@ async def browse(browser: str, url: str, workdir: Path, budget_ms: int, timeout_
             "--no-first-run", "--no-default-browser-check", "--disable-extensions", "--disable-sync",
             "--disable-background-networking", "--disable-component-update", "--hide-scrollbars",
             "--force-device-scale-factor=1", f"--user-data-dir={profile}", f"--window-size={WIDTH},{HEIGHT}",
+            "--enable-logging=stderr", "--v=0",  # the page's console messages and uncaught errors, for console()
             f"--virtual-time-budget={budget_ms}", f"--screenshot={shot}", "--dump-dom", url]
     with open(workdir / "chromium.log", "wb") as log:
         proc = await asyncio.create_subprocess_exec(*args, stdout=asyncio.subprocess.PIPE, stderr=log,
@@ -290,6 +292,24 @@ async def browse(browser: str, url: str, workdir: Path, budget_ms: int, timeout_
     assert proc.returncode == 0, f"chromium exited with {proc.returncode}: {(workdir / 'chromium.log').read_text()[-2000:]}"
     assert not _ours(profile), "chromium processes outlived the test"
     return dom.decode(), shot
+
+
+def console(workdir: Path) -> list[str]:
+    """What the page wrote to the browser's console (errors, warnings, CSP refusals), from browse()'s log."""
+    log = workdir / "chromium.log"
+    return [line for line in log.read_text(errors="replace").splitlines() if ":CONSOLE" in line]
+
+
+def assert_rendered_cleanly(dom: str, workdir: Path) -> None:
+    """No problem banner, no panel that failed to draw, nothing in /status the page did not understand,
+    nothing on the console: the page drew every panel from what it fetched."""
+    assert 'class="shown"' not in dom, element(dom, r'<div id="problem-text">')
+    body = re.search(r"<body([^>]*)>", dom).group(1)
+    assert 'data-panel-errors="0"' in body and 'data-schema-problems="0"' in body, body
+    boxes = re.findall(r'<div class="panel-error"([^>]*)>([^<]*)<', dom)
+    assert len(boxes) == 7 and all(attrs == ' hidden=""' for attrs, _ in boxes), boxes
+    assert 'id="schema-alert" class="alert warn" hidden=""' in dom
+    assert not console(workdir), console(workdir)
 
 
 def element(dom: str, pattern: str) -> str:
@@ -325,7 +345,7 @@ def test_dashboard_in_headless_chromium_shows_live_numbers_and_draws_the_curves(
     dom, shot = serve_and_browse(chromium, tmp_path, f"#token={TOKEN}", 8000, fake)
     took = time.monotonic() - t0
 
-    polls = int(re.search(r'<body data-polls="(\d+)"', dom).group(1))
+    polls = int(re.search(r'<body [^>]*data-polls="(\d+)"', dom).group(1))
     assert 2 <= polls <= len(fake.served), (polls, len(fake.served))  # it polls, every ~2 s
     shown_loss = element(row(dom, "learner", "0"), r'<td data-k="loss">')
     shown_version = element(row(dom, "fragment", "0"), r'<td data-k="version">')
@@ -334,7 +354,7 @@ def test_dashboard_in_headless_chromium_shows_live_numbers_and_draws_the_curves(
                if f"{s['learners']['0']['loss']:.4f}" == shown_loss and f"{s['versions'][0]:,}" == shown_version]
     assert matches and matches[0] >= 1, (shown_loss, shown_version, [s["versions"][0] for s in fake.served])
     row2 = row(dom, "learner", "2")
-    assert "eu-west" in row2 and ">up<" in row2 and "31,744" in row2
+    assert "eu-west" in row2 and ">alive<" in row2 and "31,744" in row2
     assert element(dom, r'<b id="alive">') == "3 / 3"
     assert "<td>83.4</td><td>1.62</td>" in row(dom, "peer", "learner-2")
     events = element(dom, r'<ul id="events">')
@@ -345,6 +365,7 @@ def test_dashboard_in_headless_chromium_shows_live_numbers_and_draws_the_curves(
     points = int(re.search(r'data-points="(\d+)"', dom).group(1))
     assert points >= sum(len(c) for c in fake.served[0]["loss_history"].values())
     assert 'id="problem" role="alert"' in dom and 'class="shown"' not in dom
+    assert_rendered_cleanly(dom, tmp_path)
     assert TOKEN not in dom
 
     pixels = png_pixels(shot)
@@ -371,6 +392,62 @@ def test_dashboard_without_the_right_token_says_so_and_shows_no_data(chromium, t
     assert says in element(dom, r'<div id="problem-text">')
     assert '<form id="auth">' in dom  # the token box is shown (no longer hidden)
     assert "data-learner" not in dom and "waiting for /status" in dom
+
+
+class TroubledRun(FakeRun):
+    """FakeRun with the fields #23's other parts add: a quarantined learner, refused messages, failing
+    checkpoint writes and a start barrier still waiting."""
+
+    def status(self, n: int) -> dict:
+        st = super().status(n)
+        st["learners"]["1"]["state"] = "quarantined"
+        st["learners"]["2"] = {**st["learners"]["2"], "alive": None, "state": "waiting"}
+        st["refused"] = {"metadata.step": 12, "clock": 3}
+        st["storage"] = {"dir": "/ckpt/run-3f9a1c", "ok": False, "failures": 4,
+                         "last_error": "[Errno 28] No space left on device", "free_bytes": 1536}
+        st["barrier"] = {"need": 3, "joined": [0, 1], "waiting_for": [2], "started": False}
+        return st
+
+
+@FORK_WARNING
+def test_dashboard_shows_refusals_quarantine_failing_writes_and_the_start_barrier_loudly(chromium, tmp_path):
+    dom, _ = serve_and_browse(chromium, tmp_path, f"#token={TOKEN}", 3000, TroubledRun())
+    assert_rendered_cleanly(dom, tmp_path)
+    assert element(row(dom, "learner", "1"), r'<td class="text quarantined" data-k="state">') == "quarantined"
+    assert element(row(dom, "learner", "2"), r'<td class="text waiting" data-k="state">') == "waiting"
+    assert element(dom, r'<b id="alive">') == "1 / 3"  # only the alive one is up
+    storage = element(dom, r'<div id="storage-alert" class="alert bad" role="alert">')
+    assert "Checkpoint writes are failing in /ckpt/run-3f9a1c: 4 failed, 1.5 KiB free" in storage
+    assert "[Errno 28] No space left on device" in storage
+    assert element(dom, r'<b id="storage" class="bad">') == "FAILING (4)"
+    assert "waiting for learner(s) 2" in element(dom, r'<div id="barrier-alert" class="alert warn">')
+    assert element(dom, r'<b id="refused-total" class="bad">') == "15"
+    assert "metadata.step" in row(dom, "field", "metadata.step") and ">12<" in row(dom, "field", "metadata.step")
+    assert element(dom, r'<b id="quarantined" class="bad">') == "learner 1"
+    assert element(dom, r'<b id="shards" class="bad">') == "2 (1 down)"
+
+
+@FORK_WARNING
+def test_a_status_of_another_shape_degrades_the_page_and_says_so(chromium, tmp_path):
+    class OtherRun(FakeRun):
+        def status(self, n: int) -> dict:
+            st = super().status(n)
+            del st["versions"]  # renamed, say
+            st["shards"] = "two"
+            st["learners"]["0"]["step"] = "1,480"
+            st["events"] = {"0": "not a list"}
+            st["storage"] = {"ok": "no"}
+            return st
+
+    dom, _ = serve_and_browse(chromium, tmp_path, f"#token={TOKEN}", 3000, OtherRun())
+    body = re.search(r"<body([^>]*)>", dom).group(1)
+    assert 'data-panel-errors="0"' in body and 'data-schema-problems="0"' not in body  # noticed, not thrown
+    said = element(dom, r'<div id="schema-alert" class="alert warn">')
+    assert "does not understand part of /status" in said and "status.versions is missing" in said
+    assert 'class="shown"' not in dom  # no "Dashboard error": the rest of the page shows the run
+    assert "eu-west" in row(dom, "learner", "2") and "no fragments" in element(dom, r'<tbody id="versions">')
+    step0 = [re.sub(r"<[^>]+>", "", c) for c in re.findall(r"<td[^>]*>(.*?)</td>", row(dom, "learner", "0"))][3]
+    assert step0 == "–"  # a step of the wrong type is unknown, not shown wrong
 
 
 # ---- the screenshot in the docs ---------------------------------------------------------------

@@ -172,3 +172,22 @@ def test_a_kept_alive_connection_is_closed_once_idle():
             finally:
                 writer.close()
     arun(main())
+
+
+def test_a_nan_or_infinite_value_is_served_as_null_so_that_browsers_can_parse_status():
+    # Python's json writes NaN and Infinity, which the dashboard's JSON.parse refuses: one such value
+    # in any status callable's answer would blank the page.
+    async def main():
+        def status():
+            return {"learners": {"0": {"loss": float("nan"), "step": 3}}, "grace_s": [float("inf"), 0.5]}
+
+        async with StatusServer(status, TransportMetrics(), token=TOKEN) as page, \
+                aiohttp.ClientSession(headers=AUTH) as http:
+            async with http.get(page.url + "/status") as r:
+                assert r.status == 200
+                text = await r.text()
+        return text
+
+    text = arun(main())
+    assert "NaN" not in text and "Infinity" not in text
+    assert json.loads(text) == {"learners": {"0": {"loss": None, "step": 3}}, "grace_s": [None, 0.5]}

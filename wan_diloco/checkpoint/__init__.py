@@ -8,11 +8,11 @@ written to a temporary name, fsynced and renamed: a crash leaves the old file
 or the new one, not a mix. No pickle anywhere.
 """
 from .config import CheckpointConfig
-from .format import CheckpointError, decode_state, encode_state, load_state, save_state, write_atomic
+from .format import CheckpointError, decode_state, describe_os_error, encode_state, load_state, save_state, write_atomic
 from .params import load_params, save_params
 from .store import SnapshotStore
 
 __all__ = [
-    "CheckpointConfig", "CheckpointError", "SnapshotStore", "decode_state", "encode_state", "load_params",
+    "CheckpointConfig", "CheckpointError", "SnapshotStore", "decode_state", "describe_os_error", "encode_state", "load_params",
     "load_state", "save_params", "save_state", "write_atomic",
 ]

@@ -7,6 +7,7 @@ the info text and, in name order, every tensor's name, dtype, shape and bytes.
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import struct
@@ -88,9 +89,28 @@ def decode_state(data: bytes | bytearray | memoryview, kind: str | None = None,
     return tensors, info
 
 
+# Tests only: while the file this names exists, every write fails as a full disk does (ENOSPC), so a
+# test can fill and free a "disk" of a running process without root or a tmpfs.
+FAULT_ENV = "WAN_DILOCO_TEST_DISK_FULL_WHILE"
+
+
+def _injected_fault(path: Path) -> None:
+    flag = os.environ.get(FAULT_ENV)
+    if flag and os.path.exists(flag):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+
+def describe_os_error(e: BaseException) -> str:
+    """``[Errno 28] No space left on device`` (the caller names the path), else the error's text."""
+    if isinstance(e, OSError) and e.errno is not None and e.strerror:
+        return f"[Errno {e.errno}] {e.strerror}"
+    return str(e)
+
+
 def write_atomic(path: str | Path, data: bytes) -> None:
     """Write ``data`` to ``path`` so that a crash leaves the old file or the new one: temp, fsync, rename."""
     path = Path(path)
+    _injected_fault(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:

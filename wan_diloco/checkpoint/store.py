@@ -151,6 +151,17 @@ class SnapshotStore:
                 fallback = (s, tensors, info, None)
         return fallback
 
+    def fork_refusal(self) -> str | None:
+        """Why a fresh start over this folder would fork a run (it holds snapshots of an earlier start), or
+        None. A syncer not told to resume refuses to start with this line."""
+        found = self.ids()
+        if not found:
+            return None
+        complete = self.complete_ids()
+        return (f"{self.root} holds {len(found)} snapshot(s) ({len(complete)} complete, newest {found[-1]}) of an "
+                f"earlier start; starting afresh would fork the run: resume it with --resume (launch: `wan-diloco "
+                f"launch --resume RUN_DIR`), or move that folder away to start a new run")
+
     def gc(self, keep: int) -> list[int]:
         """Delete all but the newest ``keep`` complete snapshots, and incomplete ones older than those."""
         complete = self.complete_ids()

@@ -10,7 +10,13 @@ import importlib
 import os
 import sys
 
-from wan_diloco.config import ConfigError
+# gRPC's C core logs at absl's INFO level unless GRPC_VERBOSITY is set, and is read once, when grpc is
+# imported (below, by the subcommands): without this a syncer's log fills with raw "SSL_ERROR_SSL ...
+# WRONG_VERSION_NUMBER" lines for every handshake a cleartext client tries. Ours say what went wrong;
+# GRPC_VERBOSITY=debug (or info) in the environment still shows gRPC's own.
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+
+from wan_diloco.config import ConfigError  # noqa: E402
 
 # name -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -22,7 +28,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "learner": ("wan_diloco.cli.learner", "one learner process of a networked run"),
     "launch": ("wan_diloco.cli.launch", "start a syncer and M learners as local processes, with live progress"),
     "eval": ("wan_diloco.cli.eval", "held-out loss of saved parameters (a run's checkpoints/params.safetensors)"),
-    "token": ("wan_diloco.cli.token", "a learner's own token when transport.per_learner_tokens is on"),
+    "token": ("wan_diloco.cli.token", "a learner's own token, to hand its host instead of the run's"),
     "certs": ("wan_diloco.cli.certs", "a CA and certificates for mutual TLS between the syncer and each learner host"),
     "train": ("wan_diloco.cli.train", "the default local run: syncer + 4 learners in 2 regions on loopback"),
     "wan": ("wan_diloco.cli.wan", "emulated WAN between region namespaces on this machine (needs root)"),

@@ -54,4 +54,5 @@ def run(args: argparse.Namespace) -> int:
           f"(learner 0 shown; each learner its own):\n{tls_block(where, 'learner-0')}")
     print(f"keep ca.key off the learner hosts. Learners dial the syncer as {hosts[0]}:PORT "
           "(a name or address in its certificate).")
+    print("a learner certificate's name (CN learner-N) is that learner's id: its host can speak only as learner N.")
     return 0

@@ -14,6 +14,7 @@ from pathlib import Path
 from rich.live import Live
 from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 from wan_diloco.cli.report import human_bytes, console, out
 from wan_diloco import spec as spec_lib
@@ -63,6 +64,9 @@ def table(mon: RunState, learners: list[int] | None = None) -> Table:
             versions = f"fragments {','.join(map(str, s['owned']))}: " + str([versions[p] for p in s["owned"]])
         t.add_row(name, "", str(s.get("global_step", "")), "", "", human_bytes(s.get("bytes_out", 0)), "", "",
                   f"versions {versions}")
+        failing = storage_failing(s.get("storage"))
+        if failing:  # loud: a run that cannot write its snapshots (or its weights) loses them on a crash
+            t.add_row(f"{name} disk", "", "", "", "", "", "", "", Text(failing, style="bold red"))
     captions = []
     b = mon.barrier
     if b and not b.get("started"):
@@ -75,6 +79,15 @@ def table(mon: RunState, learners: list[int] | None = None) -> Table:
     if captions:
         t.caption = "\n".join(captions)
     return t
+
+
+def storage_failing(storage: dict | None) -> str | None:
+    """The live table's line for a syncer whose writes fail (``/status["storage"]``), else None."""
+    if not isinstance(storage, dict) or storage.get("ok", True):
+        return None
+    free = storage.get("free_bytes")
+    return (f"WRITES FAILING ({storage.get('failures', 0)} so far) in {storage.get('dir')}: "
+            f"{storage.get('last_error')}; free {human_bytes(free) if free is not None else 'unknown'}")
 
 
 def print_summary(s: dict) -> None:

@@ -82,11 +82,13 @@ class ProcessView:
             for key, seen in status["learners"].items():
                 row, m = self.mon.learners[int(key)], int(key)
                 row["step"] = seen["step"]
-                row["status"] = {True: "training", False: "lost", None: "not seen"}[seen["alive"]]
+                row["status"] = ({"alive": "training", "lost": "lost", "waiting": "not seen", "quarantined": "quarantined"}
+                                 .get(seen.get("state")) or {True: "training", False: "lost", None: "not seen"}[seen["alive"]])
                 got = progress.get(m) or {}
                 if got.get("loss") is not None:
                     row["loss"] = got["loss"]
                 row["tokens"] = got.get("tokens", row.get("tokens", 0))
+            self.mon.syncer["storage"] = status.get("storage")  # failing writes: a red row of the table
             for sender, link in status.get("links", {}).items():
                 if sender.startswith("learner-") and sender[8:].isdigit() and int(sender[8:]) in self.mon.learners:
                     self.mon.learners[int(sender[8:])]["link"] = {k: link[k] for k in ("rtt_ms", "rate_gbit_s")}
@@ -132,5 +134,6 @@ SYNCER_ROWS = [
     ("learners in the final sync", lambda f: ", ".join(map(str, f["final_learners"])) or "none"),
     ("bytes in / out", lambda f: f"{human_bytes(f['bytes_in'])} / {human_bytes(f['bytes_out'])}"),
     ("snapshots (run id, incarnation)", lambda f: f"{f['snapshots_complete']} ({f['run_id']}, {f['epoch']})"),
-    ("final parameters", lambda f: f["params_path"] or "not written (checkpoint.dir is empty)"),
+    ("final parameters", lambda f: f["params_path"] or (f"NOT WRITTEN: {f['params_error']}" if f.get("params_error")
+                                                        else "not written (checkpoint.dir is empty)")),
 ]

@@ -43,7 +43,8 @@ def add_view_arguments(p: argparse.ArgumentParser) -> None:
 
 async def serve(cfg: spec_lib.RunSpec, token: str, port: int | None = None, resume: bool = False,
                 view=None, shard: int = 0, shard_status: list[str] | None = None) -> int:
-    """Run the syncer; returns 0 after a completed final sync, 143 when stopped by a signal. ``view``
+    """Run the syncer; returns 0 after a completed final sync, 1 when its final parameters could not
+    be written, 143 when stopped by a signal. ``view``
     (cli.live.ProcessView) is shown the learners as the syncer sees them at each report."""
     from wan_diloco.runtime.syncer import SyncerService
 
@@ -55,6 +56,7 @@ async def serve(cfg: spec_lib.RunSpec, token: str, port: int | None = None, resu
     server = TransportServer(service, token, cfg.transport, f"{host}:{cfg.run.port if port is None else port}",
                              metrics, name="syncer", per_sender_tokens=cfg.transport.per_learner_tokens)
     service.peer_links = server.peer_links  # one dict: the server records, /status shows
+    server.on_warning = lambda what: emit({"event": "warning", "role": "syncer", "what": what})  # e.g. slots busy
     # The run's token guards /status and /metrics; HTTPS with the gRPC port's certificate when it has one.
     status_fn = service.status
     if shard_status:
@@ -98,7 +100,7 @@ async def serve(cfg: spec_lib.RunSpec, token: str, port: int | None = None, resu
             if time.monotonic() - last_report >= cfg.run.report_every_s:
                 last_report = time.monotonic()
                 emit({"event": "progress", "role": "syncer", "versions": list(service.core.version),
-                      "alive": service.core.alive(), **service.summary()})
+                      "alive": service.core.connected(), **service.summary()})  # never a learner not yet seen
                 if view is not None:
                     view.watch_syncer(service.status(), service.progress)
         if service.failed is not None:  # the run could not start: one line, and not a success
@@ -106,7 +108,14 @@ async def serve(cfg: spec_lib.RunSpec, token: str, port: int | None = None, resu
             return 1
         if service.final_report is not None:
             emit({**service.final_report, **service.summary()})
-        return 0 if service.final_done.is_set() else 143
+        if service.params_error is not None:
+            # The run's result is lost: not a success, whatever else went well (one line, exit 1).
+            emit({"event": "error", "role": "syncer", "error": f"final parameters not written: {service.params_error}"})
+            print(f"wan-diloco syncer: final parameters not written: {service.params_error}", file=sys.stderr,
+                  flush=True)
+            return 1
+        # Stopped while the final parameters were still being written (or retried): not a success.
+        return 0 if service.final_saved.is_set() else 143
     finally:
         service.stopping = True
         if status is not None:
@@ -118,7 +127,7 @@ async def serve(cfg: spec_lib.RunSpec, token: str, port: int | None = None, resu
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.WARNING, format="syncer %(levelname)s %(name)s: %(message)s")
-    from wan_diloco.runtime.syncer import ResumeError
+    from wan_diloco.runtime.syncer import ForkRefused, ResumeError
     from wan_diloco.transport import ListenError
     from wan_diloco.transport.security import check_port
 
@@ -126,6 +135,10 @@ def run(args: argparse.Namespace) -> int:
         # Before the config and the model: a mistyped port should not cost the seconds of JAX start-up.
         check_port(args.port, "--port")  # ConfigError: one line from cli.main, exit code 2
     cfg = spec_lib.load(args.config)
+    from wan_diloco.transport.security import require_bound_identity
+
+    # Off loopback a learner's id must be bound to its credential unless the operator says otherwise.
+    require_bound_identity(f"{cfg.run.host}:{cfg.run.port if args.port is None else args.port}", cfg.transport)
     from wan_diloco.assemble import preflight
 
     from wan_diloco.config import require
@@ -140,6 +153,16 @@ def run(args: argparse.Namespace) -> int:
             f"{args.shard}")
     require(all(u.startswith(("http://", "https://")) for u in others), "--shard-status",
             f"expected http(s)://HOST:PORT URLs, got {args.shard_status!r}")
+    if cfg.checkpoint.dir and not args.resume:  # before the model is built: a refusal costs no start-up
+        from pathlib import Path
+
+        from wan_diloco.checkpoint import SnapshotStore
+
+        root = Path(cfg.checkpoint.dir) / f"shard-{args.shard}" if args.shard else Path(cfg.checkpoint.dir)
+        why = SnapshotStore(root).fork_refusal()
+        if why is not None:
+            print(f"wan-diloco syncer: refusing to start: {why}", file=sys.stderr)
+            return 2
     preflight(cfg, data=False)  # the syncer reads no data: its host need not have the corpus
     from wan_diloco.cli import live
 
@@ -153,6 +176,9 @@ def run(args: argparse.Namespace) -> int:
                                   shard_status=others))
     except ResumeError as e:
         print(f"wan-diloco syncer: cannot resume: {e}", file=sys.stderr)
+        return 2
+    except ForkRefused as e:
+        print(f"wan-diloco syncer: refusing to start: {e}", file=sys.stderr)
         return 2
     except ListenError as e:
         # A port in use (say a syncer still running) is the operator's to fix, not a crash:

@@ -116,6 +116,7 @@ class LearnerCore:
         self.epoch = 0
         self.resumed_from = 0
         self.rejoining = 0  # the incarnation a Rejoin was asked for and not yet done
+        self.syncer_processes: list[str] = []  # each syncer shard's process id, as its update stream said
         self.stale_updates = 0  # updates of an earlier incarnation, dropped
         self.snapshot_seen = 0  # the newest snapshot the syncer announced
         self.snapshot_saved = 0  # the newest one whose part this learner wrote (reported in metadata)
@@ -213,6 +214,32 @@ class LearnerCore:
                 f"learner follows incarnation {self.epoch}: the run's global model is gone, and continuing would mix "
                 f"two models. Restart the syncer with --resume (or the run with `wan-diloco launch --resume RUN_DIR`)")
         return "new"
+
+    def meet(self, run_id: str, epoch: int, resumed_from: int, processes: str = "") -> str:
+        """The syncer's identity at the start of an update stream (a connect or a reconnect): "same",
+        "stale" or "new" as ``identity``. ``processes`` names the syncer process behind each shard
+        (comma-separated, "" where not heard from yet). IncarnationError if following it would fork the
+        run: an incarnation lower than one this learner followed (the syncer went back), or another
+        process at the same incarnation, started from no snapshot, while this learner holds merged
+        state of the run (a syncer restarted without --resume: a fresh model under the same run id)."""
+        if self.run_id and run_id and run_id != self.run_id:
+            raise IncarnationError(self._other_run(run_id))
+        if self.epoch and epoch and epoch < self.epoch:
+            raise IncarnationError(
+                f"the syncer is at incarnation {epoch}, this learner already followed incarnation {self.epoch}: "
+                f"it went back, and following it would mix two models. Restart the syncer with --resume (or the "
+                f"run with `wan-diloco launch --resume RUN_DIR`)")
+        ids = processes.split(",") if processes else []
+        known = self.syncer_processes
+        restarted = any(a and b and a != b for a, b in zip(known, ids))
+        self.syncer_processes = [b or a for a, b in zip(known + [""] * len(ids), ids)] or known
+        if restarted and epoch == self.epoch and not resumed_from and any(self.version):
+            raise IncarnationError(
+                f"the syncer restarted from scratch (a new process at incarnation {epoch}, resumed from no "
+                f"snapshot) while this learner holds the run's merged state (fragment versions "
+                f"{list(self.version)}): the run's global model is gone, and continuing would mix two models. "
+                f"Restart the syncer with --resume (or the run with `wan-diloco launch --resume RUN_DIR`)")
+        return self.identity(run_id, epoch, resumed_from)
 
     def _other_run(self, run_id: str) -> str:
         return (f"the syncer serves run {run_id!r}; this learner belongs to run {self.run_id!r}: following it would "

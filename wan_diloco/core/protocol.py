@@ -25,7 +25,14 @@ def learner_node(learner: int) -> str:
 
 
 class ProtocolError(ValueError):
-    """A message that breaks the protocol (wrong fragment, shapes, NaN...): rejected, no state changed."""
+    """A message that breaks the protocol (wrong fragment, shapes, NaN...): rejected, no state changed.
+
+    ``field``: a short dotted name of what was wrong ("metadata.step", "clock", "upload.base_version"),
+    what the syncer counts refusals by (``refused_total{field}`` on /metrics); "" when unnamed."""
+
+    def __init__(self, message: str = "", field: str = ""):
+        super().__init__(message)
+        self.field = field
 
 
 class IncarnationError(RuntimeError):
@@ -76,6 +83,9 @@ class Metadata:
     data: str = ""
     loss: float | None = None  # its latest training loss (for /metrics; the syncer does not act on it)
     tokens: int = 0  # tokens this learner process trained on so far (tokens/s on /metrics)
+    # The settings this learner runs with (``core.fingerprint``); the syncer refuses it if they differ
+    # from its own. "" (the simulator, which builds both ends from one spec): not compared.
+    fingerprint: str = ""
 
 
 @dataclass(frozen=True)

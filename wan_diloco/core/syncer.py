@@ -18,6 +18,7 @@ import numpy as np
 from wan_diloco import tree
 from wan_diloco.clock import VectorClock
 from wan_diloco.config import require
+from wan_diloco.core import fingerprint as fingerprint_lib
 from wan_diloco.core.protocol import (
     FINAL_TIMER,
     SYNCER,
@@ -33,12 +34,20 @@ from wan_diloco.core.protocol import (
     encode_or_refuse,
     learner_node,
 )
+from wan_diloco.core.pace import StepPace
+from wan_diloco.core.refusals import QUARANTINED, Refusals
 from wan_diloco.merge import MergeMethod, Workers, chunks, merge_fragment, sum_squares, token_weights
 from wan_diloco.outer import OuterConfig, OuterOptimizer
 
 
 MAX_TAU = 1000  # a learner reporting a larger overlap is refused (τ < H, and H is steps between syncs)
 MAX_CLOCK = 1 << 53  # vector-clock entries count events: no run gets near; far from int64's end
+# A learner's own clock entry may advance this much per message (it ticks a few times a step; one that
+# trained on alone for a long while, or through a syncer restart, sends many ticks at once) ...
+CLOCK_ADVANCE = 1 << 20
+# ... and name another learner at most this far past what the syncer knows of it (it learnt it from a
+# peer's state at a recovery, or from another syncer shard, a little ahead of this one).
+OTHER_CLOCK_SLACK = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -66,6 +75,12 @@ class SyncerConfig:
     # S syncer shards, each a process owning the fragments ``shards.owners`` gives it (balanced by bytes),
     # with its own rounds, outer state and versions: one CPU box need not take in every learner's bytes.
     shards: int = 1
+    # Plausibility (core.pace): a learner's step may run this many steps past its pace (and past the
+    # global step at its first report after (re)joining) ...
+    step_slack: int = 32
+    # ... where its pace is at most this many steps a second; None: 4 x its fastest measured pace.
+    max_steps_per_s: float | None = None
+    max_refusals: int = 50  # refusals of one learner within quarantine_s that quarantine it
 
     def validate(self) -> None:
         require(self.num_learners >= 1, "num_learners", f"must be >= 1, got {self.num_learners}")
@@ -84,6 +99,13 @@ class SyncerConfig:
                 f"must be a finite number >= 0, got {self.quarantine_s}")
         require(self.donor_timeout_s > 0, "donor_timeout_s", f"must be > 0, got {self.donor_timeout_s}")
         require(isinstance(self.shards, int) and self.shards >= 1, "shards", f"must be an integer >= 1, got {self.shards!r}")
+        require(isinstance(self.step_slack, int) and not isinstance(self.step_slack, bool) and self.step_slack >= 1,
+                "step_slack", f"must be an integer >= 1 (steps), got {self.step_slack!r}")
+        require(self.max_steps_per_s is None or (self.max_steps_per_s > 0 and math.isfinite(self.max_steps_per_s)),
+                "max_steps_per_s", f"must be a finite number > 0, or unset to measure each learner's pace, "
+                f"got {self.max_steps_per_s}")
+        require(isinstance(self.max_refusals, int) and not isinstance(self.max_refusals, bool)
+                and self.max_refusals >= 1, "max_refusals", f"must be an integer >= 1, got {self.max_refusals!r}")
         self.outer.validate()
 
 
@@ -95,6 +117,7 @@ class _Learner:
     step_s: float | None = None
     sync_s: float | None = None
     tau: int | None = None
+    heard: bool = False  # it sent something; False: only ever declared lost while waited for
 
 
 @dataclass
@@ -180,20 +203,62 @@ class SyncerCore:
         self.quarantined: dict[int, tuple[float, str]] = {}  # learner -> (until, why)
         self.notices: deque[str] = deque(maxlen=1000)  # what the driver should log: quarantines, refused merges
         self.nodes = {learner_node(m) for m in range(cfg.num_learners)} | {SYNCER}
+        self.pace = StepPace(cfg.step_slack, cfg.max_steps_per_s)
+        self.refusals = Refusals(cfg.max_refusals, cfg.quarantine_s)
+        self.now_s: float | None = None  # the latest event's time (``learner_state``)
+        # The syncer's clock entry a learner may carry (``_check_clock``): what this core ticked, from
+        # what a snapshot held (a resume), with leeway where others tick the same entry.
+        self.syncer_ticks = 0
+        self.clock_restored = 0
+        self.clock_leeway = 0
+        # The settings a learner must run with (``core.fingerprint``; set by the network driver, "" compares
+        # nothing), and the learners refused for theirs: learner -> the one line that says why.
+        self.fingerprint = ""
+        self.settings_refused: dict[int, str] = {}
 
     # ---- events ---------------------------------------------------------------------
 
+    def check_settings(self, learner: int, fingerprint: str) -> None:
+        """A learner's settings (``Metadata.fingerprint``) against this syncer's ``fingerprint``: first,
+        before anything else from it counts. ProtocolError names the differing settings; until that
+        learner sends matching ones, its uploads are refused too."""
+        if not self.fingerprint or not fingerprint:
+            return
+        differ = fingerprint_lib.differences(self.fingerprint, fingerprint)
+        if differ:
+            self.settings_refused[learner] = f"learner {learner}: {fingerprint_lib.SETTINGS_DIFFER}: {'; '.join(differ)}"
+            raise ProtocolError(self.settings_refused[learner], "fingerprint")
+        self.settings_refused.pop(learner, None)
+
     def on_metadata(self, now_s: float, msg: Metadata) -> list:
+        """A learner's counters. Refused (ProtocolError, counted, nothing else changed) when implausible."""
+        self.now_s, quarantines = now_s, self.stats.quarantines
+        try:
+            return self._on_metadata(now_s, msg)
+        except ProtocolError as e:
+            self._refused(now_s, msg.learner, e, logged=self.stats.quarantines > quarantines)
+            raise
+
+    def _on_metadata(self, now_s: float, msg: Metadata) -> list:
         self._check_learner(msg.learner)
+        self.check_settings(msg.learner, msg.fingerprint)
         self._check_quarantine(now_s, msg.learner)
         self._check_clock(msg.learner, msg.clock)
         if self.cfg.max_step is not None and msg.step > self.cfg.max_step:
             raise ProtocolError(f"metadata from learner {msg.learner}: step {msg.step} beyond the run's "
-                                f"{self.cfg.max_step} steps")
+                                f"{self.cfg.max_step} steps", "metadata.step")
+        bound = self.pace.bound(msg.learner, now_s, self.global_step)
+        if msg.step > bound:
+            raise ProtocolError(f"metadata from learner {msg.learner}: step {msg.step} is past what its pace allows "
+                                f"now ({bound}: global step {self.global_step}, syncer.step_slack "
+                                f"{self.cfg.step_slack}, {self.pace.rate(msg.learner):.3g} steps/s)", "metadata.step")
         if len(msg.c_steps) != len(self.fragments) or len(msg.c_tokens) != len(self.fragments):
-            raise ProtocolError(f"metadata from learner {msg.learner}: counters for {len(msg.c_steps)} fragments, expected {len(self.fragments)}")
+            raise ProtocolError(f"metadata from learner {msg.learner}: counters for {len(msg.c_steps)} fragments, "
+                                f"expected {len(self.fragments)}", "metadata.counters")
         if msg.tau is not None and not 0 <= msg.tau <= MAX_TAU:
-            raise ProtocolError(f"metadata from learner {msg.learner}: tau must be in [0, {MAX_TAU}], got {msg.tau}")
+            raise ProtocolError(f"metadata from learner {msg.learner}: tau must be in [0, {MAX_TAU}], got {msg.tau}",
+                                "metadata.tau")
+        self.pace.accept(msg.learner, now_s, msg.step, self.global_step)
         info = self._seen(now_s, msg.learner)
         info.step = max(info.step, msg.step)
         info.step_s = msg.step_s if msg.step_s is not None else info.step_s
@@ -204,9 +269,24 @@ class SyncerCore:
         return []
 
     def on_fragment(self, now_s: float, msg: FragmentUpload) -> list:
-        """A learner's Δ for fragment p. Validated before any state changes."""
+        """A learner's Δ for fragment p. Validated before any state changes; a refusal is counted."""
+        self.now_s, quarantines = now_s, self.stats.quarantines
+        try:
+            return self._on_fragment(now_s, msg)
+        except ProtocolError as e:
+            self._refused(now_s, msg.learner, e, logged=self.stats.quarantines > quarantines)
+            raise
+
+    def _on_fragment(self, now_s: float, msg: FragmentUpload) -> list:
+        if msg.learner in self.settings_refused:
+            raise ProtocolError(self.settings_refused[msg.learner], "fingerprint")
         self._check_quarantine(now_s, msg.learner)
+        self._check_learner(msg.learner)
         self._validate_upload(msg)
+        bound = self.pace.bound(msg.learner, now_s, self.global_step)
+        if msg.due_step > bound:
+            raise ProtocolError(f"fragment upload from learner {msg.learner}: due step {msg.due_step} is past what "
+                                f"its pace allows now ({bound})", "upload.due_step")
         self._check_norm(now_s, msg)
         self._seen(now_s, msg.learner)
         self.clock = self.clock.merge(msg.clock)
@@ -236,6 +316,7 @@ class SyncerCore:
         return self._maybe_close(now_s, key)
 
     def on_timer(self, now_s: float, key: tuple[int, int]) -> list:
+        self.now_s = now_s
         if key == FINAL_TIMER:
             return self._final_sync(now_s)
         if key not in self.rounds:
@@ -244,12 +325,14 @@ class SyncerCore:
 
     def on_peer_lost(self, now_s: float, learner: int) -> list:
         """The driver saw a learner go away (stream closed, process died)."""
+        self.now_s = now_s
         self._check_learner(learner)
         self._lose(learner, now_s)
         return self._recheck(now_s)
 
     def tick(self, now_s: float) -> list:
         """Time passed: learners silent for longer than the liveness timeout stop being waited for."""
+        self.now_s = now_s
         if self.started_s is None:
             self.started_s = now_s
         for m in range(self.cfg.num_learners):
@@ -297,16 +380,38 @@ class SyncerCore:
         """Learners not known to be down; one never heard from is still expected."""
         return [m for m in range(self.cfg.num_learners) if m not in self.learners or self.learners[m].alive]
 
+    def learner_state(self, m: int) -> str:
+        """"waiting" (never heard from), "quarantined", "alive" or "lost", as of the latest event.
+        Unlike ``alive``, which the quorum counts on, a learner that never connected is not alive."""
+        self._check_learner(m)
+        info = self.learners.get(m)
+        if info is None or not info.heard:
+            return "waiting"
+        until = self.quarantined.get(m, (0.0, ""))[0]
+        if self.now_s is not None and self.now_s < until:
+            return "quarantined"
+        return "alive" if info.alive else "lost"
+
+    def connected(self) -> list[int]:
+        """Learners heard from and alive (not waiting, lost or quarantined): what /status calls alive."""
+        return [m for m in range(self.cfg.num_learners) if self.learner_state(m) == "alive"]
+
+    def resumed_after(self, now_s: float, cut_age_s: float) -> None:
+        """The driver resumed this core from a snapshot cut ``cut_age_s`` ago (wall clock): learners may
+        have trained on since, and carry syncer clock ticks the snapshot missed."""
+        self.pace.resumed(now_s, cut_age_s)
+        self.clock_leeway = CLOCK_ADVANCE
+
     # ---- internals ------------------------------------------------------------------
 
     def _check_learner(self, learner: int) -> None:
         if not isinstance(learner, int) or not 0 <= learner < self.cfg.num_learners:
-            raise ProtocolError(f"learner id {learner!r} out of range 0..{self.cfg.num_learners - 1}")
+            raise ProtocolError(f"learner id {learner!r} out of range 0..{self.cfg.num_learners - 1}", "learner")
 
     def _check_quarantine(self, now_s: float, learner: int) -> None:
         until, why = self.quarantined.get(learner, (0.0, ""))
         if now_s < until:
-            raise ProtocolError(f"learner {learner} is quarantined for another {until - now_s:.0f} s: {why}")
+            raise ProtocolError(f"learner {learner} is quarantined for another {until - now_s:.0f} s: {why}", QUARANTINED)
 
     def _check_clock(self, learner: int, clock: VectorClock) -> None:
         """Only this run's nodes (a clock naming others would ride on every later message), and no
@@ -315,12 +420,30 @@ class SyncerCore:
         huge = [n for n, v in clock.entries.items() if v > MAX_CLOCK]
         if huge:
             raise ProtocolError(f"vector clock from learner {learner}: entry {huge[0][:40]!r} = "
-                                f"{clock[huge[0]]} is beyond {MAX_CLOCK}")
+                                f"{clock[huge[0]]} is beyond {MAX_CLOCK}", "clock")
         unknown = sorted(set(clock.entries) - self.nodes)
         if unknown:
             raise ProtocolError(f"vector clock from learner {learner}: {len(unknown)} unknown node(s), e.g. "
                                 f"{unknown[0][:40]!r}; this run has learner-0..learner-{self.cfg.num_learners - 1} "
-                                f"and {SYNCER!r}")
+                                f"and {SYNCER!r}", "clock")
+        # No entry far past what the syncer issued or knows: merged into its clock, it would ride on every
+        # update, and one near MAX_CLOCK would have every later message refused.
+        own = learner_node(learner)
+        for node, value in clock.entries.items():
+            limit = self._clock_limit(node, own)
+            if value > limit:
+                raise ProtocolError(f"vector clock from learner {learner}: entry {node!r} = {value} is past what the "
+                                    f"syncer issued or knows ({limit})", "clock")
+
+    def _clock_limit(self, node: str, own: str) -> int:
+        if node == own:
+            return self.clock[node] + CLOCK_ADVANCE
+        if node != SYNCER:
+            return self.clock[node] + OTHER_CLOCK_SLACK
+        if len(self.owned) < len(self.fragments):
+            # A shard: learners carry every shard's ticks of this entry, about P times its own at most.
+            return self.clock_restored + self.syncer_ticks * len(self.fragments) + CLOCK_ADVANCE
+        return self.clock_restored + self.syncer_ticks + self.clock_leeway
 
     def _check_norm(self, now_s: float, msg: FragmentUpload) -> None:
         """Refuse NaN/Inf in Δ, and an absurd Δ (see ``max_delta_ratio``), quarantining the learner that
@@ -328,7 +451,7 @@ class SyncerCore:
         sq = sum_squares(list(msg.delta.values()), self.workers)
         if not np.all(np.isfinite(sq)):
             bad = next(n for n, x in zip(msg.delta, sq) if not math.isfinite(x))
-            raise ProtocolError(f"{bad!r} from learner {msg.learner}: NaN or Inf in the outer gradient")
+            raise ProtocolError(f"{bad!r} from learner {msg.learner}: NaN or Inf in the outer gradient", "upload.delta")
         p = msg.fragment
         if self.theta_sq[p] is None:
             self.theta_sq[p] = float(sum_squares(list(self.theta[p].values()), self.workers).sum())
@@ -338,7 +461,8 @@ class SyncerCore:
             why = (f"outer gradient of fragment {p} has norm {delta:.3g}, over {self.cfg.max_delta_ratio:g}"
                    f" x max(|Theta|, 1) = {limit:.3g}")
             self.quarantine(now_s, msg.learner, why)
-            raise ProtocolError(f"learner {msg.learner}: {why}; quarantined for {self.cfg.quarantine_s:g} s")
+            raise ProtocolError(f"learner {msg.learner}: {why}; quarantined for {self.cfg.quarantine_s:g} s",
+                                "upload.delta")
 
     def quarantine(self, now_s: float, learner: int, why: str) -> None:
         """Ignore ``learner`` for ``quarantine_s``: its messages are refused, and from the next ``tick``
@@ -349,27 +473,53 @@ class SyncerCore:
         self.notices.append(f"learner {learner} quarantined for {self.cfg.quarantine_s:g} s: {why}")
         self._lose(learner, now_s)
 
+    def refused(self, now_s: float, learner: int | None, e: ProtocolError) -> None:
+        """A message the driver refused before it became an event (it did not decode): counted and
+        logged like the core's own refusals, against ``learner`` (its credential's) when known."""
+        self.now_s = now_s
+        self._refused(now_s, learner, e)
+
+    def _refused(self, now_s: float, learner: int | None, e: ProtocolError, logged: bool = False) -> None:
+        """Count a refusal of ``learner``'s message; log it (rate-limited; ``logged``: its quarantine
+        notice says it already); quarantine a learner refused ``max_refusals`` times within
+        ``quarantine_s`` (the run goes on without it meanwhile)."""
+        valid = isinstance(learner, int) and not isinstance(learner, bool) and 0 <= learner < self.cfg.num_learners
+        line, due = self.refusals.record(now_s, learner if valid else None, e.field, str(e))
+        if line is not None and not logged:
+            self.notices.append(line)
+        if due and valid and now_s >= self.quarantined.get(learner, (0.0, ""))[0]:
+            self.quarantine(now_s, learner, f"{self.cfg.max_refusals} messages refused within "
+                                            f"{self.cfg.quarantine_s:g} s (the latest: {e.field or 'other'})")
+
     def _validate_upload(self, msg: FragmentUpload) -> None:
-        self._check_learner(msg.learner)
         self._check_clock(msg.learner, msg.clock)
         if self.cfg.max_step is not None and msg.due_step > self.cfg.max_step:
             raise ProtocolError(f"fragment upload from learner {msg.learner}: due step {msg.due_step} beyond the "
-                                f"run's {self.cfg.max_step} steps")
+                                f"run's {self.cfg.max_step} steps", "upload.due_step")
         if not 0 <= msg.fragment < len(self.fragments):
-            raise ProtocolError(f"fragment {msg.fragment} out of range 0..{len(self.fragments) - 1}")
+            raise ProtocolError(f"fragment {msg.fragment} out of range 0..{len(self.fragments) - 1}", "upload.fragment")
         if not self.owns(msg.fragment):
             raise ProtocolError(f"fragment {msg.fragment} from learner {msg.learner}: this syncer shard owns "
-                                f"fragments {list(self.owned)} only (a learner with another shard plan?)")
+                                f"fragments {list(self.owned)} only (a learner with another shard plan?)",
+                                "upload.fragment")
         if msg.c_steps < 0 or msg.c_tokens < 0 or msg.due_step < 1 or msg.base_version < 0:
-            raise ProtocolError(f"fragment upload from learner {msg.learner}: negative counters or step")
+            raise ProtocolError(f"fragment upload from learner {msg.learner}: negative counters or step",
+                                "upload.counters")
+        if msg.epoch in (0, self.epoch) and msg.base_version > self.version[msg.fragment]:
+            # Versions come from this syncer only (an earlier incarnation's are told apart by epoch).
+            raise ProtocolError(f"fragment upload from learner {msg.learner}: base version {msg.base_version} of "
+                                f"fragment {msg.fragment} is past its current version {self.version[msg.fragment]}",
+                                "upload.base_version")
         theta = self.theta[msg.fragment]
         if set(msg.delta) != set(theta):
             missing = sorted(set(theta) - set(msg.delta))[:2]
             extra = sorted(set(msg.delta) - set(theta))[:2]
-            raise ProtocolError(f"fragment {msg.fragment} from learner {msg.learner}: missing {missing}, unexpected {extra}")
+            raise ProtocolError(f"fragment {msg.fragment} from learner {msg.learner}: missing {missing}, "
+                                f"unexpected {extra}", "upload.tensors")
         for n, d in msg.delta.items():
             if d.shape != theta[n].shape:
-                raise ProtocolError(f"{n!r} from learner {msg.learner}: shape {d.shape}, expected {theta[n].shape}")
+                raise ProtocolError(f"{n!r} from learner {msg.learner}: shape {d.shape}, expected {theta[n].shape}",
+                                    "upload.shape")
         # NaN and Inf are refused by ``_check_norm``, in the same pass as the norm.
 
     def _late(self, msgs) -> None:
@@ -396,6 +546,7 @@ class SyncerCore:
             info = self.learners[learner] = _Learner(last_seen_s=now_s)
         info.last_seen_s = now_s
         info.alive = True
+        info.heard = True
         return info
 
     def _recheck(self, now_s: float) -> list:
@@ -466,6 +617,7 @@ class SyncerCore:
         self.version[p] += 1
         self.last_closed_due[p] = max(self.last_closed_due[p], due)
         self.clock = self.clock.tick(SYNCER)
+        self.syncer_ticks += 1
         self.stats.fragment_syncs[p] += 1
         for m in learners:
             self.merged_at[(m, p)] = self.version[p]
@@ -573,6 +725,7 @@ class SyncerCore:
             self.outer.set_state(p, state)
         self.stats.fragment_syncs = syncs
         self.global_step, self.clock, self.merged_at = int(info["global_step"]), clock, merged
+        self.clock_restored, self.syncer_ticks = clock[SYNCER], 0
         self.run_id, self.epoch, self.snapshot_id = str(info["run_id"]), int(info["epoch"]), int(info["snapshot"])
         self.rounds.clear()
         self.carried = [{} for _ in self.fragments]

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Callable
 
 from wan_diloco import spec as spec_lib
+from wan_diloco.checkpoint import CheckpointError, describe_os_error
 from wan_diloco.regions import Emulator, EmulatorError
 from wan_diloco.spec import TOKEN_ENV, RunSpec
 from wan_diloco.transport.dev_certs import make_dev_certs
@@ -208,10 +209,11 @@ class Cluster:
         return env
 
     def _own_token(self, name: str) -> dict:
-        """With per-learner credentials a learner gets only its own token; the syncer keeps the run's."""
-        if is_syncer(name) or not self.cfg.transport.per_learner_tokens:
+        """A learner (each of its processes) gets only its own token, on every run: it can speak only as
+        itself whatever the run file says; the syncer keeps the run's."""
+        if is_syncer(name):
             return {}
-        return {TOKEN_ENV: derive_token(self.token, name)}
+        return {TOKEN_ENV: derive_token(self.token, f"learner-{learner_of(name)}")}  # core.learner_node
 
     def _read(self, child: Child) -> None:
         for raw in child.proc.stdout:
@@ -560,14 +562,15 @@ def joined_final(first: dict, others: dict[int, dict]) -> dict:
 
 
 def join_shard_params(cfg: RunSpec, shards: int) -> Path | None:
-    """The shards' final parameters as one file (``checkpoint.dir/params.safetensors``); None if a shard's
-    file is missing."""
+    """The shards' final parameters as one file (``checkpoint.dir/params.safetensors``); CheckpointError
+    naming a shard's file that is missing, OSError if the joined file cannot be written."""
     from wan_diloco.checkpoint.params import join_params
 
     root = Path(cfg.checkpoint.dir)
     parts = [root / f"params.shard-{s}.safetensors" for s in range(shards)]
-    if not all(p.is_file() for p in parts):
-        return None
+    missing = [p for p in parts if not p.is_file()]
+    if missing:
+        raise CheckpointError(f"{missing[0]} is missing")
     return join_params(parts, root / "params.safetensors")
 
 
@@ -615,11 +618,14 @@ def launch(cfg: RunSpec, config_text: str, run_dir: str | None = None,
 
         writer_class()  # ConfigError now, not after the processes started
     rdir = Path(run_dir) if run_dir else Path(cfg.run.run_dir) / time.strftime("%Y%m%d-%H%M%S")
-    rdir.mkdir(parents=True, exist_ok=True)
-    cfg = cfg if resume else run_spec(cfg, rdir)
-    if not emulate:
-        if not resume:
+    try:
+        rdir.mkdir(parents=True, exist_ok=True)
+        cfg = cfg if resume else run_spec(cfg, rdir)
+        if not emulate and not resume:
             write_config(rdir / "config.toml", cfg)
+    except OSError as e:  # a full or read-only disk: the launcher's own files, one line and no traceback
+        return 1, {"error": f"cannot write the run folder {rdir}: {describe_os_error(e)}", "run_dir": str(rdir)}
+    if not emulate:
         return _run(cfg, rdir, watch, resume=resume)
     try:
         with contextlib.ExitStack() as stack:
@@ -698,6 +704,9 @@ def _run(cfg: RunSpec, rdir: Path, watch: Callable[[RunState], None] | None,
                 learners = [c for n, c in cluster.children.items() if not is_syncer(n) and not learner_process(n)[1]]
                 finished = {0: mon.syncer_final, **mon.shard_finals}
                 for c in syncers:
+                    lost = (finished.get(shard_of(c.name)) or {}).get("params_error")
+                    if c.exit_code is not None and lost:  # the run's result: not a success, and not a crash
+                        raise RunFailed(f"final parameters not written: {lost}")
                     if c.exit_code is not None and (c.exit_code != 0 or finished.get(shard_of(c.name)) is None):
                         raise RunFailed(f"the syncer died: {died(c)}" if c.name == "syncer" else
                                         f"syncer shard {shard_of(c.name)} died: {died(c)}")
@@ -713,8 +722,13 @@ def _run(cfg: RunSpec, rdir: Path, watch: Callable[[RunState], None] | None,
         summary = {**summarize(mon, time.monotonic() - t0), "run_dir": str(rdir), "failed_learners": failed,
                    "tensorboard": str(rdir / "tensorboard") if tb is not None else None}
         if cfg.syncer.shards > 1 and cfg.checkpoint.dir:
-            joined = join_shard_params(cfg, cfg.syncer.shards)
-            summary["params_path"] = str(joined) if joined else None
+            try:
+                summary["params_path"] = str(join_shard_params(cfg, cfg.syncer.shards))
+            except (OSError, CheckpointError) as e:  # the run's result is not there: not a success
+                why = describe_os_error(e) if isinstance(e, OSError) else str(e)
+                where = f"{e.filename}: " if isinstance(e, OSError) and e.filename else ""
+                return 1, {**summary, "params_path": None,
+                           "error": f"final parameters not written: joining the shards' files: {where}{why}"}
         try:
             from wan_diloco.runtime.run_plot import plot_run
 
@@ -734,6 +748,10 @@ def _run(cfg: RunSpec, rdir: Path, watch: Callable[[RunState], None] | None,
         return STOPPED_EXIT, {"stopped": str(e), "run_dir": str(rdir), "resume": f"wan-diloco launch --resume {rdir}"}
     except RunFailed as e:
         return (STOPPED_EXIT if stop["sig"] else 1), {"error": str(e), "run_dir": str(rdir)}
+    except OSError as e:  # the launcher's own files (logs, metrics.jsonl) on a full or read-only disk
+        where = e.filename or rdir
+        return 1, {"error": f"the launcher failed on {where}: {describe_os_error(e)}; every process was stopped",
+                   "run_dir": str(rdir)}
     finally:
         if tb is not None:
             tb.close()

@@ -57,7 +57,7 @@ from wan_diloco.runtime.events import emit
 from wan_diloco.runtime.netthread import NetThread
 from wan_diloco.spec import RunSpec
 from wan_diloco.transport import MessageError, TransportError
-from wan_diloco.transport.reach import diagnose
+from wan_diloco.transport.reach import Diagnosis, diagnose
 
 
 REPLAN_MIN_STEPS = 5  # steps timed before τ is planned from a link (τ counts steps)
@@ -86,6 +86,7 @@ class Learner:
         self.cfg, self.m = cfg, learner
         self.region = cfg.region(learner)
         parts = parts or Assembly(cfg, learner)
+        self.fingerprint = parts.fingerprint  # with every metadata: the syncer refuses other settings
         self.state = parts.state0
         self.layout = parts.layout
         self.codec = parts.codec
@@ -251,7 +252,7 @@ class Learner:
             position = ""
         loss = self.loss if math.isfinite(self.loss) else None  # a diverged step is the syncer's to see, not a crash
         self.net.send_metadata(dataclasses.replace(msg, data=position, recovering=recovering, loss=loss,
-                                                   tokens=self.tokens))
+                                                   tokens=self.tokens, fingerprint=self.fingerprint))
 
     def _take_up_data_position(self) -> None:
         """(Re)joined a run in progress without its own snapshot part: go on with the data stream where
@@ -399,7 +400,7 @@ class Learner:
                 arrived_s, update = item
                 self._handle(self.core.on_update(arrived_s, update))
             elif kind == "identity":  # a (re)connected update stream: is it still the syncer we follow?
-                if self.core.identity(item.run_id, item.epoch, item.resumed_from) == "new":
+                if self.core.meet(item.run_id, item.epoch, item.resumed_from, item.process) == "new":
                     self._rejoin(item.epoch, item.resumed_from)
             elif kind == "barrier":
                 self.barrier.on_status(item.started, item.need, item.joined, item.waiting_for)
@@ -428,6 +429,8 @@ class Learner:
                 else:
                     self.core.saved(snap)
                     self.snapshots_written += 1
+            elif kind == "refused":  # the syncer runs other settings: retrying cannot help
+                raise SyncerLost(str(item))
             else:
                 raise SyncerLost(f"learner {self.m}: {item}")
         silent = self.net.silent_s()
@@ -537,11 +540,14 @@ class Learner:
             self.net.stop()
 
     def _unreachable(self, t) -> str | None:
-        """Why the syncer (or which of its shards) cannot be reached, or None."""
+        """Why the syncer (or which of its shards) cannot be reached (a ``reach.Diagnosis``), or None."""
         for target in self.target.split(","):
             why = diagnose(target, t.tls, timeout_s=min(5.0, t.call_timeout_s))
             if why is not None:
-                return why if "," not in self.target else f"{target}: {why}"
+                if "," in self.target:
+                    lasting, why = why.lasting, Diagnosis(f"{target}: {why}")
+                    why.lasting = lasting
+                return why
         return None
 
     def _reach_syncer(self) -> None:
@@ -551,6 +557,9 @@ class Learner:
         t = self.cfg.transport
         deadline, wait_s, said = time.monotonic() + t.retry_budget_s, t.backoff_initial_s, None
         while (why := self._unreachable(t)) is not None:
+            if getattr(why, "lasting", False):  # TLS on one side only, a certificate not trusted: waiting won't help
+                raise SyncerLost(f"cannot reach the syncer at {self.target}: {why}; not retried: the two sides' "
+                                 "[transport.tls] disagree, which does not heal by waiting")
             left = deadline - time.monotonic()
             if left <= 0:
                 raise SyncerLost(f"cannot reach the syncer at {self.target}: {why}; gave up after "
@@ -583,7 +592,11 @@ class Learner:
         # Before the first metadata, which counts as this learner's join at the start barrier: a learner that
         # joined is ready to step at once (the eval's compile would otherwise hold it back behind its peers).
         initial_loss = self.evaluate()
-        self._send_metadata(self.core.metadata())
+        self._send_metadata(self.core.metadata())  # the hello: it carries this learner's settings
+        hello_by = time.monotonic() + self.cfg.transport.call_timeout_s
+        while not self.net.hello_answered.is_set() and time.monotonic() < hello_by and not self.stop.is_set():
+            self._drain(block_s=0.05)  # refused settings stop the learner here, before its first step
+        self._drain()
         self.net.start_probing()
         self._await_start()
         self._take_up_step()  # updates merged while it waited moved the global step on
@@ -821,9 +834,9 @@ def _run_to_end(lrn: Learner, learner: int, target: str) -> int:
     except (IncarnationError, SyncerLost, StartTimeout, TransportError, MessageError) as e:  # not a bug: one line
         why = str(e)
         if isinstance(e, TransportError) and e.code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
-            why = (f"the syncer at {target} refused this learner's token ({e.code.name}): the run's token is "
-                   f"$WAN_DILOCO_TOKEN or run.token; with transport.per_learner_tokens, `wan-diloco token --learner "
-                   f"{learner}` on the syncer's host gives this learner's")
+            why = (f"the syncer at {target} refused this learner's token ({e.code.name}): {e.details}; "
+                   f"$WAN_DILOCO_TOKEN must be the run's token or this learner's own (`wan-diloco token --learner "
+                   f"{learner}` on the syncer's host), and with mutual TLS the certificate must be learner-{learner}'s")
         emit({"event": "error", "role": "learner", "learner": learner, "error": why})
         print(f"learner-{learner}: stopping: {why}", file=sys.stderr)
         return 3

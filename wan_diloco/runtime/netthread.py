@@ -21,6 +21,7 @@ import time
 from wan_diloco.compression import FragmentCodec
 from wan_diloco import shards
 from wan_diloco.core import FragmentUpload, Metadata, ProtocolError
+from wan_diloco.core.fingerprint import SETTINGS_DIFFER
 from wan_diloco.runtime import serde
 from wan_diloco.runtime.shard_view import ShardView
 from wan_diloco.transport import (
@@ -70,6 +71,8 @@ class NetThread:
         self._thread = threading.Thread(target=self._main, name=f"{node}-net", daemon=True)
         self._ready = threading.Event()
         self._md: dict[int, Frame] = {}  # per shard: the newest metadata not sent yet
+        # Set once a metadata (the learner's hello) was answered: taken, or refused for its settings.
+        self.hello_answered = threading.Event()
         self._md_tasks: dict[int, asyncio.Task] = {}
         self._sub_tasks: list[asyncio.Task] = []
         self._uploads: dict[int, concurrent.futures.Future] = {}
@@ -123,7 +126,8 @@ class NetThread:
                     control = serde.control_from_frame(frame)
                     if self.view is not None and isinstance(control, serde.Identity):
                         E, resumed = self.view.seen(shard, control.epoch, control.resumed_from)
-                        control = dataclasses.replace(control, epoch=E, resumed_from=resumed)
+                        control = dataclasses.replace(control, epoch=E, resumed_from=resumed,
+                                                      process=self.view.process_ids(shard, control.process))
                     if control is not None:  # ("identity", Identity) or ("donate", Donate)
                         self.inbox.put((type(control).__name__.lower(), control))
                         continue
@@ -243,7 +247,12 @@ class NetThread:
             try:
                 await self.clients[shard].send_metadata(frame)
                 self.contact()
+                self.hello_answered.set()
             except (TransportError, MessageError) as e:
+                if SETTINGS_DIFFER in str(e):  # cannot heal by retrying: the learner stops, saying why
+                    self.inbox.put(("refused", str(getattr(e, "details", e)).removeprefix("Metadata: ")))
+                    self.hello_answered.set()
+                    return
                 self.failed(e)
                 log.warning("%s: metadata not delivered to %s: %s", self.node, self._name(shard), e)
 

@@ -179,6 +179,9 @@ class Identity:
     run_id: str
     epoch: int
     resumed_from: int
+    # The syncer process (random per start): a syncer restarted without --resume comes back at the same
+    # incarnation and run id; only this tells the learner its model is not the one it followed.
+    process: str = ""
 
 
 @dataclasses.dataclass(frozen=True)

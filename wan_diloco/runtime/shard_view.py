@@ -31,6 +31,7 @@ class ShardView:
         self.snapshot = 0  # the newest snapshot shard 0 cut
         self.last_changed = 0  # the shard whose incarnation changed last
         self.history: dict[int, tuple[int, ...]] = {}  # E -> the shards' epochs it stood for
+        self.processes = [""] * self.S  # each shard's process id, from its Identity ("" : not heard from)
 
     def shard_of(self, fragment: int) -> int:
         if not 0 <= fragment < len(self.plan):
@@ -61,6 +62,12 @@ class ShardView:
         if epoch < self.epochs[shard]:
             return max(1, E - (self.epochs[shard] - epoch)), resumed_from
         return E, self.resumed_from
+
+    def process_ids(self, shard: int, process: str) -> str:
+        """Shard ``shard``'s Identity named its process: every shard's, comma-separated (``LearnerCore.meet``)."""
+        if process:
+            self.processes[shard] = process
+        return ",".join(self.processes)
 
     def outgoing(self, shard: int, epoch: int) -> int:
         """The epoch of ``shard`` a message stamped with E = ``epoch`` carries there (0 stays 0)."""

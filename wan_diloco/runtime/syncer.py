@@ -28,15 +28,18 @@ import asyncio
 import collections
 import dataclasses
 import logging
+import re
 import secrets
+import shutil
 import time
 from pathlib import Path
 from typing import Callable
 
 import grpc
+from prometheus_client import Counter
 
 from wan_diloco.assemble import Assembly, fragment_digest
-from wan_diloco.checkpoint import CheckpointError, SnapshotStore, save_params
+from wan_diloco.checkpoint import CheckpointError, SnapshotStore, describe_os_error, save_params
 from wan_diloco.config import ConfigError
 from wan_diloco.core import Broadcast, ProtocolError, SetTimer, learner_node
 from wan_diloco.core.barrier import StartBarrier, barrier_need
@@ -54,6 +57,11 @@ EVENTS = 200  # learners joined, lost, rejoined and warnings on /status (merges 
 
 class ResumeError(RuntimeError):
     """``--resume`` found no snapshot to resume from; the text says where it looked and why."""
+
+
+class ForkRefused(RuntimeError):
+    """A syncer started without ``--resume`` over a checkpoint.dir that holds snapshots: it would start the
+    run's model again from scratch beside (and over) the one those snapshots hold."""
 
 
 @dataclasses.dataclass
@@ -86,6 +94,7 @@ class SyncerService:
         self.layout, self.codec, self.bulk_codec = parts.layout, parts.codec, parts.bulk_codec
         self.plan = parts.shard_plan
         self.core = parts.syncer_core(bounded=True, shard=shard if self.S > 1 else None)
+        self.core.fingerprint = parts.fingerprint  # a learner with other settings is refused at its hello
         self.hub = UpdateHub(cfg.transport.chunk_bytes)
         self.M, self.P = cfg.run.learners, len(self.layout.fragments)
         self.started_s = time.monotonic()
@@ -124,12 +133,23 @@ class SyncerService:
         self.events: collections.deque = collections.deque(maxlen=EVENTS)
         self._liveness: dict[int, bool] = {}  # as of the last event: what ``_note_liveness`` compares with
         self.recovery_bytes = 0
+        # Refused learner messages by field (the core counts them; /status["refused"] shows its count).
+        self.refused_total = Counter("refused", "Learner messages refused, by the field that was wrong", ["field"],
+                                     namespace=metrics.namespace, registry=metrics.registry)
+        # Writes that failed (snapshot parts, manifests, the final parameters): /status["storage"].
+        self.write_failures = 0
+        self.write_error: str | None = None  # the latest failure's; None again after a write succeeds
+        self.last_write_error: str | None = None
+        self.params_error: str | None = None  # the final parameters could not be written: the run failed
+        self.final_saved = asyncio.Event()  # the final parameters are written (or given up on)
+        self.process_id = secrets.token_hex(8)  # in each stream's Identity: a restart is told apart
         self.barrier = StartBarrier(barrier_need(cfg.run.min_learners_to_start, self.M), self.M,
                                     cfg.run.start_timeout_s)
         self.failed: str | None = None  # why the run cannot go on (the barrier timed out): the syncer exits non-zero
         if resume:
             self._resume()
         else:
+            self._refuse_fork()
             self.core.run_id = cfg.run.run_id or f"run-{secrets.token_hex(6)}"
 
     # ---- snapshots --------------------------------------------------------------------
@@ -155,6 +175,9 @@ class SyncerService:
             raise ResumeError(f"snapshot {snap} in {self.store.root} does not fit this config: {e}") from None
         self.core.epoch += 1
         self.core.resumed_from = self.core.snapshot_id = snap
+        cut = info.get("cut_unix_s")  # learners trained on from the cut until now (absent: an older snapshot)
+        age_s = time.time() - cut if isinstance(cut, (int, float)) else self.cfg.syncer.liveness_timeout_s
+        self.core.resumed_after(self.now(), age_s)
         self.snap_merges = sum(self.core.stats.fragment_syncs)
         notes = [f"snapshot {s} passed over: {why}" for s, why in self.store.skipped]
         if manifest is None and self.S == 1:
@@ -179,6 +202,13 @@ class SyncerService:
                               if isinstance(m, str) and m.isdigit() and int(m) < self.M and isinstance(pos, str)
                               and len(pos) <= serde.MAX_STR_CHARS}
 
+    def _refuse_fork(self) -> None:
+        """A fresh start over existing snapshots would fork the run: the learners (which keep the run id
+        and incarnation 1) would feed fresh parameters, and the final file would overwrite the real one."""
+        why = self.store.fork_refusal() if self.store is not None else None
+        if why is not None:
+            raise ForkRefused(why)
+
     def snapshot_now(self) -> int | None:
         """Cut a snapshot now (its parts are written in the background); returns its id, or None when
         there is nowhere to write or the run is ending."""
@@ -188,6 +218,7 @@ class SyncerService:
         self.core.snapshot_id = snap
         self.snap_merges = sum(self.core.stats.fragment_syncs)
         tensors, info = self.core.export()
+        info["cut_unix_s"] = time.time()  # a resume from it allows learners' steps since (core.pace)
         info["barrier_started"] = self.barrier.started
         # Each learner's data position as of its latest metadata: a learner whose own part turns out unusable
         # at a resume takes it from here (``position/M``) instead of reading its shard again from the start.
@@ -195,7 +226,7 @@ class SyncerService:
         # Learners write their parts for shard 0's snapshots only (the others' reach them renumbered). The cut
         # holds the learners that trained: one that never took a step (still joining or compiling) has no
         # state of its own to keep, and waiting for its part would leave every snapshot incomplete.
-        waiting = ({m for m, info in self.core.learners.items() if info.alive and info.step > 0}
+        waiting = ({m for m, ln in self.core.learners.items() if ln.alive and ln.step > 0}
                    if self.shard == 0 else set())
         self.snap_pending[snap] = {"learners": waiting, "syncer": False, "cut_s": self.now(),
                                    "versions": list(self.core.version), "parts": []}
@@ -206,10 +237,10 @@ class SyncerService:
         try:
             nbytes = await asyncio.to_thread(self.store.save_part, snap, "syncer", tensors, info, "syncer")
         except (OSError, CheckpointError) as e:
-            log.error("snapshot %d: could not write the syncer's part: %s", snap, e)
-            emit({"event": "warning", "role": "syncer", "what": f"snapshot {snap} failed: {e}"})
+            self._write_failed(f"snapshot {snap}: could not write the syncer's part", e)
             self.snap_pending.pop(snap, None)
             return
+        self.write_error = None
         pending = self.snap_pending.get(snap)
         if pending is not None:
             pending.update(syncer=True, bytes=nbytes)
@@ -238,9 +269,13 @@ class SyncerService:
                 continue
             del self.snap_pending[snap]
             parts = ["syncer", *sorted(pending["parts"])]
-            self.store.mark_complete(snap, {"run_id": self.core.run_id, "epoch": self.core.epoch, "parts": parts,
-                                            "versions": pending["versions"],
-                                            "learners": self.M})
+            try:
+                self.store.mark_complete(snap, {"run_id": self.core.run_id, "epoch": self.core.epoch, "parts": parts,
+                                                "versions": pending["versions"],
+                                                "learners": self.M})
+            except OSError as e:
+                self._write_failed(f"snapshot {snap}: could not write its manifest", e)
+                continue
             self.snapshots_complete.append(snap)
             removed = self.store.gc(self.cfg.checkpoint.keep)
             emit({"event": "snapshot", "role": "syncer", "snapshot": snap, "parts": parts,
@@ -271,6 +306,25 @@ class SyncerService:
             log.error("%s", self.failed)
             emit({"event": "error", "role": "syncer", "error": self.failed})
             self.finished.set()
+
+    def _write_failed(self, what: str, e: Exception) -> None:
+        """A write failed: loud in the log, the events, /status["storage"] and the live table."""
+        self.write_failures += 1
+        self.write_error = self.last_write_error = f"{what}: {describe_os_error(e)}"
+        log.error("%s (%d failed writes so far; free space: %s)", self.write_error, self.write_failures,
+                  _free(self.storage_dir()))
+        emit({"event": "warning", "role": "syncer", "what": self.write_error, "storage": self.storage()})
+        self._event("warning", None, self.write_error)
+
+    def storage_dir(self) -> str | None:
+        return str(self.store.root) if self.store is not None else None
+
+    def storage(self) -> dict:
+        """/status["storage"]: where snapshots and the final parameters go, and whether writing works."""
+        where = self.storage_dir()
+        return {"dir": where, "ok": self.write_error is None and self.params_error is None,
+                "failures": self.write_failures, "last_error": self.last_write_error,
+                "free_bytes": _free_bytes(where)}
 
     def _maybe_snapshot(self) -> None:
         every = self.cfg.checkpoint.every_merges
@@ -409,15 +463,38 @@ class SyncerService:
         self.rejected += 1
         return Rejected(str(e), grpc.StatusCode.INVALID_ARGUMENT)
 
+    def _refuse(self, e: ProtocolError, frame=None) -> Rejected:
+        """A learner message refused: counted by field (on /metrics and /status), logged rate-limited
+        by the core. ``frame``: one that did not decode, counted here against its sender's credential."""
+        field = e.field or _decoded_field(str(e))
+        if frame is not None:
+            try:
+                m = serde.learner_id(frame.sender, self.M)
+            except ProtocolError:
+                m = None
+            self.core.refused(self.now(), m, ProtocolError(str(e), field))
+        self.refused_total.labels(field).inc()
+        self._log_notices()
+        return self._reject(e)
+
     # ---- Handler --------------------------------------------------------------------
 
     async def on_metadata(self, frame) -> Ack:
+        meta, refused_before = None, True
         try:
             meta = serde.metadata_from_frame(frame, self.M)
+            refused_before = meta.learner in self.core.settings_refused
+        except ProtocolError as e:
+            raise self._refuse(e, frame) from None
+        try:
             self._act(self.core.on_metadata(self.now(), meta))
         except ProtocolError as e:
-            self._log_notices()
-            raise self._reject(e) from None
+            # Said once per learner, not at every metadata it sends before it stops.
+            if not refused_before and meta.learner in self.core.settings_refused:
+                log.error("%s", e)
+                emit({"event": "warning", "role": "syncer", "what": str(e)})
+                self._event("warning", meta.learner, str(e))
+            raise self._refuse(e) from None
         self.regions[meta.learner] = meta.region
         if meta.learner not in self.barrier.joined:
             self._on_joined(meta.learner)
@@ -441,18 +518,23 @@ class SyncerService:
     async def on_fragment(self, frame) -> Ack:
         try:
             donation = serde.donation_from_frame(frame, self.M)
-            if donation is not None:
+            up = serde.upload_from_frame(frame, self.codec, self.M) if donation is None else None
+        except ProtocolError as e:
+            raise self._refuse(e, frame) from None
+        if donation is not None:
+            try:
                 return self._on_donation(*donation, frame.payload)
-            up = serde.upload_from_frame(frame, self.codec, self.M)
-            self.regions[up.learner] = up.region
-            if up.final and self.core.final_done:
-                self.late_final.add(up.learner)  # it still gets the final fragments: wait for its fetch
-                return Ack(sender="syncer", global_step=self.core.global_step, detail="late: final sync already done")
+            except ProtocolError as e:
+                raise self._refuse(e, frame) from None
+        self.regions[up.learner] = up.region
+        if up.final and self.core.final_done:
+            self.late_final.add(up.learner)  # it still gets the final fragments: wait for its fetch
+            return Ack(sender="syncer", global_step=self.core.global_step, detail="late: final sync already done")
+        try:
             # A retried upload whose first try got through is a duplicate: the core ignores it.
             self._act(self.core.on_fragment(self.now(), up))
         except ProtocolError as e:
-            self._log_notices()
-            raise self._reject(e) from None
+            raise self._refuse(e) from None
         detail = "final" if up.final else f"v{self.core.version[up.fragment]}"
         return Ack(sender="syncer", global_step=self.core.global_step, detail=detail)
 
@@ -468,7 +550,8 @@ class SyncerService:
         self.streams[m] = self.streams.get(m, 0) + 1
         superseded = False
         try:
-            yield serde.control_to_frame(serde.Identity(self.core.run_id, self.core.epoch, self.core.resumed_from))
+            yield serde.control_to_frame(serde.Identity(self.core.run_id, self.core.epoch, self.core.resumed_from,
+                                                           self.process_id))
             yield serde.control_to_frame(self._barrier_msg())
             async for item in stream:
                 yield item
@@ -548,30 +631,58 @@ class SyncerService:
         self.final_done.set()
         digests = [fragment_digest(self.core.theta[p], self.layout.fragments[p]) if self.core.owns(p) else None
                    for p in range(self.P)]
-        if self.store is not None:
-            # A shard writes its fragments' tensors; `launch` joins the shards' files into one.
-            self.params_path = (self.store.params_path if self.S == 1 else
-                                Path(self.cfg.checkpoint.dir) / f"params.shard-{self.shard}.safetensors")
-            info = {"run_id": self.core.run_id, "epoch": self.core.epoch, "versions": list(self.core.version),
-                    "global_step": self.core.global_step, "digests": digests, "preset": self.cfg.preset,
-                    "shard": self.shard, "shards": self.S, "owned": list(self.core.owned),
-                    "model": dataclasses.asdict(self.cfg.model)}
-            try:  # small next to the run; on the loop so the report below names a file that exists
-                save_params(self.params_path, self.core.global_params(), info)
-            except OSError as e:
-                log.error("could not write the final parameters to %s: %s", self.params_path, e)
-                self.params_path = None
+        if self.store is None:
+            self._report_final(digests)
+            return
+        # A shard writes its fragments' tensors; `launch` joins the shards' files into one.
+        self.params_path = (self.store.params_path if self.S == 1 else
+                            Path(self.cfg.checkpoint.dir) / f"params.shard-{self.shard}.safetensors")
+        info = {"run_id": self.core.run_id, "epoch": self.core.epoch, "versions": list(self.core.version),
+                "global_step": self.core.global_step, "digests": digests, "preset": self.cfg.preset,
+                "shard": self.shard, "shards": self.S, "owned": list(self.core.owned),
+                "model": dataclasses.asdict(self.cfg.model)}
+        asyncio.get_running_loop().create_task(self._save_final(self.core.global_params(), info, digests))
+
+    async def _save_final(self, params, info: dict, digests: list) -> None:
+        """Write the final parameters; a failure (a full disk) is tried again with backoff for
+        ``checkpoint.final_write_retry_s``, then the run has failed (``params_error``). The learners
+        fetch their final fragments meanwhile; the syncer ends only after this."""
+        retry_s = self.cfg.checkpoint.final_write_retry_s
+        deadline, wait_s, tries = self.now() + retry_s, 1.0, 0
+        while True:
+            tries += 1
+            try:
+                await asyncio.to_thread(save_params, self.params_path, params, info)
+                self.write_error = None
+                break
+            except (OSError, CheckpointError) as e:
+                self._write_failed(f"could not write the final parameters to {self.params_path}", e)
+                left = deadline - self.now()
+                if left <= 0:
+                    self.params_error = (f"{self.write_error} (gave up after {tries} tries over {retry_s:g} s, "
+                                         f"checkpoint.final_write_retry_s)")
+                    self.params_path = None
+                    break
+                log.error("trying the final parameters again in %.0f s (for %.0f s more): free some space in %s",
+                          min(wait_s, left), left, self.params_path.parent)
+                await asyncio.sleep(min(wait_s, left))
+                wait_s = min(2 * wait_s, 15.0)
+        self._report_final(digests)
+
+    def _report_final(self, digests: list) -> None:
         self.final_report = {
             "event": "final", "role": "syncer", "versions": list(self.core.version), "digests": digests,
             "final_learners": sorted(self.core.final_participants()),
             "params_path": str(self.params_path) if self.params_path else None,
+            "params_error": self.params_error,
             **self.summary(),
         }
+        self.final_saved.set()
         asyncio.get_running_loop().call_later(self.cfg.syncer.final_timeout_s, self.finished.set)
         self._check_finished()
 
     def _check_finished(self) -> None:
-        if not self.final_done.is_set():
+        if not self.final_done.is_set() or not self.final_saved.is_set():
             return
         # Everyone who took part, arrived late, or is still alive gets to fetch the final fragments.
         waiting = self.core.final_participants() | self.late_final | set(self.core.alive())
@@ -595,7 +706,9 @@ class SyncerService:
             "resumed_from": self.core.resumed_from, "snapshots_complete": len(self.snapshots_complete),
             "recoveries_served": self.donations.served, "donors_replaced": self.donations.replaced,
             "recovery_bytes": self.recovery_bytes,
+            "refused": dict(self.core.refusals.by_field),  # learner messages refused, by field (core.refusals)
             "last_snapshot": self.snapshots_complete[-1] if self.snapshots_complete else None,
+            "storage": self.storage(),
         }
 
     def status(self) -> dict:
@@ -607,6 +720,7 @@ class SyncerService:
             learners[str(m)] = {
                 "region": self.regions.get(m, self.cfg.region(m)),
                 "alive": info.alive if info else None,
+                "state": self.core.learner_state(m),  # waiting (never heard from), alive, lost or quarantined
                 "last_seen_s_ago": round(now - info.last_seen_s, 3) if info else None,
                 "step": info.step if info else 0,
                 "step_s": info.step_s if info else None,
@@ -621,7 +735,8 @@ class SyncerService:
         return {
             "uptime_s": round(now - self.started_s, 3), "learners": learners,
             "regions": list(self.cfg.regions.names), "versions": list(self.core.version),
-            "quorum": self.core.quorum(), "alive": self.core.alive(),
+            # Connected and alive: a learner never heard from is "waiting" (learners[m]["state"]), not alive.
+            "quorum": self.core.quorum(), "alive": self.core.connected(),
             "quorum_sizes": list(st.quorum_sizes)[-100:], "grace_s": list(st.grace_s)[-100:],
             "grace_window_s": self.core.grace_window_s(), "history": history,
             "fragment_bytes": list(self.layout.nbytes), "final_done": self.final_done.is_set(),
@@ -669,6 +784,8 @@ class SyncerService:
         for p, v in enumerate(self.core.version):
             g.labels(str(p)).set(v)
         self.metrics.gauge("learners_alive", "Learners not known to be down").set(len(self.core.alive()))
+        self.metrics.gauge("learners_connected", "Learners heard from and alive (not waiting, lost or quarantined)").set(
+            len(self.core.connected()))
         self.metrics.gauge("global_step", "Highest learner step seen").set(self.core.global_step)
         sizes = self.core.stats.quorum_sizes
         self.metrics.gauge("last_quorum", "Learners merged in the latest round").set(sizes[-1] if sizes else 0)
@@ -683,6 +800,38 @@ class SyncerService:
                 rate.labels(str(m)).set(p["tokens_per_s"] if m in alive else 0.0)
                 total += p["tokens_per_s"] if m in alive else 0.0
         self.metrics.gauge("tokens_per_s", "Tokens a second all live learners train").set(total)
+        if self.store is not None:  # failing writes lose snapshots or the result: alert on them
+            self.metrics.gauge("checkpoint_write_failures", "Snapshot and final-parameter writes that failed"
+                               ).set(self.write_failures)
+            self.metrics.gauge("checkpoint_ok", "1 while the latest checkpoint write succeeded").set(
+                0 if self.write_error is not None or self.params_error is not None else 1)
+
+
+def _free_bytes(where: str | None) -> int | None:
+    """Free bytes on the file system of ``where`` (or of its nearest existing parent); None if unknown."""
+    if not where:
+        return None
+    path = Path(where).absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return None
+
+
+def _free(where: str | None) -> str:
+    free = _free_bytes(where)
+    return "unknown" if free is None else f"{free / 2**20:.0f} MiB"
+
+
+def _decoded_field(text: str) -> str:
+    """The field of a frame that did not decode, from serde's "Metadata.step: ..." (else "frame")."""
+    found = re.match(r"(Metadata|FragmentUpload|Donation)\.(\w+)", text)
+    if found is None:
+        return "frame"
+    kind = {"Metadata": "metadata", "FragmentUpload": "upload", "Donation": "donation"}[found.group(1)]
+    return f"{kind}.{found.group(2)}"
 
 
 class LossCurve:

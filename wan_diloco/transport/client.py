@@ -1,7 +1,8 @@
 """gRPC (HTTP/2) client of the syncer: metadata and fragment Frames up, Frames down, bulk.
 
 Several channels (TCP connections) per peer; uploads go round-robin over them.
-Every call has a deadline and the bearer token; calls that fail with UNAVAILABLE
+Every call has a deadline and its sender's token (a learner's own; the run's token
+is never sent, only what it derives for the sender: ``security.call_token``); calls that fail with UNAVAILABLE
 are retried with exponential backoff and jitter for up to ``retry_budget_s``
 (gRPC itself reconnects the channel with the same backoff settings). Every other
 status (e.g. ALREADY_EXISTS: another process subscribed with our sender name) is
@@ -28,7 +29,7 @@ from .messages import (
 )
 from .metrics import TransportMetrics
 from .probe import LinkSample, rate_from_transfer
-from .security import bearer_metadata, channel_credentials, check_token, require_secure_or_loopback
+from .security import bearer_metadata, call_token, channel_credentials, check_token, require_secure_or_loopback
 from .server import SERVICE, sender_metadata
 
 RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE})
@@ -77,7 +78,8 @@ class SyncerClient:
         require_secure_or_loopback(target, self.config.tls, self.config.allow_insecure_remote)
         self.target = target
         self.metrics = metrics or TransportMetrics()
-        self._call_metadata = bearer_metadata(check_token(token))
+        self._token = check_token(token)
+        self._metadata_of: dict[str, tuple] = {}  # sender -> its call metadata (token, name)
         # Names this process in Subscribe: the syncer refuses a second process subscribing
         # as the same sender instead of letting it take over the first one's stream.
         self.instance = secrets.token_hex(8)
@@ -146,6 +148,16 @@ class SyncerClient:
                     continue
                 raise TransportError(rpc, e.code(), e.details() or "") from None
 
+    def _metadata(self, sender: str) -> tuple:
+        """Call metadata speaking as ``sender``: its own token (``call_token``) and its name."""
+        md = self._metadata_of.get(sender)
+        if md is None:
+            if len(self._metadata_of) >= 64:  # a client speaks as one or a few senders: bounded anyway
+                self._metadata_of.clear()
+            md = self._metadata_of[sender] = bearer_metadata(call_token(self._token, sender)) + (
+                sender_metadata(sender),)
+        return md
+
     def _decode_ack(self, data: bytes) -> Ack:
         msg = decode_message(data, max_bytes=self.config.grpc_message_bytes)
         if not isinstance(msg, Ack):
@@ -166,7 +178,7 @@ class SyncerClient:
         async def attempt():
             call = self._channel(0).unary_unary(f"/{SERVICE}/Metadata")
             reply = await call(data, timeout=self.config.call_timeout_s, wait_for_ready=True,
-                               metadata=self._call_metadata + (sender_metadata(frame.sender),))
+                               metadata=self._metadata(frame.sender))
             self.metrics.sent("Metadata", len(data))
             return reply
 
@@ -186,7 +198,7 @@ class SyncerClient:
         if size > self.config.max_message_bytes:
             raise MessageError(f"fragment of {size} bytes exceeds max_message_bytes {self.config.max_message_bytes}")
 
-        metadata = self._call_metadata + (sender_metadata(frame.sender),)
+        metadata = self._metadata(frame.sender)
 
         async def attempt():
             call = self._channel().stream_unary(f"/{SERVICE}/Upload")
@@ -216,7 +228,7 @@ class SyncerClient:
         while not self._closed:
             call = self._channel(0).unary_stream(f"/{SERVICE}/Subscribe")(
                 request, timeout=self.config.subscribe_renew_s, wait_for_ready=True,
-                metadata=self._call_metadata + (sender_metadata(sender),),
+                metadata=self._metadata(sender),
             )
             reader = MessageReader(self.config.max_message_bytes, pool)
             try:
@@ -248,7 +260,7 @@ class SyncerClient:
         request = encode_message(Frame(sender=sender, fragment=0, meta={"bytes": nbytes, **report}))
         call = self._channel(channel).unary_stream(f"/{SERVICE}/Probe")(
             request, timeout=self.config.upload_deadline_s(nbytes), wait_for_ready=True,
-            metadata=self._call_metadata + (sender_metadata(sender),))
+            metadata=self._metadata(sender))
         n = 0
         try:
             async for chunk in call:
@@ -317,7 +329,7 @@ class SyncerClient:
         while True:
             call = self._channel(0).unary_stream(f"/{SERVICE}/Bulk")(
                 encode_message(attempt), timeout=self.config.upload_deadline_s(self.config.max_message_bytes),
-                metadata=self._call_metadata + (sender_metadata(request.sender),), wait_for_ready=True,
+                metadata=self._metadata(request.sender), wait_for_ready=True,
             )
             index = 0  # chunk indices restart at 0 in every call
             try:

@@ -28,6 +28,9 @@ class TlsConfig:
     ca_file: str = ""
     mutual: bool = False
     server_name: str = ""  # client: expected name in the server certificate, if not the host
+    # server with mutual: a caller's id is its certificate's common name (`wan-diloco certs` issues CN
+    # learner-N); a call declaring another sender is refused. False for a PKI whose names are not ids.
+    identity_from_cert: bool = True
 
     def validate(self) -> None:
         require(bool(self.cert_file) == bool(self.key_file), "cert_file", "cert_file and key_file go together")
@@ -69,9 +72,13 @@ class TransportConfig:
     probe_seconds: float = 0.2  # target length of one timed probe transfer
     auto_channels: bool = True  # learners open more connections when a probe finds the link needs them
     allow_insecure_remote: bool = False  # cleartext to a non-loopback address
-    # Each learner holds its own token (`wan-diloco token --learner N`), so one cannot speak for another;
-    # the run's token stays on the syncer's host.
-    per_learner_tokens: bool = False
+    # Each learner holds its own token (`wan-diloco token --learner N`; launch hands them out), so one cannot
+    # speak for another; the run's token stays on the syncer's host. A client given the run's token derives
+    # the sender's own per call, so by-hand runs with one token still work.
+    per_learner_tokens: bool = True
+    # A syncer off loopback with per_learner_tokens = false (and no per-learner certificates) refuses to
+    # start unless this is set: one shared token lets any holder speak for any learner.
+    allow_shared_token: bool = False
     tls: TlsConfig | None = None
 
     def validate(self) -> None:

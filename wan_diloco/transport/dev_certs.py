@@ -50,7 +50,7 @@ def make_dev_certs(directory: str | Path, hosts: tuple[str, ...] = ("127.0.0.1",
     d.mkdir(parents=True, exist_ok=True)
     _new_ca(d, 3, "wan-diloco test CA")
     _sign(d, "server", "wan-diloco server", f"subjectAltName={_san(hosts)}", 3)
-    _sign(d, "client", "wan-diloco client", "extendedKeyUsage=clientAuth", 3)
+    _sign(d, "client", "learner-0", "extendedKeyUsage=clientAuth", 3)  # CN: the sender it may speak as
     ca, p = str(d / "ca.pem"), lambda n: str(d / n)
     return {
         "server": TlsConfig(cert_file=p("server.pem"), key_file=p("server.key")),

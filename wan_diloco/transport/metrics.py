@@ -26,6 +26,9 @@ class TransportMetrics:
                               ["rpc", "code"], namespace=namespace, registry=self.registry)
         self.resumes = Counter("transport_resumes", "Broken transfers resumed from where they stopped, by RPC",
                                ["rpc"], namespace=namespace, registry=self.registry)
+        self.identity_refusals = Counter(
+            "identity_refused", "Calls refused because the caller is not who it says (per-sender token, "
+            "certificate), by reason", ["reason"], namespace=namespace, registry=self.registry)
         self._gauges: dict[str, Gauge] = {}
 
     def received(self, rpc: str, nbytes: int, messages: int = 1) -> None:
@@ -38,6 +41,9 @@ class TransportMetrics:
 
     def error(self, rpc: str, code: str) -> None:
         self.errors.labels(rpc, code).inc()
+
+    def identity_refused(self, reason: str) -> None:
+        self.identity_refusals.labels(reason).inc()
 
     def resumed(self, rpc: str) -> None:
         self.resumes.labels(rpc).inc()

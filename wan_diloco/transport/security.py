@@ -41,11 +41,49 @@ def token_matches(metadata: Sequence[tuple[str, str | bytes]] | None, token: str
     return False
 
 
+DERIVED_PREFIX = "wdl1."  # a sender's own token: it can only speak as that sender
+
+
 def derive_token(master: str, sender: str) -> str:
     """The token of one sender under per-sender credentials (``transport.per_learner_tokens``):
     HMAC-SHA256 of the sender's name under the run's token. A learner given its own can speak only as
     itself, and the run's token never has to leave the syncer's host (``wan-diloco token``)."""
-    return "wdl1." + hmac.new(check_token(master).encode(), sender.encode(), hashlib.sha256).hexdigest()
+    return DERIVED_PREFIX + hmac.new(check_token(master).encode(), sender.encode(), hashlib.sha256).hexdigest()
+
+
+def call_token(token: str, sender: str) -> str:
+    """The token a client holding ``token`` puts on a call as ``sender``: a sender's own token as it is; the
+    run's token derived for ``sender``, so the run's token itself never goes on the wire and a syncer with
+    per-sender credentials accepts it (who holds the run's token may be any sender anyway)."""
+    return token if token.startswith(DERIVED_PREFIX) else derive_token(token, sender)
+
+
+def certificate_identity(tls: TlsConfig | None) -> bool:
+    """True when a server with ``tls`` takes a caller's id from its client certificate (mutual TLS with
+    ``identity_from_cert``): a call that declares another sender is refused."""
+    return tls is not None and tls.mutual and tls.identity_from_cert
+
+
+def certificate_name(auth_context: dict | None) -> str | None:
+    """The common name (CN) of the verified client certificate in a gRPC call's ``auth_context()``."""
+    names = (auth_context or {}).get("x509_common_name") or ()
+    if len(names) != 1:
+        return None
+    name = names[0]
+    return name.decode("utf-8", "replace") if isinstance(name, bytes) else str(name)
+
+
+def require_bound_identity(address: str, transport) -> None:
+    """Refuse a syncer off loopback where one shared token lets any holder speak for any learner, unless
+    ``transport.allow_shared_token`` says so (``transport`` is a TransportConfig)."""
+    host, _ = split_host_port(address)
+    if (is_loopback(host) or transport.per_learner_tokens or certificate_identity(transport.tls)
+            or transport.allow_shared_token):
+        return
+    raise ConfigError(
+        f"transport.allow_shared_token: the syncer would listen on {address} (not loopback) with one shared "
+        "token (transport.per_learner_tokens = false, no per-learner certificates), so any token holder could "
+        "speak for any learner; turn per_learner_tokens back on, or set allow_shared_token = true to run so anyway")
 
 
 def check_token(token: str) -> str:

@@ -7,9 +7,15 @@ reading anything, validates every message, maps problems to clear status codes
 (UNAUTHENTICATED, INVALID_ARGUMENT, RESOURCE_EXHAUSTED, FAILED_PRECONDITION,
 ALREADY_EXISTS, DEADLINE_EXCEEDED) and keeps serving other calls.
 
-Uploads hold one of ``max_concurrent_uploads`` reassembly slots; one sender may
-have ``max_uploads_per_sender`` open, and an upload that stops sending for
-``stream_idle_timeout_s`` is aborted, so idle streams cannot keep the slots.
+Who calls is who its credential says: with per-sender tokens the token must be
+the declared sender's own, with mutual TLS (``identity_from_cert``) the declared
+sender must be the client certificate's name; anything else is refused before a
+byte is read and counted (``identity_refused_total{reason}``).
+
+Uploads hold one of ``max_concurrent_uploads`` reassembly slots; one sender (its
+authenticated identity) may have ``max_uploads_per_sender`` open, and an upload
+that stops sending for ``stream_idle_timeout_s`` is aborted, so idle streams
+cannot keep the slots.
 """
 from __future__ import annotations
 
@@ -18,7 +24,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from typing import AsyncIterator, Iterable, Protocol, Union
+from typing import AsyncIterator, Callable, Iterable, Protocol, Union
 from urllib.parse import quote, unquote
 
 import grpc
@@ -32,7 +38,8 @@ from .messages import (
 from .metrics import TransportMetrics
 from .probe import MAX_CONCURRENT_PROBES, MAX_PROBE_BYTES, PROBE_MESSAGE_MIN_BYTES, finite_positive
 from .security import (
-    check_token, derive_token, require_secure_or_loopback, server_credentials, token_matches, why_not_listening,
+    certificate_identity, certificate_name, check_token, derive_token, require_secure_or_loopback,
+    server_credentials, token_matches, why_not_listening,
 )
 
 log = logging.getLogger(__name__)
@@ -41,7 +48,9 @@ SERVICE = "wan_diloco.Syncer"
 METHODS = ("Metadata", "Upload", "Subscribe", "Bulk", "Probe")
 MAX_PEER_LINKS = 4096
 SENDER_HEADER = "x-wdl-sender"  # call metadata: who calls, before any byte is read (limits, per-sender tokens)
-SLOTS_BUSY_WARN_S = 5.0  # uploads waiting this long for a slot get one warning per episode
+SLOTS_BUSY_WARN_S = 5.0  # every upload slot held this long: one warning per episode
+# Why a call's identity was refused (the label of identity_refused_total: a fixed set, never caller text).
+IDENTITY_REASONS = ("no_sender", "token", "certificate", "message")
 
 
 def sender_metadata(sender: str) -> tuple[str, str]:
@@ -111,20 +120,28 @@ class TransportServer:
         per_sender_tokens: bool = False,
     ) -> None:
         """With ``per_sender_tokens`` every call must name its sender and carry that sender's own
-        token, ``derive_token(token, sender)``; a message from anyone else on it is refused."""
+        token, ``derive_token(token, sender)``; a message from anyone else on it is refused. Without,
+        the run's token or the declared sender's own is accepted. With mutual TLS and
+        ``tls.identity_from_cert`` the caller is its certificate's name, whatever the token."""
         self.handler, self.token = handler, check_token(token)
         self.per_sender_tokens = per_sender_tokens
         self._buckets: dict[str, tuple[float, float]] = {}  # sender -> (tokens, at): per-sender call rate
         self.config = config or TransportConfig()
         self.config.validate()
         require_secure_or_loopback(address, self.config.tls, self.config.allow_insecure_remote)
+        self.cert_identity = certificate_identity(self.config.tls)
         self.address, self.name = address, name
         self.metrics = metrics or TransportMetrics()
+        for reason in IDENTITY_REASONS:  # every series on /metrics from the start, at 0: alerts see a rise
+            self.metrics.identity_refusals.labels(reason)
         self.port = 0
         self._server: grpc.aio.Server | None = None
         self._upload_slots = asyncio.Semaphore(self.config.max_concurrent_uploads)
         self._uploads_by: dict[str, int] = {}  # sender (or "peer HOST") -> its open Upload calls
-        self._slots_busy_warned = False  # this episode of busy slots was reported
+        self._slots_held = 0
+        self._slots_busy_timer: asyncio.TimerHandle | None = None  # armed while every slot is held
+        # Told each warning's text too (the syncer makes it an event: the run's log, not only stderr).
+        self.on_warning: Callable[[str], None] | None = None
         # sender -> [instance, open Subscribe calls of that instance]
         self._subscribers: dict[str, list] = {}
         # Idle receive buffers kept for reuse: never more than the uploads in flight.
@@ -184,21 +201,36 @@ class TransportServer:
         self.metrics.error(rpc, code.name)
         await context.abort(code, f"{rpc}: {detail}")
 
+    async def _refuse_identity(self, context, rpc: str, code: grpc.StatusCode, reason: str, detail: str):
+        self.metrics.identity_refused(reason)
+        await self._fail(context, rpc, code, detail)
+
     async def _auth(self, context: grpc.aio.ServicerContext, rpc: str) -> str | None:
-        """Check the bearer token; with per-sender tokens it must be the named sender's own
-        (``derive_token``), and that sender is returned for ``_bind``."""
-        if not self.per_sender_tokens:
-            if not token_matches(context.invocation_metadata(), self.token):
-                await self._fail(context, rpc, grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
-            return None
-        claimed = self._claimed_sender(context)
-        if claimed is None:
-            await self._fail(context, rpc, grpc.StatusCode.UNAUTHENTICATED,
-                             f"per-sender credentials: the call names no sender ({SENDER_HEADER})")
-        if not token_matches(context.invocation_metadata(), derive_token(self.token, claimed)):
-            await self._fail(context, rpc, grpc.StatusCode.UNAUTHENTICATED,
-                             f"missing or wrong bearer token for sender {claimed[:40]!r}")
-        return claimed
+        """Check the call's credentials before anything is read; returns who it is (for ``_bind`` and the
+        per-sender limits): the named sender under per-sender tokens, the certificate's name under
+        certificate identity, else None (one shared token: anyone may be anyone)."""
+        metadata, claimed = context.invocation_metadata(), self._claimed_sender(context)
+        own = claimed is not None and token_matches(metadata, derive_token(self.token, claimed))
+        if self.per_sender_tokens:
+            if claimed is None:
+                await self._refuse_identity(context, rpc, grpc.StatusCode.UNAUTHENTICATED, "no_sender",
+                                            f"per-sender credentials: the call names no sender ({SENDER_HEADER})")
+            if not own:
+                await self._refuse_identity(context, rpc, grpc.StatusCode.UNAUTHENTICATED, "token",
+                                            f"missing or wrong bearer token for sender {claimed[:40]!r}")
+        elif not (own or token_matches(metadata, self.token)):
+            await self._fail(context, rpc, grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
+        if not self.cert_identity:
+            return claimed if self.per_sender_tokens else None
+        name = certificate_name(context.auth_context())
+        if name is None:
+            await self._refuse_identity(context, rpc, grpc.StatusCode.UNAUTHENTICATED, "certificate",
+                                        "the client certificate names no one (one common name expected)")
+        if claimed is not None and claimed != name:
+            await self._refuse_identity(context, rpc, grpc.StatusCode.PERMISSION_DENIED, "certificate",
+                                        f"the call says it is from {claimed[:40]!r}, its certificate is "
+                                        f"{name[:40]!r}'s")
+        return name
 
     @staticmethod
     def _claimed_sender(context) -> str | None:
@@ -207,11 +239,11 @@ class TransportServer:
                 return unquote(value if isinstance(value, str) else bytes(value).decode("ascii", "replace"))
         return None
 
-    async def _rate(self, context, rpc: str) -> None:
+    async def _rate(self, context, rpc: str, who: str | None) -> None:
         """A token bucket per sender (``max_calls_per_s_per_sender``, bursts of twice that): one token
-        holder cannot keep the event loop busy with small calls."""
+        holder cannot keep the event loop busy with small calls. ``who``: the authenticated identity."""
         rate = self.config.max_calls_per_s_per_sender
-        who, now = self._uploader(context), time.monotonic()
+        who, now = who or self._uploader(context), time.monotonic()
         tokens, at = self._buckets.get(who, (2 * rate, now))
         tokens = min(2 * rate, tokens + (now - at) * rate)
         if tokens < 1:
@@ -222,10 +254,10 @@ class TransportServer:
             self._buckets.pop(next(iter(self._buckets)))  # bounded: oldest first
         self._buckets[who] = (tokens - 1, now)
 
-    @staticmethod
-    def _bind(who: str | None, sender: str) -> None:
-        """With per-sender tokens a message must come from the sender whose token the call carries."""
+    def _bind(self, who: str | None, sender: str) -> None:
+        """A message must come from the sender the call's credentials are (per-sender token, certificate)."""
         if who is not None and sender != who:
+            self.metrics.identity_refused("message")
             raise Rejected(f"the call's credentials are {who[:40]!r}'s, the message says it is from {sender[:40]!r}",
                            grpc.StatusCode.PERMISSION_DENIED)
 
@@ -257,7 +289,7 @@ class TransportServer:
 
     async def _metadata(self, request: bytes, context) -> bytes:
         who = await self._auth(context, "Metadata")
-        await self._rate(context, "Metadata")
+        await self._rate(context, "Metadata", who)
         try:
             msg = self._decode(request, Frame, self.config.grpc_message_bytes)
             self._bind(who, msg.sender)
@@ -268,7 +300,8 @@ class TransportServer:
 
     @classmethod
     def _uploader(cls, context) -> str:
-        """Who an upload counts against: the sender it names, else the peer's host."""
+        """Who a call counts against without an authenticated identity (one shared token): the sender it
+        names, else the peer's host."""
         claimed = cls._claimed_sender(context)
         if claimed is not None:
             return claimed
@@ -279,34 +312,36 @@ class TransportServer:
 
     @contextlib.asynccontextmanager
     async def _upload_slot(self):
-        """Hold one of ``max_concurrent_uploads`` slots; warn once per episode of waiting long for one."""
-        waiting = self._upload_slots.locked()
-        if not waiting:
-            self._slots_busy_warned = False  # a slot was free: any busy episode is over
-        warn = asyncio.get_running_loop().call_later(SLOTS_BUSY_WARN_S, self._warn_slots_busy) if waiting else None
-        try:
-            await self._upload_slots.acquire()
-        finally:
-            if warn is not None:
-                warn.cancel()
+        """Hold one of ``max_concurrent_uploads`` slots. When every slot stays held for SLOTS_BUSY_WARN_S,
+        one warning names who holds them: whether or not an upload is waiting here, a learner's own
+        uploads may be held back on its side, and merges stop."""
+        await self._upload_slots.acquire()
+        self._slots_held += 1
+        self.metrics.gauge("upload_slots_in_use", "Upload reassembly slots held").set(self._slots_held)
+        if self._slots_held >= self.config.max_concurrent_uploads and self._slots_busy_timer is None:
+            self._slots_busy_timer = asyncio.get_running_loop().call_later(SLOTS_BUSY_WARN_S, self._warn_slots_busy)
         try:
             yield
         finally:
+            self._slots_held -= 1
+            self.metrics.gauge("upload_slots_in_use", "Upload reassembly slots held").set(self._slots_held)
+            if self._slots_busy_timer is not None:  # a slot is free: this episode is over
+                self._slots_busy_timer.cancel()
+                self._slots_busy_timer = None
             self._upload_slots.release()
 
     def _warn_slots_busy(self) -> None:
-        if self._slots_busy_warned:
-            return
-        self._slots_busy_warned = True
         top = sorted(self._uploads_by.items(), key=lambda kv: -kv[1])[:8]
-        log.warning("all %d upload slots (transport.max_concurrent_uploads) have been busy for over %.0f s: "
-                    "uploads wait and merges are delayed; open uploads by sender: %s",
-                    self.config.max_concurrent_uploads, SLOTS_BUSY_WARN_S,
-                    ", ".join(f"{who!r} x{n}" for who, n in top))  # repr: names are the callers' text
+        what = (f"all {self.config.max_concurrent_uploads} upload slots (transport.max_concurrent_uploads) have been "
+                f"busy for over {SLOTS_BUSY_WARN_S:.0f} s: uploads wait and merges are delayed; open uploads by "
+                "sender: " + ", ".join(f"{who!r} x{n}" for who, n in top))  # repr: names are the callers' text
+        log.warning("%s", what)
+        if self.on_warning is not None:
+            self.on_warning(what)
 
     async def _upload(self, request_iterator, context) -> bytes:
-        bound = await self._auth(context, "Upload")
-        who, limit = self._uploader(context), self.config.max_uploads_per_sender
+        bound = await self._auth(context, "Upload")  # before a slot or a byte: a stranger takes neither
+        who, limit = bound or self._uploader(context), self.config.max_uploads_per_sender
         if self._uploads_by.get(who, 0) >= limit:
             await self._fail(context, "Upload", grpc.StatusCode.RESOURCE_EXHAUSTED,
                              f"{who} has {limit} uploads open already, the limit (max_uploads_per_sender); "
@@ -411,7 +446,7 @@ class TransportServer:
 
     async def _bulk(self, request: bytes, context):
         who = await self._auth(context, "Bulk")
-        await self._rate(context, "Bulk")
+        await self._rate(context, "Bulk", who)
         try:
             req = self._decode(request, BulkRequest, self.config.grpc_message_bytes)
             self._bind(who, req.sender)
@@ -445,7 +480,7 @@ class TransportServer:
     async def _probe(self, request: bytes, context):
         """Stream ``meta["bytes"]`` zero bytes back: the sender times it (``probe.py``)."""
         who = await self._auth(context, "Probe")
-        await self._rate(context, "Probe")
+        await self._rate(context, "Probe", who)
         try:
             msg = self._decode(request, Frame, self.config.grpc_message_bytes)
             self._bind(who, msg.sender)

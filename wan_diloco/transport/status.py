@@ -14,6 +14,7 @@ import hashlib
 import inspect
 import json
 import logging
+import math
 import re
 import ssl
 from importlib import resources
@@ -50,6 +51,17 @@ def dashboard_page() -> tuple[bytes, str]:
     csp = (f"default-src 'none'; script-src {_hashes(html, 'script')}; style-src {_hashes(html, 'style')}; "
            "connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
     return html.encode(), csp
+
+
+def _finite(value: Any) -> Any:
+    """``value`` with every NaN or infinite float as None (JSON has no such numbers)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, Mapping):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
 
 
 class _QuietBadRequests(logging.LoggerAdapter):
@@ -202,7 +214,10 @@ class StatusServer:
             result = self._status()
             if inspect.isawaitable(result):
                 result = await result
-            body = json.dumps(result, sort_keys=True)
+            try:
+                body = json.dumps(result, sort_keys=True, allow_nan=False)
+            except ValueError:  # a NaN or infinite float: Python writes NaN, which no browser's JSON.parse takes
+                body = json.dumps(_finite(result), sort_keys=True, allow_nan=False)
         except Exception as e:  # a broken status callable must not take the server down
             return web.json_response({"error": f"{type(e).__name__}: {e}"}, status=500)
         return web.Response(text=body, content_type="application/json")

@@ -1,0 +1,22 @@
+"""`wan-diloco token --learner N`: learner N's own token, the one launch hands that learner, and only it on
+stdout (for scripts); where it goes, on stderr."""
+import pytest
+
+from wan_diloco import spec as rt
+from wan_diloco.cli import main
+from wan_diloco.runtime.launch import Cluster
+from wan_diloco.spec import TOKEN_ENV
+from wan_diloco.transport import derive_token
+
+
+def test_a_learners_own_token_is_what_launch_hands_it(tmp_path, capsys):
+    path = tmp_path / "run.toml"
+    path.write_text('[run]\nlearners = 2\ntoken = "the-run-token-0123"\n')
+    assert main(["token", "--learner", "1", "--config", str(path)]) == 0
+    out, err = capsys.readouterr()
+    cluster = Cluster(rt.load(path), path, tmp_path / "run")
+    assert out == derive_token("the-run-token-0123", "learner-1") + "\n" == cluster._env_of("learner-1")[TOKEN_ENV] + "\n"
+    assert "$WAN_DILOCO_TOKEN" in err and "keep the run's token on the syncer's host" in err
+    assert TOKEN_ENV not in cluster._own_token("syncer")  # the syncer keeps the run's
+    with pytest.raises(SystemExit):
+        main(["token", "--learner", "2", "--config", str(path)])
