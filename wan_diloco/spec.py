@@ -83,9 +83,19 @@ class RunConfig:
     # The run's identity in every message; empty: the syncer makes one at a fresh start (a resume keeps
     # the snapshot's). A learner given one refuses a syncer serving another.
     run_id: str = ""
+    # The start barrier (core.barrier): no learner takes a training step before this many learners have
+    # joined the syncer. 0: every learner of the run under `launch` (it writes the number into the run's
+    # config), 1 for a standalone syncer.
+    min_learners_to_start: int = 0
+    start_timeout_s: float = 600.0  # a barrier not met by then fails the run, naming who never joined
 
     def validate(self) -> None:
         require(self.learners >= 1, "learners", f"must be >= 1, got {self.learners}")
+        require(isinstance(self.min_learners_to_start, int) and 0 <= self.min_learners_to_start <= self.learners,
+                "min_learners_to_start", f"must be in 0..run.learners ({self.learners}; 0: the default), "
+                f"got {self.min_learners_to_start!r}")
+        require(math.isfinite(self.start_timeout_s) and self.start_timeout_s > 0, "start_timeout_s",
+                f"must be a finite number of seconds > 0, got {self.start_timeout_s}")
         require(self.steps >= 1, "steps", f"must be >= 1, got {self.steps}")
         require(self.batch_size >= 1, "batch_size", f"must be >= 1, got {self.batch_size}")
         require(self.eval_batches >= 1, "eval_batches", f"must be >= 1, got {self.eval_batches}")

@@ -79,3 +79,24 @@ def test_params_roundtrip_flat_and_into_a_template(tmp_path):
         load_params(tmp_path / "p.safetensors", like={**like, "bias": np.zeros(4, np.float32)})
     with pytest.raises(CheckpointError, match="missing"):
         load_params(tmp_path / "p.safetensors", like={**like, "other": np.zeros(1, np.float32)})
+
+
+def test_a_resume_takes_an_incomplete_snapshot_that_holds_a_learner_part_and_names_what_is_missing(tmp_path):
+    # #23 case 9: learner 1 never wrote its part, so no snapshot was ever complete; learner 0's part is there
+    # (learner 1 recovers from it). Snapshot 3, cut as the run stopped, has no learner part at all.
+    st = SnapshotStore(tmp_path)
+    _snapshot(st, 1, 1.0)
+    _snapshot(st, 2, 2.0, complete=False)
+    st.save_part(2, "learner-0", {"opt": np.zeros(2, np.float32)}, {}, "learner")
+    _snapshot(st, 3, 3.0, complete=False)
+    s, tensors, _, manifest = st.resumable("syncer", "syncer", learners=2)
+    assert (s, float(tensors["theta"][0]), manifest) == (2, 2.0, None)
+    assert st.missing(2, 2) == ["learner-1"] and st.parts_present(2) == ["learner-0", "syncer"]
+    assert st.skipped == [(3, "incomplete and without a learner part (learner-0, learner-1 missing)")]
+    # A complete snapshot newer than an incomplete one is taken; with only syncer parts, the newest of those.
+    st.mark_complete(3, {"parts": ["syncer"], "run_id": "r"})
+    assert st.resumable("syncer", "syncer", 2)[0] == 3
+    only = SnapshotStore(tmp_path / "only")
+    _snapshot(only, 4, 4.0, complete=False)
+    assert only.resumable("syncer", "syncer", 2)[0] == 4
+    assert SnapshotStore(tmp_path / "none").resumable("syncer", "syncer", 2) is None

@@ -27,6 +27,9 @@ def test_three_learners_end_bit_identical_to_the_syncer(tmp_path, bits):
     syncer = next(e for e in events if e["source"] == "syncer" and e["event"] == "final")
     finals = {e["learner"]: e for e in events if e["source"].startswith("learner") and e["event"] == "final"}
     assert sorted(finals) == [0, 1, 2] and summary["bit_identical"]
+    # The start barrier (launch: every learner): no learner started training before all three had joined.
+    met = next(e for e in events if e["source"] == "syncer" and e["event"] == "barrier")
+    assert met["joined"] == [0, 1, 2] and all(e["t"] >= met["t"] - 0.05 for e in events if e["event"] == "start")
     for f in finals.values():
         assert f["digests"] == syncer["digests"]  # the learner's global fragments
         assert f["param_digests"] == syncer["digests"]  # alpha = 0: its model is the global one

@@ -56,3 +56,32 @@ def test_a_learner_that_trained_past_the_resumed_snapshot_recovers_from_a_peer_i
     # A learner that has not lived past it (a whole run resumed from 3) takes its part up.
     store.part(5, "learner-0").unlink()
     assert lrn._restore_part(3) is True and int(lrn.state.step) == 40
+
+
+def test_a_learner_whose_part_is_broken_takes_its_earlier_part_before_a_fresh_state(tmp_path, capsys):
+    # Case 12 of #23: the newest part has a flipped byte and no peer gave a state: its part of the earlier
+    # snapshot (older optimizer, residuals and data position) beats a fresh inner optimizer.
+    store = SnapshotStore(tmp_path)
+    lrn = bare_learner(step=40)
+    restored = []
+    lrn.batches = types.SimpleNamespace(restore=restored.append)
+    opt = {k: np.asarray(v) for k, v in tree.to_named(lrn.state.opt_state, "opt").items()}
+    for snap, batches in ((3, 7), (5, 9)):
+        info = {"run_id": "run-a", "learner": 0, "train_step": 10 * snap, "step": 10 * snap, "tokens": 100 * snap,
+                "data": {"batches": batches}}
+        store.save_part(snap, "learner-0", opt, info, "learner")
+    part = store.part(5, "learner-0")
+    data = bytearray(part.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    part.write_bytes(bytes(data))
+    lrn.store = store
+    assert lrn._restore_part(5) is False and lrn.part_unusable
+    assert lrn._restore_earlier_part(5) is True
+    assert restored == [{"batches": 7}] and lrn.tokens == 300 and lrn.recovery == {"from_peer": False, "from_snapshot": 3}
+    said = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert "peer" in said[0]["what"] and "earlier snapshot" in said[0]["what"]
+    assert said[-1]["event"] == "warning" and "earlier snapshot 3" in said[-1]["what"]
+    assert any(e["event"] == "resumed" and e["snapshot"] == 3 and e["fallback"] for e in said)
+    store.part(3, "learner-0").unlink()
+    assert lrn._restore_earlier_part(5) is False  # nothing earlier of its own: fresh, and it says so
+    assert "fresh inner optimizer" in json.loads(capsys.readouterr().out.splitlines()[-1])["what"]

@@ -23,7 +23,7 @@ def donates(service, donor):
     """The Donate frames waiting in ``donor``'s mailbox (what its update stream would deliver)."""
     box = service.hub.mailbox(f"learner-{donor}")
     return [serde.control_from_frame(p.message) for p in box._pending.values()
-            if serde.control_from_frame(p.message) is not None]
+            if isinstance(serde.control_from_frame(p.message), serde.Donate)]
 
 
 def test_a_donor_lost_mid_transfer_is_replaced_and_the_state_reaches_the_recipient(tmp_path):

@@ -7,8 +7,11 @@ Layout under ``root``::
     00000007/COMPLETE.json            written last, by the syncer, once every active process wrote its part
     params.safetensors                the latest global parameters (``save_params`` format)
 
-A snapshot without a valid manifest is incomplete and never used; one whose
-part fails its digest is skipped for the previous complete one.
+The manifest names the parts the snapshot holds (``parts``). A snapshot without a
+valid manifest is incomplete; one whose part fails its digest is skipped for the
+previous one. ``resumable`` picks what a resume takes (docs/operations.md,
+"Snapshots and resume"): the newest snapshot whose syncer part verifies and that
+is complete or holds a learner part (learners without one recover from a peer).
 """
 from __future__ import annotations
 
@@ -108,6 +111,45 @@ class SnapshotStore:
                 self.skipped.append((s, str(e)))
                 log.warning("snapshot %d skipped: %s", s, e)
         return None
+
+    def parts_present(self, snapshot: int) -> list[str]:
+        """Names of the part files in a snapshot's folder (written or not yet verified)."""
+        d = self.dir(snapshot)
+        if not d.is_dir():
+            return []
+        return sorted(p.name.removesuffix(".safetensors") for p in d.iterdir() if p.name.endswith(".safetensors"))
+
+    def missing(self, snapshot: int, learners: int) -> list[str]:
+        """The parts an incomplete snapshot lacks: the syncer's, then each learner's."""
+        have = set(self.parts_present(snapshot))
+        return [n for n in ["syncer", *(f"learner-{m}" for m in range(learners))] if n not in have]
+
+    def resumable(self, name: str, kind: str, learners: int):
+        """(snapshot, tensors, info, manifest or None) of what a resume takes: the newest snapshot whose part
+        ``name`` verifies and that is complete or holds at least one learner part (learners without a part
+        recover from a peer that has one); failing that, the newest whose part ``name`` verifies at all
+        (every learner then goes on from the global parameters). None if no part verifies. Snapshots passed
+        over, and why, are in ``skipped``."""
+        complete, fallback = set(self.complete_ids()), None
+        for s in reversed(self.ids()):
+            have = self.parts_present(s)
+            if name not in have:
+                self.skipped.append((s, f"no {name} part"))
+                continue
+            try:
+                manifest = self.manifest(s) if s in complete else None
+                tensors, info = self.load_part(s, name, kind)
+            except CheckpointError as e:
+                self.skipped.append((s, str(e)))
+                log.warning("snapshot %d skipped: %s", s, e)
+                continue
+            if manifest is not None or any(p.startswith("learner-") for p in have):
+                return s, tensors, info, manifest
+            self.skipped.append((s, f"incomplete and without a learner part ({', '.join(self.missing(s, learners))} "
+                                    f"missing)"))
+            if fallback is None:
+                fallback = (s, tensors, info, None)
+        return fallback
 
     def fork_refusal(self) -> str | None:
         """Why a fresh start over this folder would fork a run (it holds snapshots of an earlier start), or

@@ -67,9 +67,17 @@ def table(mon: RunState, learners: list[int] | None = None) -> Table:
         failing = storage_failing(s.get("storage"))
         if failing:  # loud: a run that cannot write its snapshots (or its weights) loses them on a crash
             t.add_row(f"{name} disk", "", "", "", "", "", "", "", Text(failing, style="bold red"))
+    captions = []
+    b = mon.barrier
+    if b and not b.get("started"):
+        waiting = ", ".join(f"learner-{m}" for m in b.get("waiting_for") or ()) or "?"
+        captions.append(f"start barrier: {len(b.get('joined') or ())} of {b.get('need')} learners joined; "
+                        f"waiting for {waiting}")
     if mon.evals:
         last = mon.evals[-1]
-        t.caption = f"global model: eval loss {last['eval_loss']:.3f} at step {last['step']} (run.eval_every)"
+        captions.append(f"global model: eval loss {last['eval_loss']:.3f} at step {last['step']} (run.eval_every)")
+    if captions:
+        t.caption = "\n".join(captions)
     return t
 
 
@@ -90,6 +98,9 @@ def print_summary(s: dict) -> None:
             f" (in the final sync: {len(s['final_learners'])})"
             if len(s.get("final_learners", [])) != s["learners_finished"] else "")),
         ("tokens", f"{s['tokens']:,}"),
+        *((f"learner-{m}: steps, tokens", f"{p['steps']:,}, {p['tokens']:,}" + ("" if p["finished"] else
+                                                                               f" (not finished: {p['status']})"))
+          for m, p in (s.get("per_learner") or {}).items()),
         ("global steps", str(s["global_steps"])),
         ("goodput", f"{s['goodput']:.1%}"),
         ("fragment syncs", " ".join(map(str, s["fragment_syncs"]))),
@@ -134,11 +145,18 @@ def launch_and_show(cfg: spec_lib.RunSpec, config_text: str, run_dir: str | None
                       f"{': ' + escape(said) if said else ''}; see {escape(log)}[/yellow]", highlight=False)
     if "error" in summary:
         console.print(f"[red]wan-diloco: run failed: {escape(summary['error'])}[/red]", highlight=False)
+    if "stopped" in summary:
+        console.print(f"[yellow]wan-diloco: {escape(summary['stopped'])}; to go on:[/yellow]", highlight=False)
+        print(summary["resume"], flush=True)  # plain, on stdout: the command to copy
+    resumed = summary.get("resumed")
+    if resumed and resumed.get("notes"):
+        for note in resumed["notes"]:
+            console.print(f"wan-diloco: resumed from snapshot {resumed.get('snapshot')}: {escape(note)}", highlight=False)
     return code, summary
 
 
 def finish(code: int, summary: dict, args: argparse.Namespace) -> int:
-    if code == 0:
+    if code == 0 or "budget_steps" in summary:  # a run that ended, also short of a success: its figures
         print_summary(summary)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

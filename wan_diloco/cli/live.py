@@ -77,6 +77,8 @@ class ProcessView:
         """The syncer's view of its learners (``SyncerService.status()`` and its ``progress``) as their rows:
         a standalone syncer sees no learner events, only what their metadata says."""
         with self._lock:
+            if status.get("barrier"):
+                self.mon.barrier = dict(status["barrier"])  # the table's caption: who the run waits for
             for key, seen in status["learners"].items():
                 row, m = self.mon.learners[int(key)], int(key)
                 row["step"] = seen["step"]

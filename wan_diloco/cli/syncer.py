@@ -76,7 +76,11 @@ async def serve(cfg: spec_lib.RunSpec, token: str, port: int | None = None, resu
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_stop)
-    loop.add_signal_handler(signal.SIGUSR1, service.snapshot_now)
+    def on_snapshot_request() -> None:
+        # Said on stdout: a launcher stopping the run waits for this snapshot, or not at all when there is none.
+        emit({"event": "snapshot_requested", "role": "syncer", "snapshot": service.snapshot_now()})
+
+    loop.add_signal_handler(signal.SIGUSR1, on_snapshot_request)
     await server.start()
     try:
         status_port = await status.start() if status is not None else None
@@ -99,6 +103,9 @@ async def serve(cfg: spec_lib.RunSpec, token: str, port: int | None = None, resu
                       "alive": service.core.connected(), **service.summary()})  # never a learner not yet seen
                 if view is not None:
                     view.watch_syncer(service.status(), service.progress)
+        if service.failed is not None:  # the run could not start: one line, and not a success
+            print(f"wan-diloco syncer: {service.failed}", file=sys.stderr)
+            return 1
         if service.final_report is not None:
             emit({**service.final_report, **service.summary()})
         if service.params_error is not None:

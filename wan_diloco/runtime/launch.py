@@ -360,6 +360,46 @@ class RunFailed(Exception):
     """The run cannot continue; the text says why."""
 
 
+class RunStopped(Exception):
+    """The operator stopped the run (SIGINT, SIGTERM): not a failure, it can be resumed."""
+
+
+STOP_SNAPSHOT_S = 60.0  # a stopped run waits this long for its final snapshot (a second Ctrl-C: not at all)
+STOPPED_EXIT = 130  # launch stopped by SIGINT or SIGTERM: a stop the operator asked for, resumable
+
+
+def stop_snapshot(cluster: "Cluster", take: Callable[[str, dict], None], stop: dict,
+                  wait_s: float = STOP_SNAPSHOT_S) -> int | None:
+    """Ask the syncer for a snapshot now (SIGUSR1, to every shard) and wait at most ``wait_s`` for shard 0 to
+    report it complete, feeding every event meanwhile to ``take``; its id, or None (no syncer, no
+    checkpoint.dir, too slow, a second signal)."""
+    syncer = cluster.children.get("syncer")
+    if syncer is None or syncer.exit_code is not None or not cluster.cfg.checkpoint.dir:
+        return None
+    for name, c in cluster.children.items():
+        if is_syncer(name) and c.exit_code is None:
+            try:
+                os.kill(c.proc.pid, signal.SIGUSR1)
+            except ProcessLookupError:
+                pass
+    asked, deadline, cut = stop["count"], time.monotonic() + wait_s, None
+    while time.monotonic() < deadline and stop["count"] == asked and syncer.exit_code is None:
+        try:
+            name, e = cluster.events.get(timeout=0.25)
+        except queue.Empty:
+            continue
+        take(name, e)
+        if name != "syncer":
+            continue
+        if e.get("event") == "snapshot_requested":
+            if e.get("snapshot") is None:
+                return None  # nothing to cut (the final sync began): no use waiting
+            cut = int(e["snapshot"])
+        elif e.get("event") == "snapshot" and cut is not None and int(e["snapshot"]) >= cut:
+            return int(e["snapshot"])
+    return None
+
+
 class RunState:
     """Latest state of every process of a run, folded from their events."""
 
@@ -376,6 +416,7 @@ class RunState:
         self.evals: list[dict] = []  # the global model's eval points (run.eval_every), in step order
         self.losses: dict[int, list[tuple[int, float]]] = {m: [] for m in range(cfg.run.learners)}
         self.tokens: dict[int, list[tuple[float, int]]] = {m: [] for m in range(cfg.run.learners)}  # (t, tokens)
+        self.barrier: dict = {}  # the start barrier as last heard: need, joined, waiting_for, started
 
     def fold(self, name: str, e: dict) -> None:
         kind = e.get("event")
@@ -390,12 +431,19 @@ class RunState:
                 self.syncer_final = e
             if kind in ("progress", "final", "listening"):
                 self.syncer.update(e)
+            if kind == "barrier":
+                self.barrier = {k: e.get(k) for k in ("need", "joined", "waiting_for", "started")}
             return
         m, process = learner_process(name)
         if process:  # a follower of a learner of several processes: the leader speaks for the learner
             return
         row = self.learners[m]
-        if kind == "start":
+        if kind == "barrier":
+            if not self.barrier.get("started"):
+                self.barrier = {k: e.get(k) for k in ("need", "joined", "waiting_for", "started")}
+            row["status"] = "starting" if e.get("started") else (
+                "waiting for " + ", ".join(f"learner-{w}" for w in e.get("waiting_for") or ()) or "waiting to start")
+        elif kind == "start":
             self.starts.setdefault(m, e)
             row["status"] = "training"
         elif kind == "step":
@@ -420,9 +468,25 @@ class RunState:
             row["status"] = "exited"
 
 
+def trained_finals(mon: RunState) -> dict[int, dict]:
+    """The final reports of learners that trained (tokens > 0): one "recovered" at the end with nothing
+    trained did not do any of the run's work and is no finished learner."""
+    return {m: f for m, f in mon.finals.items() if f.get("tokens", 0) > 0}
+
+
+def first_starts(mon: RunState) -> dict[int, dict]:
+    """The start reports of the run's first start (the lowest step any learner started at): a learner that
+    joined later evaluated a model others had trained already, which is no initial loss."""
+    if not mon.starts:
+        return {}
+    first = min(e.get("step", 0) for e in mon.starts.values())
+    return {m: e for m, e in mon.starts.items() if e.get("step", 0) == first}
+
+
 def summarize(mon: RunState, wall_s: float) -> dict:
     """The run's figures once it is over (what `launch` prints and writes as JSON)."""
-    cfg, finals = mon.cfg, list(mon.finals.values())
+    cfg, finals = mon.cfg, list(trained_finals(mon).values())
+    starts = list(first_starts(mon).values())
     sf = joined_final(mon.syncer_final or {}, mon.shard_finals)
     params = int(mon.syncer.get("params", 0))
     M = cfg.run.learners
@@ -436,7 +500,7 @@ def summarize(mon: RunState, wall_s: float) -> dict:
         "learners_finished": len(finals), "learners": M,
         # The syncer's view: also learners restarted by hand outside this launcher, whose events it never saw.
         "final_learners": sf.get("final_learners", []),
-        "initial_eval_loss": sum(s["eval_loss"] for s in mon.starts.values()) / max(1, len(mon.starts)),
+        "initial_eval_loss": sum(s["eval_loss"] for s in starts) / max(1, len(starts)),
         "final_eval_loss": sum(f["final_eval_loss"] for f in finals) / max(1, len(finals)),
         "tokens": sum(f["tokens"] for f in finals), "global_steps": sf.get("global_step", 0),
         "goodput": sum(f["compute_s"] for f in finals) / max(1e-9, sum(f["train_s"] for f in finals)),
@@ -450,7 +514,32 @@ def summarize(mon: RunState, wall_s: float) -> dict:
         "run_id": sf.get("run_id"), "params_path": sf.get("params_path"),
         "snapshots": sf.get("snapshots_complete", 0), "syncer_epoch": sf.get("epoch"),
         "eval_curve": mon.evals,
+        # Each learner's own work: a learner that trained nothing shows 0 here, whatever its final report says.
+        "per_learner": {str(m): {"steps": int(mon.finals.get(m, row).get("steps", row.get("step", 0)) or 0),
+                                 "tokens": int(mon.finals.get(m, row).get("tokens", 0) or 0),
+                                 "finished": m in trained_finals(mon), "status": row.get("status")}
+                        for m, row in mon.learners.items()},
+        # How far the run got: the syncer's step, or a learner's that finished its final sync (its last
+        # steps reach the syncer only in the final uploads).
+        "budget_steps": cfg.run.steps,
+        "resumed": mon.syncer.get("resumed"),
+        "steps_reached": max([int(sf.get("global_step", 0))] + [int(f["steps"]) for f in finals]),
     }
+
+
+def verdict(summary: dict) -> list[str]:
+    """What makes a run that ended not a success, one line each (empty: it is one): the global step budget not
+    reached, no learner that trained, learners whose final fragments differ from the syncer's."""
+    problems = []
+    budget, reached = summary.get("budget_steps", 0), summary.get("steps_reached", 0)
+    if reached < budget:
+        problems.append(f"the run stopped at global step {reached} of its {budget}-step budget")
+    if not summary.get("learners_finished"):
+        problems.append("no learner trained to the end of the run")
+    elif not summary.get("bit_identical"):
+        problems.append("the learners' final fragments differ from the syncer's (final digests: see the learners' "
+                        "final events in metrics.jsonl)")
+    return problems
 
 
 def joined_final(first: dict, others: dict[int, dict]) -> dict:
@@ -487,9 +576,12 @@ def join_shard_params(cfg: RunSpec, shards: int) -> Path | None:
 
 def run_spec(cfg: RunSpec, rdir: Path) -> RunSpec:
     """What the processes of a launched run read (``RUN_DIR/config.toml``): a run id, snapshots under
-    the run folder (``checkpoints``, or a relative ``checkpoint.dir`` taken relative to it), and no token (children
+    the run folder (``checkpoints``, or a relative ``checkpoint.dir`` taken relative to it), a start barrier of every
+    learner (unless ``run.min_learners_to_start`` says otherwise), and no token (children
     get it in their environment; a file would leak it)."""
-    changes: dict = {"run": {"token": "", "run_id": cfg.run.run_id or f"{rdir.name}-{secrets.token_hex(4)}"}}
+    changes: dict = {"run": {"token": "", "run_id": cfg.run.run_id or f"{rdir.name}-{secrets.token_hex(4)}",
+                             # the start barrier: every learner of the run unless the config says how many
+                             "min_learners_to_start": cfg.run.min_learners_to_start or cfg.run.learners}}
     if not Path(cfg.checkpoint.dir or "checkpoints").is_absolute():
         changes["checkpoint"] = {"dir": str((rdir / (cfg.checkpoint.dir or "checkpoints")).resolve())}
     return cfg.with_changes(**changes)
@@ -566,10 +658,11 @@ def emulated_spec(cfg: RunSpec, emu: Emulator, tls_dir: Path) -> RunSpec:
 def _run(cfg: RunSpec, rdir: Path, watch: Callable[[RunState], None] | None,
          wrap: Callable[[str], list[str]] | None = None, resume: bool = False) -> tuple[int, dict]:
     mon, t0 = RunState(cfg), time.monotonic()
-    stop = {"sig": 0}
+    stop = {"sig": 0, "count": 0}
 
     def on_signal(signum, _frame):
         stop["sig"] = signum
+        stop["count"] += 1
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     tb = None
@@ -584,19 +677,27 @@ def _run(cfg: RunSpec, rdir: Path, watch: Callable[[RunState], None] | None,
                 cluster.start_syncers(resume=resume)
             except RuntimeError as e:
                 raise RunFailed(str(e)) from None
+            def take(name: str, e: dict) -> None:
+                mf.write(json.dumps({"source": name, **e}) + "\n")
+                mon.fold(name, e)
+                if tb is not None:
+                    tb.write(name, e)
+                if watch is not None:
+                    watch(mon)
+
             for m in range(cfg.run.learners):
+                if stop["sig"]:
+                    break
                 cluster.start_learner(m, resume=resume)
             while True:
                 if stop["sig"]:
-                    raise RunFailed(f"stopped by {signal.Signals(stop['sig']).name}; all processes terminated")
+                    # A stop, not a failure: a last snapshot when the syncer can cut one, then every child stops.
+                    snap = stop_snapshot(cluster, take, stop)
+                    raise RunStopped(f"stopped by {signal.Signals(stop['sig']).name}" +
+                                     (f"; snapshot {snap} taken" if snap is not None else
+                                      "; no final snapshot (the newest earlier one is resumed)"))
                 try:
-                    name, e = cluster.events.get(timeout=0.25)
-                    mf.write(json.dumps({"source": name, **e}) + "\n")
-                    mon.fold(name, e)
-                    if tb is not None:
-                        tb.write(name, e)
-                    if watch is not None:
-                        watch(mon)
+                    take(*cluster.events.get(timeout=0.25))
                 except queue.Empty:
                     pass
                 syncers = [c for n, c in cluster.children.items() if is_syncer(n)]
@@ -631,16 +732,22 @@ def _run(cfg: RunSpec, rdir: Path, watch: Callable[[RunState], None] | None,
         try:
             from wan_diloco.runtime.run_plot import plot_run
 
-            plot_run(mon.losses, mon.evals, [s["eval_loss"] for s in mon.starts.values()],
-                     [(f["steps"], f["final_eval_loss"]) for f in mon.finals.values()], rdir / "loss.png",
+            # Never an untrained copy's eval: a late joiner's start, a learner that finished with nothing trained.
+            plot_run(mon.losses, mon.evals, [s["eval_loss"] for s in first_starts(mon).values()],
+                     [(f["steps"], f["final_eval_loss"]) for f in trained_finals(mon).values()], rdir / "loss.png",
                      title=f"{cfg.run.learners} learners, {cfg.run.steps} steps ({cfg.preset})", tokens=mon.tokens)
             summary["loss_png"] = str(rdir / "loss.png")
         except (OSError, ValueError) as e:  # a picture is not worth failing a finished run for
             summary["loss_png"] = None
             print(f"wan-diloco: could not draw the loss curve: {e}", file=sys.stderr)
+        problems = verdict(summary)
+        if problems:  # it ended, but not as a success: exit status and summary say so
+            return 1, {**summary, "error": "; ".join(problems)}
         return 0, summary
+    except RunStopped as e:
+        return STOPPED_EXIT, {"stopped": str(e), "run_dir": str(rdir), "resume": f"wan-diloco launch --resume {rdir}"}
     except RunFailed as e:
-        return (128 + stop["sig"] if stop["sig"] else 1), {"error": str(e), "run_dir": str(rdir)}
+        return (STOPPED_EXIT if stop["sig"] else 1), {"error": str(e), "run_dir": str(rdir)}
     except OSError as e:  # the launcher's own files (logs, metrics.jsonl) on a full or read-only disk
         where = e.filename or rdir
         return 1, {"error": f"the launcher failed on {where}: {describe_os_error(e)}; every process was stopped",

@@ -45,6 +45,7 @@ from wan_diloco.assemble import Assembly, fragment_digest
 from wan_diloco.checkpoint import CheckpointError, SnapshotStore, decode_state, encode_state
 from wan_diloco.config import ConfigError
 from wan_diloco.planning import LinkEstimate, confirmed_move, replan_reasons, tau_for_link
+from wan_diloco.core.barrier import BarrierView
 from wan_diloco.core import (
     ApplyGlobal, IncarnationError, ProtocolError, Rejoin, Resync, SaveState, SendFragment, SendMetadata, Snapshot,
     learner_node,
@@ -68,6 +69,10 @@ HEARTBEAT_S = 5.0
 
 class SyncerLost(RuntimeError):
     """The syncer stayed unreachable for longer than the transport's retry budget."""
+
+
+class StartTimeout(RuntimeError):
+    """The start barrier was not met within run.start_timeout_s; the text names who never joined."""
 
 
 class Stopped(Exception):
@@ -122,6 +127,7 @@ class Learner:
         # metadata carries no position: the join's would replace the one the syncer keeps for it.
         self.position_known = False
         self.on_compiled = lambda: None  # called once the first step compiled (signal handlers go in then)
+        self.barrier = BarrierView(cfg.run.start_timeout_s)  # the syncer's word on the start barrier
         if cfg.run.run_id:
             self.core.run_id = cfg.run.run_id  # a syncer serving another run is refused at the join
 
@@ -267,11 +273,14 @@ class Learner:
         emit({"event": "data_position", "role": "learner", "learner": self.m, "restored": True,
               "batches": self.batches.drawn})
 
-    def _recover_from_peer(self) -> None:
+    def _recover_from_peer(self, patience_s: float = 0.0) -> bool:
         """(Re)joined without state of its own while others train: take a healthy peer's parameters,
         inner optimizer and residuals (the syncer picks the donor), then replay the updates that
-        arrived meanwhile. Without one (none healthy, timeout, a bad state) it goes on from Θ alone."""
+        arrived meanwhile; True if it did. Without one (none healthy, timeout, a bad state) it goes on
+        from Θ alone. ``patience_s``: while no peer is healthy yet (a whole run resuming: the peers are
+        still taking up their own parts), ask again for this long."""
         t0 = time.monotonic()
+        patient_until = t0 + patience_s
         state_bytes = sum(getattr(a, "nbytes", 0) for a in jax.tree_util.tree_leaves((self.state, self.core.base)))
         self._send_metadata(self.core.metadata(), recovering=True)
         # Each donor gets donor_timeout_s without progress; the state crosses two links (donor -> syncer ->
@@ -287,6 +296,11 @@ class Learner:
                     data = self._wait(fut, max(0.0, deadline - time.monotonic()))
                     break
                 except TransportError as e:
+                    if "no healthy learner" in e.details and time.monotonic() < patient_until:
+                        if self.stop.wait(1.0):
+                            raise Stopped() from None
+                        self._send_metadata(self.core.metadata(), recovering=True)  # the syncer asks again
+                        continue
                     if "still arriving" not in e.details or time.monotonic() >= deadline:
                         raise
             tensors, info = decode_state(data, "donation", what="peer state")
@@ -298,9 +312,9 @@ class Learner:
                 fut.cancel()
             self.recovery = {"from_peer": False, "why": str(e) or type(e).__name__}
             emit({"event": "warning", "role": "learner", "learner": self.m,
-                  "what": f"no peer state ({self.recovery['why']}): going on from the global parameters "
-                          f"with a fresh inner optimizer"})
-            return
+                  "what": f"no peer state ({self.recovery['why']})" + (
+                      ": going on from the global parameters with a fresh inner optimizer" if not patience_s else "")})
+            return False
         self.state = self.state.replace(params=jax.tree_util.tree_map(jnp.asarray, params),
                                         opt_state=jax.tree_util.tree_map(jnp.asarray, opt))
         # The donor's optimizer as it came, bit for bit; only its schedule position moves (_take_up_step).
@@ -313,10 +327,15 @@ class Learner:
                          "schedule_step": int(train_lib.schedule_step(self.state)),
                          "seconds": round(time.monotonic() - t0, 3), "replayed": replayed}
         emit({"event": "recovered", "role": "learner", "learner": self.m, "step": self.core.step, **self.recovery})
+        return True
 
-    def _restore_part(self, snap: int) -> bool:
-        """``--resume``: take up this learner's part of snapshot ``snap`` (the one the syncer resumed from)."""
+    def _restore_part(self, snap: int, fallback: bool = False) -> bool:
+        """``--resume``: take up this learner's part of snapshot ``snap`` (the one the syncer resumed from).
+        ``self.part_unusable`` says afterwards whether the part was missing or broken (then the state is
+        recovered from a peer, or from an earlier part: ``_restore_earlier_part``). ``fallback``: ``snap``
+        is such an earlier snapshot."""
         what = f"--resume: learner {self.m}"
+        self.part_unusable = False
         if not snap or self.store is None:
             why = "the syncer started fresh, not from a snapshot" if not snap else "checkpoint.dir is empty"
             emit({"event": "warning", "role": "learner", "learner": self.m, "what": f"{what}: nothing to resume ({why})"})
@@ -326,7 +345,7 @@ class Learner:
             if info.get("run_id") != self.core.run_id or info.get("learner") != self.m:
                 raise CheckpointError(f"the part is of run {info.get('run_id')!r}, learner {info.get('learner')}")
             lived_past = [i for i in self.store.ids() if i > snap and self.store.part(i, f"learner-{self.m}").exists()]
-            if lived_past:
+            if lived_past and not fallback:
                 # The syncer resumed from this snapshot and this learner trained on past it (it wrote a part
                 # of snapshot lived_past[-1]) before it died: its optimizer, residuals and data position in
                 # snapshot `snap` are older than its peers' (the data since would be read again).
@@ -339,15 +358,35 @@ class Learner:
             self.core.restore_feedback(tensors)
             train_step, step, tokens = int(info["train_step"]), int(info["step"]), int(info["tokens"])
         except (CheckpointError, ValueError, KeyError, TypeError) as e:
-            emit({"event": "warning", "role": "learner", "learner": self.m,
-                  "what": f"{what}: no usable part of snapshot {snap} ({e}); fresh inner optimizer and data order"})
+            self.part_unusable = True
+            if not fallback:
+                emit({"event": "warning", "role": "learner", "learner": self.m,
+                      "what": f"{what}: no usable part of snapshot {snap} ({e}); recovering its state from a peer, "
+                              f"else from an earlier snapshot's part"})
             return False
         self.state = self.state.replace(opt_state=jax.tree_util.tree_map(jnp.asarray, opt),
                                         step=jnp.asarray(max(train_step, self.core.step), jnp.int32))
         self.core.step = max(self.core.step, step)
         self.tokens = tokens
-        emit({"event": "resumed", "role": "learner", "learner": self.m, "snapshot": snap, "step": self.core.step})
+        emit({"event": "resumed", "role": "learner", "learner": self.m, "snapshot": snap, "step": self.core.step,
+              **({"fallback": True} if fallback else {})})
         return True
+
+    def _restore_earlier_part(self, snap: int) -> bool:
+        """Its part of snapshot ``snap`` was missing or broken and no peer gave a state: the newest earlier part
+        of its own that verifies (an older optimizer, residuals and data position: windows since are read
+        again, none skipped) rather than a fresh state."""
+        for earlier in reversed([i for i in self.store.ids() if i < snap]):
+            if self.store.part(earlier, f"learner-{self.m}").exists() and self._restore_part(earlier, fallback=True):
+                self.recovery = {"from_peer": False, "from_snapshot": earlier}
+                emit({"event": "warning", "role": "learner", "learner": self.m,
+                      "what": f"--resume: learner {self.m}: state taken from its part of the earlier snapshot "
+                              f"{earlier} (its part of snapshot {snap} was unusable and no peer gave one)"})
+                return True
+        emit({"event": "warning", "role": "learner", "learner": self.m,
+              "what": f"--resume: learner {self.m}: no peer state and no earlier part of its own: going on from the "
+                      f"global parameters with a fresh inner optimizer and data order"})
+        return False
 
     def _drain(self, block_s: float = 0.0) -> None:
         """Merge what arrived; with ``block_s`` wait that long for the first item."""
@@ -363,6 +402,8 @@ class Learner:
             elif kind == "identity":  # a (re)connected update stream: is it still the syncer we follow?
                 if self.core.meet(item.run_id, item.epoch, item.resumed_from, item.process) == "new":
                     self._rejoin(item.epoch, item.resumed_from)
+            elif kind == "barrier":
+                self.barrier.on_status(item.started, item.need, item.joined, item.waiting_for)
             elif kind == "donate":
                 if item.recipient != self.m:
                     self.donating[item.recipient] = item.versions
@@ -535,21 +576,30 @@ class Learner:
 
     def _run(self) -> dict:
         joined = self.join(self.cfg.transport.call_timeout_s + self.cfg.transport.retry_budget_s)
+        self.part_unusable = False
         restored = self.resume and self._restore_part(joined.resumed_from)
         # At a run's start nobody has trained yet: there is no state worth copying.
         if not restored and self.core.step > 0:
             self._take_up_data_position()
             self.position_known = True
-            if self.cfg.learner.peer_recovery:
-                self._recover_from_peer()
+            # A resumed run's peers are taking up their own parts meanwhile: wait for one to be ready.
+            patience_s = (self.cfg.syncer.donor_timeout_s if self.resume and joined.resumed_from
+                          and self.cfg.run.learners > 1 else 0.0)
+            recovered = self.cfg.learner.peer_recovery and self._recover_from_peer(patience_s)
+            if not recovered and self.part_unusable and self.store is not None:
+                self._restore_earlier_part(joined.resumed_from)
         self.position_known = True
+        # Before the first metadata, which counts as this learner's join at the start barrier: a learner that
+        # joined is ready to step at once (the eval's compile would otherwise hold it back behind its peers).
+        initial_loss = self.evaluate()
         self._send_metadata(self.core.metadata())  # the hello: it carries this learner's settings
         hello_by = time.monotonic() + self.cfg.transport.call_timeout_s
         while not self.net.hello_answered.is_set() and time.monotonic() < hello_by and not self.stop.is_set():
             self._drain(block_s=0.05)  # refused settings stop the learner here, before its first step
         self._drain()
         self.net.start_probing()
-        initial_loss = self.evaluate()
+        self._await_start()
+        self._take_up_step()  # updates merged while it waited moved the global step on
         emit({"event": "start", "role": "learner", "learner": self.m, "region": self.region,
               "step": self.core.step, "schedule_step": int(train_lib.schedule_step(self.state)),
               "eval_loss": initial_loss, "bytes_sent": self.net.bytes_sent,
@@ -600,6 +650,31 @@ class Learner:
                 "snapshot_stall_s": self.snapshot_stall_s, "stale_updates": self.core.stale_updates,
                 "recovery": self.recovery,
                 **report}
+
+    def _await_start(self) -> None:
+        """The start barrier: take no step before the syncer says enough learners joined (at once for a
+        learner that joins a run already started). Metadata every few seconds keeps it alive meanwhile."""
+        said, last_md_s = None, time.monotonic()
+        every_s = min(5.0, self.cfg.syncer.liveness_timeout_s / 3)
+        while not self.stop.is_set():
+            self._drain(block_s=0.1)
+            now = time.monotonic()
+            if not self.barrier.must_wait(now):
+                if said is not None:
+                    emit({"event": "barrier", "role": "learner", "learner": self.m, "started": True,
+                          "need": self.barrier.need, "joined": list(self.barrier.joined), "waiting_for": []})
+                return
+            if self.barrier.expired(now):
+                raise StartTimeout(self.barrier.failure())
+            seen = (self.barrier.joined, self.barrier.waiting_for)
+            if seen != said and self.barrier.need and self.m not in seen[1]:  # (not before its own join counted)
+                said = seen
+                emit({"event": "barrier", "role": "learner", "learner": self.m, "started": False,
+                      "need": self.barrier.need, "joined": list(seen[0]), "waiting_for": list(seen[1])})
+            if now - last_md_s >= every_s:
+                last_md_s = now
+                self._send_metadata(self.core.metadata())
+        raise Stopped()
 
     def _maybe_eval(self) -> None:
         """Every ``run.eval_every`` steps, one learner in turn evaluates the global model as it holds it (its
@@ -756,7 +831,7 @@ def run_learner(cfg: RunSpec, learner: int, target: str, token: str, resume: boo
 def _run_to_end(lrn: Learner, learner: int, target: str) -> int:
     try:
         result = lrn.run()
-    except (IncarnationError, SyncerLost, TransportError, MessageError) as e:  # the network, not a bug: one line
+    except (IncarnationError, SyncerLost, StartTimeout, TransportError, MessageError) as e:  # not a bug: one line
         why = str(e)
         if isinstance(e, TransportError) and e.code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
             why = (f"the syncer at {target} refused this learner's token ({e.code.name}): {e.details}; "

@@ -206,10 +206,22 @@ class Donation:
     digest: str
 
 
-_CONTROL = {"identity": Identity, "donate": Donate}  # update-stream frames that are not GlobalUpdates
+@dataclasses.dataclass(frozen=True)
+class Barrier:
+    """Syncer -> learners: the start barrier (``core.barrier``), right after ``Identity`` on every update
+    stream and to every learner once it is met. A learner takes no training step before ``started``."""
+
+    started: bool
+    need: int
+    joined: tuple[int, ...]
+    waiting_for: tuple[int, ...]
+
+
+_CONTROL = {"identity": Identity, "donate": Donate, "barrier": Barrier}  # update-stream frames that are not GlobalUpdates
 DONATE_KEY = 1 << 30  # fan-out key of Donate frames (+ recipient): never a fragment, never dropped for one
+BARRIER_KEY = DONATE_KEY - 1  # fan-out key of Barrier frames: a newer one replaces an older, never an update
 MAX_LEARNERS = 1 << 20
-for _cls in (Identity, Donate, Donation):
+for _cls in (Identity, Donate, Donation, Barrier):
     _SCHEMAS[_cls] = _schema(_cls)
 
 
@@ -314,14 +326,14 @@ def update_from_frame(frame: transport.Frame, codec) -> GlobalUpdate:
     return GlobalUpdate(fragment=frame.fragment, update=update, nbytes=len(frame.payload), payload=None, **fields)
 
 
-def control_to_frame(msg: Identity | Donate) -> transport.Frame:
-    """The update-stream frame of a control message (``Identity`` or ``Donate``)."""
+def control_to_frame(msg: Identity | Donate | Barrier) -> transport.Frame:
+    """The update-stream frame of a control message (``Identity``, ``Donate`` or ``Barrier``)."""
     name = next(k for k, cls in _CONTROL.items() if cls is type(msg))
-    key = DONATE_KEY + msg.recipient if isinstance(msg, Donate) else 0
+    key = DONATE_KEY + msg.recipient if isinstance(msg, Donate) else BARRIER_KEY if isinstance(msg, Barrier) else 0
     return transport.Frame(SYNCER, key, {name: _meta_of(msg)})
 
 
-def control_from_frame(frame: transport.Frame) -> Identity | Donate | None:
+def control_from_frame(frame: transport.Frame) -> Identity | Donate | Barrier | None:
     """The control message an update-stream frame carries, or None for a GlobalUpdate's frame."""
     meta = frame.meta
     names = [k for k in _CONTROL if isinstance(meta, Mapping) and k in meta]

@@ -42,6 +42,7 @@ from wan_diloco.assemble import Assembly, fragment_digest
 from wan_diloco.checkpoint import CheckpointError, SnapshotStore, describe_os_error, save_params
 from wan_diloco.config import ConfigError
 from wan_diloco.core import Broadcast, ProtocolError, SetTimer, learner_node
+from wan_diloco.core.barrier import StartBarrier, barrier_need
 from wan_diloco.core.recovery import AskDonor, Candidate, Donations, NoDonor
 from wan_diloco.runtime import serde
 from wan_diloco.runtime.events import emit
@@ -142,6 +143,9 @@ class SyncerService:
         self.params_error: str | None = None  # the final parameters could not be written: the run failed
         self.final_saved = asyncio.Event()  # the final parameters are written (or given up on)
         self.process_id = secrets.token_hex(8)  # in each stream's Identity: a restart is told apart
+        self.barrier = StartBarrier(barrier_need(cfg.run.min_learners_to_start, self.M), self.M,
+                                    cfg.run.start_timeout_s)
+        self.failed: str | None = None  # why the run cannot go on (the barrier timed out): the syncer exits non-zero
         if resume:
             self._resume()
         else:
@@ -153,11 +157,15 @@ class SyncerService:
     def _resume(self) -> None:
         if self.store is None:
             raise ResumeError("--resume needs checkpoint.dir (where the snapshots are)")
-        found = self.store.newest("syncer", "syncer")
+        # Unsharded: an incomplete snapshot whose learner parts are partly there will do (its other learners
+        # recover from peers that have theirs). A shard's store holds only its own part: complete ones only.
+        found = (self.store.resumable("syncer", "syncer", self.M) if self.S == 1 else
+                 self.store.newest("syncer", "syncer"))
         if found is None:
-            why = "; ".join(f"snapshot {s}: {e}" for s, e in self.store.skipped) or "none is complete"
-            raise ResumeError(f"no snapshot to resume from in {self.store.root}: {why}")
-        snap, tensors, info, _ = found
+            why = "; ".join(f"snapshot {s}: {e}" for s, e in self.store.skipped) or "no snapshot was ever cut"
+            raise ResumeError(f"no snapshot to resume from in {self.store.root}: {why}. Nothing of this run can be "
+                              f"taken up: start it again from its config")
+        snap, tensors, info, manifest = found
         if self.cfg.run.run_id and info.get("run_id") != self.cfg.run.run_id:
             raise ResumeError(f"snapshot {snap} in {self.store.root} is of run {info.get('run_id')!r}, "
                               f"the config says run.run_id = {self.cfg.run.run_id!r}")
@@ -171,8 +179,28 @@ class SyncerService:
         age_s = time.time() - cut if isinstance(cut, (int, float)) else self.cfg.syncer.liveness_timeout_s
         self.core.resumed_after(self.now(), age_s)
         self.snap_merges = sum(self.core.stats.fragment_syncs)
+        notes = [f"snapshot {s} passed over: {why}" for s, why in self.store.skipped]
+        if manifest is None and self.S == 1:
+            missing = self.store.missing(snap, self.M)
+            have = [n for n in self.store.parts_present(snap) if n.startswith("learner-")]
+            if not missing:
+                notes.append(f"snapshot {snap} has every part but was not marked complete (the run stopped first)")
+            else:
+                notes.append(f"snapshot {snap} is incomplete: no part of {', '.join(missing)}; "
+                             + (f"they recover from a peer ({', '.join(have)} resume their parts)" if have else
+                                "every learner goes on from the global parameters with a fresh inner optimizer"))
+        for note in notes:
+            log.warning("--resume: %s", note)
         self.resumed = {"snapshot": snap, "epoch": self.core.epoch, "skipped": list(self.store.skipped),
-                        "versions": list(self.core.version), "global_step": self.core.global_step}
+                        "versions": list(self.core.version), "global_step": self.core.global_step,
+                        "complete": manifest is not None, "notes": notes}
+        # A run that had started stays started: its learners come back to go on, not to wait for each other.
+        self.barrier.started = bool(info.get("barrier_started", self.core.global_step > 0))
+        positions = info.get("positions")
+        if isinstance(positions, dict):
+            self.positions = {int(m): pos for m, pos in positions.items()
+                              if isinstance(m, str) and m.isdigit() and int(m) < self.M and isinstance(pos, str)
+                              and len(pos) <= serde.MAX_STR_CHARS}
 
     def _refuse_fork(self) -> None:
         """A fresh start over existing snapshots would fork the run: the learners (which keep the run id
@@ -191,8 +219,15 @@ class SyncerService:
         self.snap_merges = sum(self.core.stats.fragment_syncs)
         tensors, info = self.core.export()
         info["cut_unix_s"] = time.time()  # a resume from it allows learners' steps since (core.pace)
-        # Learners write their parts for shard 0's snapshots only (the others' reach them renumbered).
-        waiting = {m for m in self.core.alive() if m in self.core.learners} if self.shard == 0 else set()
+        info["barrier_started"] = self.barrier.started
+        # Each learner's data position as of its latest metadata: a learner whose own part turns out unusable
+        # at a resume takes it from here (``position/M``) instead of reading its shard again from the start.
+        info["positions"] = {str(m): pos for m, pos in self.positions.items()}
+        # Learners write their parts for shard 0's snapshots only (the others' reach them renumbered). The cut
+        # holds the learners that trained: one that never took a step (still joining or compiling) has no
+        # state of its own to keep, and waiting for its part would leave every snapshot incomplete.
+        waiting = ({m for m, ln in self.core.learners.items() if ln.alive and ln.step > 0}
+                   if self.shard == 0 else set())
         self.snap_pending[snap] = {"learners": waiting, "syncer": False, "cut_s": self.now(),
                                    "versions": list(self.core.version), "parts": []}
         asyncio.get_running_loop().create_task(self._write_syncer_part(snap, tensors, info))
@@ -246,6 +281,31 @@ class SyncerService:
             emit({"event": "snapshot", "role": "syncer", "snapshot": snap, "parts": parts,
                   "syncer_bytes": pending.get("bytes", 0), "seconds": round(now - pending["cut_s"], 3),
                   "removed": removed})
+
+    # ---- start barrier ----------------------------------------------------------------
+
+    def _barrier_msg(self) -> serde.Barrier:
+        st = self.barrier.status()
+        return serde.Barrier(st["started"], st["need"], tuple(st["joined"]), tuple(st["waiting_for"]))
+
+    def _on_joined(self, m: int) -> None:
+        """Learner ``m``'s first metadata: it holds Θ and is ready to train. Every learner hears who is
+        still missing (the live tables show it), and that the run starts once enough have joined."""
+        met = self.barrier.on_joined(self.now(), m)
+        self.hub.publish(serde.control_to_frame(self._barrier_msg()))
+        if met:
+            joined = ", ".join(str(j) for j in sorted(self.barrier.joined))
+            log.info("start barrier met: learners %s joined (%d needed)", joined, self.barrier.need)
+            emit({"event": "barrier", "role": "syncer", **self.barrier.status()})
+            self._event("started", None, f"start barrier met: learners {joined} joined")
+
+    def _check_barrier(self) -> None:
+        """A barrier not met within run.start_timeout_s fails the run (the serving loop ends, exit 1)."""
+        if self.failed is None and self.barrier.expired(self.now()):
+            self.failed = self.barrier.failure()
+            log.error("%s", self.failed)
+            emit({"event": "error", "role": "syncer", "error": self.failed})
+            self.finished.set()
 
     def _write_failed(self, what: str, e: Exception) -> None:
         """A write failed: loud in the log, the events, /status["storage"] and the live table."""
@@ -390,6 +450,8 @@ class SyncerService:
         self._act(self.core.on_timer(self.now(), key))
 
     def tick(self) -> None:
+        self.barrier.open(self.now())
+        self._check_barrier()
         self._act(self.core.tick(self.now()))
         if self.donations.pending:
             self._donation_act(self.donations.tick(self.now(), self._candidates(), self._regions_of()))
@@ -434,6 +496,8 @@ class SyncerService:
                 self._event("warning", meta.learner, str(e))
             raise self._refuse(e) from None
         self.regions[meta.learner] = meta.region
+        if meta.learner not in self.barrier.joined:
+            self._on_joined(meta.learner)
         self._on_progress(meta)
         if meta.data:
             self.positions[meta.learner] = meta.data
@@ -488,6 +552,7 @@ class SyncerService:
         try:
             yield serde.control_to_frame(serde.Identity(self.core.run_id, self.core.epoch, self.core.resumed_from,
                                                            self.process_id))
+            yield serde.control_to_frame(self._barrier_msg())
             async for item in stream:
                 yield item
             superseded = True  # a newer subscription of the same learner took over
@@ -679,6 +744,7 @@ class SyncerService:
                                "age_s": round(now - v["at_s"], 3)} for sender, v in self.peer_links.items()},
             "loss_history": {str(m): curve.points() for m, curve in self.loss_history.items()},
             "events": list(self.events), "shard": self.shard, "shards": self.S, "owned": list(self.core.owned),
+            "barrier": self.barrier.status(),
             **self.summary(),
         }
 
