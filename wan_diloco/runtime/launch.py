@@ -211,8 +211,8 @@ class Cluster:
     def _own_token(self, name: str) -> dict:
         """A learner (each of its processes) gets only its own token, on every run: it can speak only as
         itself whatever the run file says; the syncer keeps the run's."""
-        if is_syncer(name):
-            return {}
+        if is_syncer(name) or not _LEARNER_NAME.fullmatch(name):
+            return {}  # the syncer, or a helper process of the caller's own (not a learner of the run)
         return {TOKEN_ENV: derive_token(self.token, f"learner-{learner_of(name)}")}  # core.learner_node
 
     def _read(self, child: Child) -> None:
