@@ -157,7 +157,8 @@ class Assembly:
         if bounded:
             # A learner may adopt the global step + 1 after a late merge: one sync period of slack.
             cfg = dataclasses.replace(cfg, max_step=self.spec.run.steps + self.spec.learner.sync_every,
-                                      max_tokens_per_step=self.spec.run.batch_size * self.spec.model.seq_len)
+                                      max_tokens_per_step=self.spec.run.batch_size * self.spec.model.seq_len,
+                                      final_min_step=self.spec.run.steps)
         owned = None if shard is None else shards_lib.owned(self.shard_plan, shard)
         return SyncerCore(cfg, self.layout.fragments, self.flat0, model_lib.is_embedding, self.codec, owned)
 

@@ -222,3 +222,52 @@ def test_a_configured_pace_replaces_the_measured_one():
     with pytest.raises(ProtocolError, match="10 steps/s"):
         s.on_metadata(1.0, md(0, 15))
     assert np.isclose(s.pace.rate(0), 10.0)
+
+
+# ---- counters, timings, incarnations: what the hostile harness found taken -----------------------
+
+
+@pytest.mark.parametrize("change, field", [
+    ({"c_steps": (9, 1)}, "metadata.c_steps"),  # more steps since a sync than the learner took
+    ({"c_steps": (-1, 1)}, "metadata.c_steps"),
+    ({"c_tokens": (2**63 - 1, 100)}, "metadata.c_tokens"),  # would outweigh every other learner's Δ
+    ({"tokens": 2**63 - 1}, "metadata.tokens"),
+    ({"step_s": 1e308}, "metadata.step_s"),  # bounds the grace window
+    ({"step_s": -1.0}, "metadata.step_s"),
+    ({"sync_s": -1.0}, "metadata.sync_s"),
+    ({"epoch": 2}, "metadata.epoch"),  # an incarnation this syncer never was
+    ({"snapshot": 2**63 - 1}, "metadata.snapshot"),
+])
+def test_counters_and_timings_no_honest_learner_reports_are_refused_without_a_trace(change, field):
+    s = syncer(max_tokens_per_step=100)
+    s.on_metadata(0.0, md(0, 8))
+    before = (s.global_step, dict(s.learners[0].__dict__))
+    honest = dataclasses.replace(md(0, 8), c_steps=(8, 1), c_tokens=(800, 100), tokens=800, step_s=0.2, epoch=1)
+    s.on_metadata(0.1, honest)  # at the limits: taken
+    with pytest.raises(ProtocolError) as e:
+        s.on_metadata(0.2, dataclasses.replace(honest, **change))
+    assert e.value.field == field and s.refusals.by_field == {field: 1}
+    assert s.global_step == before[0] == 8
+
+
+@pytest.mark.parametrize("change, field", [
+    ({"c_steps": 8 + 32 + 1}, "upload.c_steps"),
+    ({"c_tokens": 801}, "upload.c_tokens"),
+    ({"epoch": 2}, "upload.epoch"),
+    ({"final": True}, "upload.final"),  # a final upload before the run's budget would end the run for all
+])
+def test_uploads_with_counters_no_honest_learner_sends_are_refused(change, field):
+    s = syncer(max_tokens_per_step=100, final_min_step=200)
+    s.on_metadata(0.0, md(0, 8))
+    with pytest.raises(ProtocolError) as e:
+        s.on_fragment(0.1, dataclasses.replace(upload(0, due=8), **change))
+    assert e.value.field == field and not s.final_started and s.version == [0, 0] and not s.rounds
+    # The same upload within the limits is taken.
+    assert s.on_fragment(0.2, upload(0, due=8)) and s.version[0] == 1
+
+
+def test_a_final_upload_at_the_runs_budget_is_taken():
+    s = syncer(final_min_step=8)
+    s.on_metadata(0.0, md(0, 8))
+    s.on_fragment(0.1, dataclasses.replace(upload(0, due=8), final=True))
+    assert s.final_started and s.refusals.by_field == {}

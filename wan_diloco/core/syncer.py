@@ -88,6 +88,9 @@ class SyncerConfig:
     # Tokens one learner step trains (batch x sequence length): a counter claiming more per step would
     # outweigh the others in the token-weighted merge. None: not checked (the simulator's own learners).
     max_tokens_per_step: int | None = None
+    # A learner sends its final uploads once it reached the run's budget: one flagged final from earlier
+    # would start the end-of-run sync for everyone. None: not checked (the simulator ends its learners itself).
+    final_min_step: int | None = None
 
     def validate(self) -> None:
         require(self.num_learners >= 1, "num_learners", f"must be >= 1, got {self.num_learners}")
@@ -557,6 +560,9 @@ class SyncerCore:
         if msg.epoch > self.epoch:
             raise ProtocolError(f"fragment upload from learner {msg.learner}: incarnation {msg.epoch}, this syncer is "
                                 f"at {self.epoch}", "upload.epoch")
+        if msg.final and self.cfg.final_min_step is not None and msg.due_step < self.cfg.final_min_step:
+            raise ProtocolError(f"fragment upload from learner {msg.learner}: final at step {msg.due_step}, before the "
+                                f"run's {self.cfg.final_min_step} steps", "upload.final")
         if msg.epoch in (0, self.epoch) and msg.base_version > self.version[msg.fragment]:
             # Versions come from this syncer only (an earlier incarnation's are told apart by epoch).
             raise ProtocolError(f"fragment upload from learner {msg.learner}: base version {msg.base_version} of "
