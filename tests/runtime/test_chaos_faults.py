@@ -169,3 +169,38 @@ def test_the_timeline_draws_both_faults_and_the_refused_start(tmp_path):
     both = chaos.RunRecord(**{**rec.__dict__, "faults": rec.faults + disk_full_run().faults})
     chaos.plot_timeline(both, tmp_path / "t.png")
     assert (tmp_path / "t.png").read_bytes()[:4] == b"\x89PNG"
+
+
+# ---- one real run -------------------------------------------------------------------------------
+
+def test_a_real_run_through_a_full_disk_and_a_fresh_restart_finishes_with_its_weights(tmp_path):
+    # 400 steps paced to 0.1 s (~40 s of training): the disk is full from 2 s to 8 s (snapshots every 4
+    # merges fail meanwhile), then the syncer is killed at 18 s and its supervisor first forgets --resume.
+    extra = "\n[checkpoint]\nevery_merges = 4\nkeep = 2\n"
+    cfg = rt.load(micro_config(tmp_path, learners=2, steps=400, min_step_s=0.1, extra=extra))
+    # Running learners retry an absent syncer this long: more than a refused start plus a resume take.
+    cfg = cfg.with_changes(transport={"retry_budget_s": 60.0})
+    faults = chaos.parse_schedule([
+        {"t_s": 2.0, "kind": "disk_full", "duration_s": 6.0},
+        {"t_s": 18.0, "kind": "restart_syncer_fresh", "down_s": 0.5},
+    ], "test", learners=2)
+    notes = []
+    report, record, _ = chaos.run_with_baseline(cfg, faults, tmp_path / "runs", chaos.ChaosOptions(timeout_s=200),
+                                                baseline=False, note=notes.append)
+    assert record.error is None and report["notes"]["finished"], (record.error, notes)
+    disk, fresh = report["faults"]
+    assert disk["check"]["write_failures"] >= 1 and disk["check"]["storage_not_ok_seen"], (disk, notes)
+    assert disk["check"]["storage_ok_again_s"] is not None and disk["check"]["snapshot_after_s"] is not None, disk
+    assert disk["check"]["final_params_written"] and disk["check"]["ok"] and disk["recovered_s"] is not None
+    check = fresh["check"]
+    assert check["refused"] and check["refusal_exit_code"] == 2 and "refusing to start" in check["refusal_line"], check
+    assert "--resume" in check["refusal_line"] and check["epoch_after"] == check["epoch_before"] + 1 == 2, check
+    assert check["ok"] and fresh["recovered_s"] is not None and report["syncer_resumes"] == 1
+    assert report["notes"]["targets"]["every_fault_recovered"]
+    run = tmp_path / "runs" / "chaos"
+    assert (run / "checkpoints" / "params.safetensors").exists() and not disk_flag_path(run).exists()
+    syncers = record.generations("syncer")
+    assert [p["exit_code"] for p in syncers] == [-9, 2, 0] and syncers[1].get("refused")
+    assert all(p["exit_code"] == 0 for m in range(2) for p in record.generations(f"learner-{m}")), record.procs
+    warnings = [e for e in record.events_of("syncer", "warning") if "[Errno 28]" in e.get("what", "")]
+    assert warnings and all(disk["t_s"] <= e["t"] - record.t0 for e in warnings)
