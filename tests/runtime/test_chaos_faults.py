@@ -204,3 +204,13 @@ def test_a_real_run_through_a_full_disk_and_a_fresh_restart_finishes_with_its_we
     assert all(p["exit_code"] == 0 for m in range(2) for p in record.generations(f"learner-{m}")), record.procs
     warnings = [e for e in record.events_of("syncer", "warning") if "[Errno 28]" in e.get("what", "")]
     assert warnings and all(disk["t_s"] <= e["t"] - record.t0 for e in warnings)
+
+
+def test_the_cli_table_says_whether_each_check_passed(capsys):
+    from wan_diloco.cli.chaos import print_report
+
+    print_report(chaos.analyze(disk_full_run()))
+    assert "35.2 s; check ok" in capsys.readouterr().out
+    print_report(chaos.analyze(fresh_restart_run(exit_code=1, line="Traceback")))
+    text = " ".join(capsys.readouterr().out.replace("│", " ").split())  # the table may wrap the cell
+    assert "never / skipped; CHECK FAILED (refused)" in text
