@@ -1,6 +1,6 @@
 #!/usr/bin/env python
-"""Chaos benchmark (#13): a real run with learners killed round-robin and one syncer kill + resume,
-against the same config without faults.
+"""Chaos benchmark (#13, #23): a real run with learners killed round-robin, syncer kills + resumes and a
+full checkpoint disk, against the same config without faults.
 
 Real processes on loopback (``runtime.chaos``): a syncer and M learners of the
 micro model (d_model 32, 2 layers), steps paced to ``STEP_S`` (``run.min_step_s``)
@@ -8,14 +8,22 @@ so the run lasts long enough to contain the faults. A learner is killed every
 ``every_s`` seconds (learner-0, learner-1, ... in turn) and restarted with
 ``--resume`` 5 s later; the syncer is killed once, mid-run, and restarted with
 ``--resume`` ``SYNCER_DOWN_S`` later (a supervisor restarting it); the running
-learners rejoin the snapshot it resumed. Fault times count from when every
-learner started training. Then the fault-free run of the same config and step
-budget. Figures and their definitions: ``runtime.chaos.analyze``.
+learners rejoin the snapshot it resumed. Two faults of #23: the syncer's
+checkpoint disk is full for ``DISK_FULL_S`` (a minute; every snapshot write
+fails with ENOSPC meanwhile: the run goes on, loudly, and writes snapshots and
+its final weights once space returns), and a syncer kill whose supervisor
+first restarts it *without* ``--resume`` (refused: exit 2, one line), then
+runs the operator's second command with ``--resume`` (``restart_syncer_fresh``;
+in ``--quick`` it is the run's one syncer kill, so that a single outage stays
+in its 3.5 minutes). Fault times count from when every learner started
+training. Then the fault-free run of the same config and step budget. Figures
+and their definitions: ``runtime.chaos.analyze``; each of the two #23 faults
+has a ``check`` in its ``faults`` entry.
 
 Targets from the issue, reported as measured (``notes.targets``): the run
 finishes, uptime >= 0.9, final eval loss within 2 % of the fault-free run.
 
-    python -m bench.chaos --quick   # M = 2, a kill every 30 s, ~3 min of training per run: < 10 min in all
+    python -m bench.chaos --quick   # M = 2, a kill every 30 s, ~3.5 min of training per run: < 10 min in all
     python -m bench.chaos           # M = 3, a kill every minute, ~9 min of training per run
     python -m bench.chaos --quick --reanalyze DIR   # the report again from the runs recorded in DIR (--work)
     python -m bench.chaos --hostile [--messages N]  # the hostile-peer benchmark instead (bench/hostile.py)
@@ -42,6 +50,7 @@ from wan_diloco.runtime import chaos  # noqa: E402
 STEP_S = 0.2  # every step padded to this: 1 + M processes share 2 cores, and compute is not what is measured
 LEARNER_DOWN_S = 5.0
 SYNCER_DOWN_S = 1.0
+DISK_FULL_S = 60.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,16 +58,22 @@ class Scenario:
     learners: int
     train_s: float  # paced training time: steps = train_s / STEP_S
     every_s: float  # a learner killed this often
-    syncer_at_s: float
+    syncer_at_s: float | None  # kill_syncer (restarted with --resume)
     margin_s: float  # no learner kill in the last margin_s: a restart has time to come back
+    fresh_at_s: float  # restart_syncer_fresh: killed, a start without --resume refused, then --resume
+    disk_full_at_s: float  # disk_full for DISK_FULL_S
 
     @property
     def steps(self) -> int:
         return int(round(self.train_s / STEP_S))
 
 
-QUICK = Scenario(learners=2, train_s=180.0, every_s=30.0, syncer_at_s=75.0, margin_s=45.0)
-FULL = Scenario(learners=3, train_s=540.0, every_s=60.0, syncer_at_s=270.0, margin_s=60.0)
+# The disk-full minute lies clear of the syncer outages: a resume from a snapshot older than the window
+# would roll back the whole minute.
+QUICK = Scenario(learners=2, train_s=210.0, every_s=30.0, syncer_at_s=None, margin_s=60.0, fresh_at_s=75.0,
+                 disk_full_at_s=100.0)
+FULL = Scenario(learners=3, train_s=540.0, every_s=60.0, syncer_at_s=270.0, margin_s=60.0, fresh_at_s=400.0,
+                disk_full_at_s=100.0)
 
 CONFIG = """\
 [run]
@@ -117,12 +132,19 @@ DEFINITIONS = {
     "loss_ratio": "final eval loss / the fault-free run's eval loss at the tokens the faulty run trained (read off "
                   "its eval curve, run.eval_every; notes.loss_ratio_equal_steps compares final losses at equal steps)",
     "lost_s": "learner-seconds: kill -> stepping again, plus steps rolled back by the resume x step time",
+    "check (disk_full)": "the syncer's failed writes in the window, /status storage not ok in it and ok again after "
+                         "(s after space returned), a complete snapshot after it, the final parameters written",
+    "check (restart_syncer_fresh)": "the start without --resume exited 2 with 'refusing to start', and the --resume "
+                                    "start came up at the killed syncer's epoch + 1",
 }
 
 
 def scenario_faults(s: Scenario) -> list[chaos.Fault]:
-    return chaos.round_robin(s.learners, s.every_s, s.train_s - s.margin_s, s.syncer_at_s,
-                             down_s=LEARNER_DOWN_S, syncer_down_s=SYNCER_DOWN_S)
+    faults = chaos.round_robin(s.learners, s.every_s, s.train_s - s.margin_s, s.syncer_at_s,
+                               down_s=LEARNER_DOWN_S, syncer_down_s=SYNCER_DOWN_S)
+    faults += [chaos.Fault(s.fresh_at_s, "restart_syncer_fresh", "syncer", SYNCER_DOWN_S),
+               chaos.Fault(s.disk_full_at_s, "disk_full", "syncer", DISK_FULL_S)]
+    return sorted(faults, key=lambda f: f.t_s)
 
 
 def save(out: dict, path: Path) -> None:
@@ -133,6 +155,7 @@ def save(out: dict, path: Path) -> None:
 def report(record: chaos.RunRecord, base: chaos.RunRecord | None, cfg, s: Scenario, t_bench: float) -> dict:
     rep = {**chaos.analyze(record, base), "config": {**chaos.config_summary(cfg), **dataclasses.asdict(s),
                                                       "learner_down_s": LEARNER_DOWN_S, "syncer_down_s": SYNCER_DOWN_S,
+                                                      "disk_full_s": DISK_FULL_S,
                                                       "transport": "loopback"}}
     rep["notes"].update(definitions=DEFINITIONS, bench_wall_s=round(time.monotonic() - t_bench, 1),
                         host=f"{platform.machine()}, {platform.python_version()}",
@@ -169,8 +192,10 @@ def main(argv=None) -> int:
         out = report(record, base, cfg, s, t_bench)
     save(out, args.out)
     png = args.out.with_suffix(".png")
+    kills = [f"{s.syncer_at_s:g} s"] if s.syncer_at_s is not None else []
     chaos.plot_timeline(record, png, base, title=f"chaos: M = {s.learners}, a learner killed every {s.every_s:g} s, "
-                                                 f"syncer killed at {s.syncer_at_s:g} s")
+                                                 f"syncer killed at {', '.join(kills + [f'{s.fresh_at_s:g} s (fresh)'])}, "
+                                                 f"disk full {s.disk_full_at_s:g}-{s.disk_full_at_s + DISK_FULL_S:g} s")
     from wan_diloco.cli.chaos import print_report
 
     print_report(out)

@@ -1,7 +1,9 @@
 """`wan-diloco chaos --config F --schedule S`: a real run under a fault schedule, against a fault-free twin.
 
 Faults (``runtime.chaos``): kill_learner, stop_learner, kill_syncer, cut_link
-(the last only with --emulate). The schedule comes from a file (JSON list or
+(only with --emulate), disk_full (the syncer's checkpoint writes fail for
+duration_s), restart_syncer_fresh (a restart without --resume, which must be
+refused, then with --resume). The schedule comes from a file (JSON list or
 TOML [[fault]] entries), a failure tape of `wan-diloco goodput --tape` (times
 x --tape-scale, tape learners mapped onto this run's), or --kill-every /
 --syncer-kill-at; they add up. Fault times count from when every learner has
@@ -76,13 +78,22 @@ def build_schedule(args: argparse.Namespace, cfg: spec_lib.RunSpec) -> list[chao
     return faults
 
 
+def _check_text(check: dict | None) -> str:
+    """disk_full / restart_syncer_fresh: whether the fault's own check passed, else what failed."""
+    if check is None:
+        return ""
+    failed = [k for k, v in check.items() if v is False and k != "ok"]
+    return "; check ok" if check["ok"] else f"; CHECK FAILED ({', '.join(failed) or 'a figure is missing'})"
+
+
 def print_report(report: dict) -> None:
     t = Table(title="chaos run")
     for col in ("t_s", "fault", "target", "recovered after"):
         t.add_column(col, justify="right" if col != "fault" else "left")
     for f in report["faults"]:
         rec = f["recovered_s"]
-        t.add_row(f"{f['t_s']:.1f}", f["kind"], f["target"], f"{rec:.1f} s" if rec is not None else "never / skipped")
+        t.add_row(f"{f['t_s']:.1f}", f["kind"], f["target"],
+                  (f"{rec:.1f} s" if rec is not None else "never / skipped") + _check_text(f.get("check")))
     out.print(t)
     s = Table(show_header=False)
     fmt = lambda v, spec: "n/a" if v is None else format(v, spec)  # noqa: E731

@@ -15,7 +15,9 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from wan_diloco.runtime.launch import Cluster, emulated_spec, run_spec, write_config
+from wan_diloco.checkpoint import SnapshotStore
+from wan_diloco.checkpoint.format import FAULT_ENV
+from wan_diloco.runtime.launch import Cluster, emulated_spec, is_syncer, last_line, run_spec, write_config
 from wan_diloco.spec import TOKEN_ENV, RunSpec
 from wan_diloco.runtime.chaos.record import RunRecord
 from wan_diloco.runtime.chaos.schedule import Fault, Note, check_schedule, learner_index
@@ -61,6 +63,24 @@ class _Spawner:
             job()
 
 
+class _ChaosCluster(Cluster):
+    """A ``Cluster`` whose syncer processes get ``syncer_env`` too: the disk_full fault's test hook reaches
+    the syncers of a chaos run that schedules it, and no other process of any run."""
+
+    def __init__(self, *args, syncer_env: dict | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.syncer_env = dict(syncer_env or {})
+
+    def _env_of(self, name: str) -> dict:
+        env = super()._env_of(name)
+        return {**env, **self.syncer_env} if is_syncer(name) else env
+
+
+def disk_flag_path(run_dir: str | Path) -> Path:
+    """While this file exists the syncers of a chaos run with a disk_full fault cannot write (ENOSPC)."""
+    return Path(run_dir) / "disk-full.flag"
+
+
 class _Driver:
     """Runs one Cluster through a fault schedule (see the module docstring)."""
 
@@ -73,7 +93,7 @@ class _Driver:
         self.fired: list[dict] = []
         self.actions: list = []  # heap of (due wall time, seq, callable)
         self.seq = itertools.count()
-        self.spawned: queue.Queue = queue.Queue()  # (child, spawn_t) from the spawner thread
+        self.spawned: queue.Queue = queue.Queue()  # (child, spawn_t, extra) from the spawner thread
         self.syncer_restarting = False
         self.stopped: set[int] = set()  # pids under SIGSTOP
         self.cut: set[str] = set()
@@ -83,12 +103,13 @@ class _Driver:
         self.final_t: float | None = None
         self.finishing_seen = False
         self.restarts_due = 0  # learners killed and not restarted yet
+        self.disk_flag = disk_flag_path(cluster.run_dir)  # disk_full: the syncers' writes fail while it exists
 
     # ---- bookkeeping ----------------------------------------------------------------
 
-    def _register(self, child, spawn_t: float) -> None:
+    def _register(self, child, spawn_t: float, extra: dict | None = None) -> None:
         self.procs[child.proc.pid] = {"name": child.name, "pid": child.proc.pid, "spawn_t": spawn_t,
-                                      "exit_t": None, "exit_code": None, "killed": False}
+                                      "exit_t": None, "exit_code": None, "killed": False, **(extra or {})}
 
     def _at(self, due_t: float, action: Callable[[], None]) -> None:
         heapq.heappush(self.actions, (due_t, next(self.seq), action))
@@ -236,8 +257,14 @@ class _Driver:
             if self.emu is None:
                 return "cut_link needs the emulated WAN (--emulate, root); on loopback there is no link to cut"
             return "the link is cut already" if self._region(f.target) in self.cut else None
-        if f.kind == "kill_syncer":
-            return "the syncer is down already" if self.syncer_restarting or not self.spawned.empty() else None
+        if f.kind in ("kill_syncer", "restart_syncer_fresh"):
+            if self.syncer_restarting or not self.spawned.empty():
+                return "the syncer is down already"
+            if f.kind == "restart_syncer_fresh" and not SnapshotStore(self.cfg.checkpoint.dir).complete_ids():
+                return "checkpoint.dir holds no complete snapshot yet: nothing to refuse a fresh start over"
+            return None
+        if f.kind == "disk_full":
+            return "the disk is full already" if self.disk_flag.exists() else None
         proc = self._current(f.target)
         if proc is None or proc["exit_t"] is not None:
             return f"{f.target} is not running"
@@ -284,13 +311,21 @@ class _Driver:
         self.syncer_restarting = True
         self._at(time.time() + f.hold_s, lambda: self._restart_syncer(entry))
 
-    def _restart_syncer(self, entry: dict) -> None:
+    def _restart_syncer_fresh(self, f: Fault, entry: dict) -> None:
+        entry["pid"] = self._kill("syncer")["pid"]
+        self.syncer_restarting = True
+        self._at(time.time() + f.hold_s, lambda: self._restart_syncer(entry, fresh_first=True))
+
+    def _restart_syncer(self, entry: dict, fresh_first: bool = False) -> None:
         """On the spawner thread: start_syncer blocks until the new syncer listens (seconds), and faults
-        keep firing meanwhile."""
+        keep firing meanwhile. ``fresh_first``: a start without --resume first, which must be refused."""
         def restart() -> None:
+            if fresh_first and not self._start_fresh(entry):
+                self.syncer_restarting = False
+                return
             t = time.time()
             try:
-                self.spawned.put((self.cluster.start_syncer(resume=True), t))
+                self.spawned.put((self.cluster.start_syncer(resume=True), t, None))
                 self._say("syncer restarted (--resume)")
             except RuntimeError as e:
                 self.error = f"the syncer could not resume: {e}"
@@ -298,6 +333,36 @@ class _Driver:
             self.syncer_restarting = False
 
         self.spawner.submit(restart)
+
+    def _start_fresh(self, entry: dict) -> bool:
+        """The supervisor's first try, without --resume over a folder of snapshots: refused is right (the
+        exit code and the line it printed go into ``entry["refusal"]``); a syncer that listens forked the
+        run, which ends it with an error."""
+        t = time.time()
+        try:
+            child = self.cluster.start_syncer(resume=False)
+        except RuntimeError as e:
+            child = self.cluster.children["syncer"]
+            code = child.exit_code
+            line = last_line(child.log_path) if code is not None else str(e)
+            entry["refusal"] = {"exit_code": code, "line": line, "pid": child.proc.pid, "t": time.time()}
+            # Expected to exit: registered as exited, so that the exit is not taken for the syncer dying.
+            self.spawned.put((child, t, {"exit_t": time.time(), "exit_code": code, "refused": True}))
+            self._say(f"syncer started without --resume: exit code {code}: {line}")
+            return True
+        entry["refusal"] = {"exit_code": None, "line": None, "pid": child.proc.pid, "t": time.time()}
+        self.spawned.put((child, t, None))
+        self.error = "the syncer started without --resume over the run's snapshots was not refused: the run forked"
+        return False
+
+    def _disk_full(self, f: Fault, entry: dict) -> None:
+        self.disk_flag.touch()
+        self._at(time.time() + f.hold_s, lambda: self._disk_freed(entry))
+
+    def _disk_freed(self, entry: dict) -> None:
+        entry["undone_t"] = time.time()
+        self.disk_flag.unlink(missing_ok=True)
+        self._say("checkpoint disk has space again")
 
     def _region(self, target: str) -> str:
         m = learner_index(target)
@@ -327,6 +392,7 @@ class _Driver:
             with contextlib.suppress(Exception):
                 self.emu.cut(region, down=False)
         self.cut.clear()
+        self.disk_flag.unlink(missing_ok=True)
         deadline = time.monotonic() + 200  # a syncer restart in flight ends (start_syncer's own timeout is 180 s)
         while self.syncer_restarting and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -367,7 +433,12 @@ def run_chaos(cfg: RunSpec, faults: list[Fault], run_dir: str | Path, options: C
         write_config(rdir / "config.toml", cfg)
         metrics = stack.enter_context(open(rdir / "metrics.jsonl", "w"))
         spawner = stack.enter_context(_Spawner())  # entered before the cluster: it ends after the children
-        cluster = stack.enter_context(Cluster(cfg, rdir / "config.toml", rdir, token=token, wrap=wrap))
+        # The disk_full hook only for a schedule that has the fault, and only for its syncers.
+        flag = disk_flag_path(rdir)
+        flag.unlink(missing_ok=True)
+        syncer_env = {FAULT_ENV: str(flag)} if any(f.kind == "disk_full" for f in faults) else None
+        cluster = stack.enter_context(_ChaosCluster(cfg, rdir / "config.toml", rdir, token=token, wrap=wrap,
+                                                    syncer_env=syncer_env))
         record = _Driver(cluster, spawner, cfg, faults, metrics, note, emu).run(options)
     (rdir / "chaos_record.json").write_text(record.to_json())
     return record

@@ -8,7 +8,7 @@ from wan_diloco.runtime.chaos.schedule import learner_name
 
 
 FAULT_COLORS = {"kill_learner": "tab:red", "stop_learner": "tab:orange", "kill_syncer": "tab:purple",
-                "cut_link": "tab:blue"}
+                "cut_link": "tab:blue", "disk_full": "tab:brown", "restart_syncer_fresh": "tab:pink"}
 
 
 def plot_timeline(record: RunRecord, path: str | Path, baseline: RunRecord | None = None, title: str = "") -> None:
@@ -45,8 +45,9 @@ def _process_rows(ax, record: RunRecord, names: list[str]) -> None:
             ready = record.first(lambda e: e.get("pid") == p["pid"] and e.get("event") in ("listening", "start"))
             end = p["exit_t"] or record.t_end
             t_ready = ready["t"] if ready else end
+            # A start refused on purpose (restart_syncer_fresh) in its own colour: it never came up.
             ax.broken_barh([(p["spawn_t"] - record.t0, t_ready - p["spawn_t"])], (row - 0.3, 0.6),
-                           facecolors="lightsteelblue")
+                           facecolors="lightcoral" if p.get("refused") else "lightsteelblue")
             ax.broken_barh([(t_ready - record.t0, max(0.0, end - t_ready))], (row - 0.3, 0.6), facecolors="tab:green")
     ax.set_yticks(range(len(names)), names)
     ax.set_ylim(-0.7, len(names) - 0.3)

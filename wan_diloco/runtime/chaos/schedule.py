@@ -15,9 +15,12 @@ from wan_diloco.planning.tape import Outage, merge_outages
 from wan_diloco.spec import RunSpec
 
 
-KINDS = ("kill_learner", "stop_learner", "kill_syncer", "cut_link")
+KINDS = ("kill_learner", "stop_learner", "kill_syncer", "cut_link", "disk_full", "restart_syncer_fresh")
 # Each kind's one optional duration key: how long the fault lasts before the harness undoes it.
-HOLD_KEY = {"kill_learner": "down_s", "kill_syncer": "down_s", "stop_learner": "duration_s", "cut_link": "duration_s"}
+HOLD_KEY = {"kill_learner": "down_s", "kill_syncer": "down_s", "stop_learner": "duration_s", "cut_link": "duration_s",
+            "disk_full": "duration_s", "restart_syncer_fresh": "down_s"}
+# Kinds whose one target is the syncer (its process, or its checkpoint.dir).
+SYNCER_KINDS = ("kill_syncer", "disk_full", "restart_syncer_fresh")
 DEFAULT_HOLD_S = 5.0
 KEYS = ("t_s", "kind", "target", "down_s", "duration_s")
 
@@ -57,9 +60,9 @@ def _seconds(value: Any, where: str) -> float:
 
 
 def _check_target(kind: str, target: Any, where: str, learners: int, regions: tuple[str, ...]) -> str:
-    if kind == "kill_syncer":
+    if kind in SYNCER_KINDS:
         if target not in (None, "syncer"):
-            raise ConfigError(f"{where}.target: kill_syncer hits 'syncer', got {target!r}")
+            raise ConfigError(f"{where}.target: {kind} hits 'syncer', got {target!r}")
         return "syncer"
     if not isinstance(target, str):
         raise ConfigError(f"{where}.target: {kind} needs a target such as 'learner-0', got {target!r}")
@@ -148,9 +151,13 @@ def from_tape(outages: Iterable[Outage], scale: float, learners: int, horizon_s:
 
 
 def check_schedule(cfg: RunSpec, faults: list[Fault]) -> None:
-    """What a schedule needs of the config: a syncer kill is resumed from a snapshot."""
-    if any(f.kind == "kill_syncer" for f in faults) and not cfg.checkpoint.every_merges:
-        raise ConfigError("checkpoint.every_merges: kill_syncer resumes from a snapshot; set it > 0")
+    """What a schedule needs of the config: a syncer kill is resumed from a snapshot, a fresh restart is
+    refused because of one, and a full disk is seen when snapshots fail to be written."""
+    for kind, why in (("kill_syncer", "kill_syncer resumes from a snapshot"),
+                      ("restart_syncer_fresh", "restart_syncer_fresh is refused over snapshots, then resumes from one"),
+                      ("disk_full", "disk_full fails the snapshot writes of its window")):
+        if any(f.kind == kind for f in faults) and not cfg.checkpoint.every_merges:
+            raise ConfigError(f"checkpoint.every_merges: {why}; set it > 0")
     for f in faults:
         m = learner_index(f.target)
         if m is not None and m >= cfg.run.learners:
