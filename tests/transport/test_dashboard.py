@@ -212,9 +212,10 @@ def test_syncer_status_gives_loss_tokens_history_and_liveness_events(tmp_path):
     assert st["learners"]["1"]["loss"] == 6.5
     assert [p[:2] for p in st["loss_history"]["0"]] == [[1, 9.5], [5, 7.25], [9, 6.0]]
     assert st["loss_history"]["0"][-1][2] == 27.0  # seconds since the syncer started
+    # A standalone syncer's start barrier needs one learner: met when learner 0 joined.
     assert [(e["kind"], e["learner"]) for e in st["events"]] == [
-        ("joined", 0), ("joined", 1), ("lost", 1), ("rejoined", 1)]
-    assert st["events"][2]["at_s"] == 27.0
+        ("joined", 0), ("started", None), ("joined", 1), ("lost", 1), ("rejoined", 1)]
+    assert st["events"][3]["at_s"] == 27.0
 
 
 def test_loss_curves_stay_bounded_evenly_spread_and_end_at_the_latest_reading():
