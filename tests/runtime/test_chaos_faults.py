@@ -173,6 +173,7 @@ def test_the_timeline_draws_both_faults_and_the_refused_start(tmp_path):
 
 # ---- one real run -------------------------------------------------------------------------------
 
+@pytest.mark.slow  # ~75 s; `python -m bench.chaos --quick` runs both faults too
 def test_a_real_run_through_a_full_disk_and_a_fresh_restart_finishes_with_its_weights(tmp_path):
     # 400 steps paced to 0.1 s (~40 s of training): the disk is full from 2 s to 8 s (snapshots every 4
     # merges fail meanwhile), then the syncer is killed at 18 s and its supervisor first forgets --resume.

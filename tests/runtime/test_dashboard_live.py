@@ -133,6 +133,7 @@ def test_the_dashboard_of_a_real_one_shard_run_shows_it_live(chromium, tmp_path)
         assert browser.element(dom, r'<b id="shards"[^>]*>') == "1"
 
 
+@pytest.mark.slow  # 30-90 s; the one-shard test and the schema test of shard pages stay in the default run
 @browser.FORK_WARNING
 def test_the_dashboard_of_a_real_two_shard_run_shows_both_shards_and_one_that_is_down(chromium, tmp_path):
     cluster, _ = start_run(tmp_path, shards=2)
