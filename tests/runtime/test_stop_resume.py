@@ -20,7 +20,9 @@ from .test_signals import alive
 def test_a_launch_stopped_by_sigint_soon_after_its_start_can_be_resumed(tmp_path):
     # No periodic snapshots: what the resume takes up is the one the stop asked for.
     extra = "\n[checkpoint]\nevery_merges = 0\n"
-    path = micro_config(tmp_path, learners=2, steps=64, min_step_s=0.05, extra=extra)
+    # Enough steps left after the stop that learner 1, recovering from its peer for a second or two, still
+    # trains in the resumed run (with 64 steps learner 0 finished them alone meanwhile: 1 of 2 trained).
+    path = micro_config(tmp_path, learners=2, steps=200, min_step_s=0.05, extra=extra)
     run_dir = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     launch = [sys.executable, "-m", "wan_diloco.cli", "launch", "--quiet"]
