@@ -27,7 +27,7 @@ finishes, uptime >= 0.9, final eval loss within 2 % of the fault-free run.
     python -m bench.chaos           # M = 3, a kill every minute, ~9 min of training per run
     python -m bench.chaos --quick --reanalyze DIR   # the report again from the runs recorded in DIR (--work)
     python -m bench.chaos --hostile [--messages N]  # the hostile-peer benchmark instead (bench/hostile.py)
-Writes bench/results/chaos.json (after each run) and bench/results/chaos.png.
+Writes bench/results/chaos.json (after each run) and chaos.png; with --quick chaos_quick.json and .png.
 """
 from __future__ import annotations
 
@@ -173,12 +173,15 @@ def main(argv=None) -> int:
     ap.add_argument("--hostile", action="store_true",
                     help="run the hostile-peer benchmark instead (bench/hostile.py; its flags follow, see --hostile --help)")
     ap.add_argument("--quick", action="store_true", help="M = 2, a kill every 30 s, ~3 min of training per run")
-    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "chaos.json")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="results JSON (default: bench/results/chaos.json, chaos_quick.json with --quick)")
     ap.add_argument("--work", type=Path, help="run folders (default: a new temporary folder, kept)")
     ap.add_argument("--reanalyze", type=Path, metavar="WORK",
                     help="no runs: the report and plot again from WORK/{chaos,baseline}/chaos_record.json")
     args = ap.parse_args(argv)
     s = QUICK if args.quick else FULL
+    if args.out is None:  # a quick check never overwrites the full run's figures
+        args.out = ROOT / "bench" / "results" / ("chaos_quick.json" if args.quick else "chaos.json")
     t_bench = time.monotonic()
     cfg = spec_lib.from_document(tomllib.loads(CONFIG.format(learners=s.learners, steps=s.steps, step_s=STEP_S)))
     if args.reanalyze:
