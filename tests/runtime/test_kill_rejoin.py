@@ -65,8 +65,10 @@ def test_killed_learner_rejoins_and_contributes_again(tmp_path):
         assert start["step"] > 0  # took up the global step from the syncer instead of starting at 0
         assert start["schedule_step"] >= start["step"]  # and the learning-rate schedule with it
         # Its data stream goes on from where its metadata last left it, not from the seed's first windows.
+        # Metadata goes out after each step, asynchronously: the kill can land before the last one reaches
+        # the syncer, so the position it keeps may lag the last step event by one batch.
         position = next(e for e in rejoined.events if e.get("event") == "data_position")
-        assert position["restored"] and position["batches"] >= 1 + trained_before_kill // batch_tokens >= 6  # a fresh stream: 1
+        assert position["restored"] and position["batches"] >= trained_before_kill // batch_tokens >= 5  # a fresh stream: 1
         # Peer recovery: a healthy learner gave it parameters, inner optimizer and residuals (#13).
         recovered = next(e for e in rejoined.events if e.get("event") == "recovered")
         assert recovered["from_peer"] and recovered["donor"] in (0, 1) and recovered["bytes"] > 0
