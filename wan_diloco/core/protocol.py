@@ -131,6 +131,35 @@ class GlobalUpdate:
     snapshot: int = 0  # the newest snapshot the syncer has cut: learners write their part when it grows
 
 
+@dataclass(frozen=True)
+class ObjectRequest:
+    """A named object a peer fetches from the syncer in bulk: ``fragment/P`` (the current global
+    fragment), ``final/P`` (it after the end-of-run sync), ``donation/M`` (a peer's state for learner M)
+    or ``position/M`` (learner M's data position). On the wire it travels as its ``name``."""
+
+    kind: str
+    index: int
+
+    KINDS = ("fragment", "final", "donation", "position")
+    FRAGMENT_KINDS = ("fragment", "final")
+
+    @property
+    def name(self) -> str:
+        return f"{self.kind}/{self.index}"
+
+    @classmethod
+    def parse(cls, name: str, num_fragments: int, num_learners: int) -> "ObjectRequest":
+        """The request a name asks for, or ProtocolError (field ``object``) naming what is valid."""
+        kind, _, index = name.partition("/")
+        bound = num_fragments if kind in cls.FRAGMENT_KINDS else num_learners
+        if kind not in cls.KINDS or not (index.isascii() and index.isdigit()) or index != str(int(index)) \
+                or not 0 <= int(index) < bound:
+            raise ProtocolError(
+                f"unknown bulk object {name[:80]!r}; expected fragment/P or final/P with P in "
+                f"0..{num_fragments - 1}, or donation/M or position/M with M in 0..{num_learners - 1}", "object")
+        return cls(kind, int(index))
+
+
 # ---- actions --------------------------------------------------------------------------
 
 
