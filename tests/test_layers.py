@@ -15,7 +15,8 @@ LAYERS: list[tuple[set[str], bool]] = [  # (units, may units of this layer impor
     ({"config", "tree", "clock"}, True),
     ({"model", "data", "data_sources", "train"}, True),
     ({"fragments", "merge", "outer", "feedback", "shards"}, True),
-    ({"core", "compression", "transport", "planning", "regions", "checkpoint"}, False),
+    ({"core", "compression", "transport", "regions", "checkpoint"}, False),
+    ({"planning"}, False),  # models the run: the schedule (fragments) and the codec's bit widths
     ({"spec"}, False),
     ({"assemble"}, False),
     ({"sim", "runtime"}, False),

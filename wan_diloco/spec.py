@@ -155,7 +155,7 @@ class PlanConfig:
 
     With ``adapt_tau`` each learner takes the smallest τ its measured link
     allows (``planning.tau_for_link``, from its probe and its measured step
-    time, at most ``max_tau`` and below H/P) and plans again when
+    time, at most ``max_tau`` and within ``fragments.tau_bounds``: below H) and plans again when
     ``replan_confirm`` probes in a row find the link's rate moved the same way
     by more than ``replan_threshold``.
     """

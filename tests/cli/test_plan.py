@@ -52,11 +52,11 @@ def test_measured_links_replace_the_config(tmp_path, capsys):
     assert data["links"] == {"eu-west": {"rate_gbit_s": 0.05, "rtt_s": 0.15}}
     assert data["inputs"]["link_source"] == {"eu-west": "measured"}
     assert any("us-east" in n and "syncer" in n for n in data["inputs"]["notes"])
-    # 25 Mbit/s per learner. H=10, P=4 allows only tau 1; P=2 at 4 bits: 213 kB, 2 x 0.068 s + 0.15 s = 0.29 s
-    # over 0.09 s steps -> tau 4 = 10//2 - 1 (8 bits would need 5).
+    # 25 Mbit/s per learner. H=10, P=4 at 4 bits: 107 kB, 2 x 0.034 s + 0.15 s = 0.22 s over 0.09 s steps
+    # -> tau 3 (any tau < H is the run's; P=2 would need 4, 8 bits 4).
     assert rc == 0 and data["reached"]
-    assert (data["sync_every"], data["fragments"], data["tau"], data["bits"]) == (10, 2, 4, 4)
-    assert data["tau_by_region"] == {"eu-west": 4}
+    assert (data["sync_every"], data["fragments"], data["tau"], data["bits"]) == (10, 4, 3, 4)
+    assert data["tau_by_region"] == {"eu-west": 3}
     assert "measured" in capsys.readouterr().out
 
 

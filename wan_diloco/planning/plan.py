@@ -9,7 +9,8 @@ checks on every region's link:
 * **demand**: the wire bits the region's learners move per second in each
   direction stay under ``rate·(1 − margin)``;
 * **τ rule**: one fragment's round trip fits in τ steps (:func:`tau_for_link`),
-  with τ < H/P so that one fragment is in flight at a time;
+  with 1 <= τ within the run's bounds (:func:`wan_diloco.fragments.tau_bounds`:
+  τ < H) and at most ``max_tau``;
 * **CU**: the compute utilization of ``wan-diloco bandwidth``'s model
   (:func:`~wan_diloco.planning.bandwidth.schedule_for` with method
   ``"decoupled"``, then :func:`~wan_diloco.planning.timeline.compute_utilization`)
@@ -26,8 +27,9 @@ import json
 import math
 from typing import Any, Iterable, Mapping, Sequence
 
+from wan_diloco.compression.config import BITS
 from wan_diloco.config import ConfigError, require
-from wan_diloco.fragments import Schedule as FragmentSchedule
+from wan_diloco.fragments import Schedule, tau_bounds
 from wan_diloco.planning.bandwidth import BandwidthConfig, fragment_layers, schedule_for
 from wan_diloco.planning.recommend import BITS_OPTIONS, LAYERS_PER_FRAGMENT_OPTIONS, SYNC_EVERY_OPTIONS, TAU_OPTIONS
 from wan_diloco.planning.timeline import compute_utilization, min_rate_for_cu
@@ -138,15 +140,15 @@ def tau_for_link(
 def fragment_order(sizes: Sequence[float], sync_every: int) -> tuple[int, ...]:
     """Which fragment goes on the wire in each of the P send slots of a period (slot k sends ``order[k]``).
 
-    Slots sit at offsets ⌊k·H/P⌋, so when P does not divide H the gaps to the
-    next send differ by one step. The largest fragment goes to the slot
+    Slots sit at offsets ⌊k·H/P⌋ (:class:`wan_diloco.fragments.Schedule`, which
+    applies the order when a run sets ``learner.fragment_order`` to it), so when
+    P does not divide H the gaps to the next send differ by one step. The largest fragment goes to the slot
     followed by the longest gap, and so on down: the transfers that take
     longest get the most time before the link is needed again. Fragments of
     equal size keep their index order among themselves.
     """
     n = len(sizes)
-    sched = FragmentSchedule(sync_every, n)
-    offsets = [sched.offset(k) for k in range(n)]
+    offsets = [Schedule.slot_offset(k, sync_every, n) for k in range(n)]
     gaps = [(offsets[k + 1] if k + 1 < n else sync_every + offsets[0]) - offsets[k] for k in range(n)]
     slots = sorted(range(n), key=lambda k: (-gaps[k], k))
     frags = sorted(range(n), key=lambda p: (-sizes[p], p))
@@ -287,8 +289,8 @@ def plan_run(
             f"must be a finite number > 0, got {step_time_s}")
     require(0 < target_cu < 1, "target_cu", f"must be in (0, 1), got {target_cu}")
     require(0 <= margin < 1, "margin", f"must be in [0, 1), got {margin}")
-    require(bool(bits_options) and all(b in (4, 8, 16, 32) for b in bits_options), "bits_options",
-            f"each must be 4, 8, 16 or 32, got {list(bits_options)}")
+    require(bool(bits_options) and all(b in BITS for b in bits_options), "bits_options",
+            f"each must be one of {', '.join(map(str, BITS))}, got {list(bits_options)}")
     require(bool(sync_every_options) and all(isinstance(h, int) and h >= 2 for h in sync_every_options),
             "sync_every_options", f"each must be an integer >= 2, got {list(sync_every_options)}")
     require(isinstance(max_tau, int) and max_tau >= 1, "max_tau", f"must be an integer >= 1, got {max_tau!r}")
@@ -317,8 +319,8 @@ def plan_run(
     found: list[_Candidate] = []
     for h in sorted(sync_every_options):
         for p in sorted(fragment_options):
-            # τ < H/P keeps one fragment in flight at a time (as recommend's grid); τ >= 1 (overlap).
-            cap = min(max_tau, max(1, h // p) - 1)
+            # The run's bounds, at most max_tau; τ >= 1 (overlap: the learner never blocks).
+            _, cap = tau_bounds(h, p, max_tau)
             if cap < 1:
                 continue
             sizes = model.fragment_sizes(p)
@@ -339,7 +341,7 @@ def plan_run(
                     if c.reached(target_cu):
                         break  # a larger τ only adds staleness
     require(bool(found), "sync_every_options",
-            f"no setting has τ < H/P with τ >= 1 (H in {list(sync_every_options)}, P in {list(fragment_options)})")
+            f"no setting has 1 <= τ < H (H in {list(sync_every_options)}, P in {list(fragment_options)})")
     ok = [c for c in found if c.reached(target_cu)]
     if ok:
         best, reached = min(ok, key=_quality_key), True
@@ -393,7 +395,7 @@ def _why(c: _Candidate, model, links, planned, share, need, demand, usable_s, st
         if c.tau_by_region[r] is None:
             out.append(f"{r}: one fragment's round trip takes {need[r]:.3g} s at {share[r].rate_gbit_s:.3g} Gbit/s"
                        f"{each}, more than tau x step x (1 - margin) = {usable_s:.3g} s at the largest tau allowed "
-                       f"({c.tau}, tau < H/P) at {setting}")
+                       f"({c.tau}: plan.max_tau, and tau < H) at {setting}")
         if c.cu_by_region[r] < target_cu:
             sched = schedule_for(bandwidth_config(model.params, model.layers, step_time_s, c.sync_every,
                                                   c.fragments, c.tau, c.bits, share[r].rtt_s), METHOD)

@@ -5,6 +5,7 @@ import dataclasses
 import math
 
 from wan_diloco.config import replace, require
+from wan_diloco.fragments import tau_bounds
 from wan_diloco.planning.bandwidth import BandwidthConfig, schedule_for
 from wan_diloco.planning.timeline import compute_utilization
 
@@ -50,8 +51,9 @@ def recommend(
     found = []
     for h in SYNC_EVERY_OPTIONS:
         for p in fragment_counts:
+            lo, hi = tau_bounds(h, p)  # the run's rule: τ < H
             for tau in TAU_OPTIONS:
-                if tau >= max(1, h // p):  # τ < H/P keeps one fragment in flight at a time
+                if not lo <= tau <= hi:
                     continue
                 for bits in BITS_OPTIONS:
                     c = replace(cfg, sync_every=h, fragments=p, tau=tau, bits=bits)
