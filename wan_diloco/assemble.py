@@ -198,14 +198,15 @@ class Assembly:
         return data_lib.load_corpus(self.data)
 
     @cached_property
-    def shards(self) -> list[np.ndarray]:
+    def data_shards(self) -> list[np.ndarray]:
+        """Each peer's part of the training tokens (``data.shard``); not the syncer's shards (``shard_plan``)."""
         n, block = len(self.peers), self.data.shard_block_tokens
         return [data_lib.shard(self.corpus.train, i, n, block).tokens for i in range(n)]
 
     def batches(self, m: int) -> data_lib.FailoverBatches:
         """Learner m's batches: its own shard, and down learners' shards when told who is down."""
         r = self.spec.run
-        return data_lib.FailoverBatches(self.shards, self.peers.index(m), r.batch_size, self.spec.model.seq_len,
+        return data_lib.FailoverBatches(self.data_shards, self.peers.index(m), r.batch_size, self.spec.model.seq_len,
                                         seed=r.seed * 1009 + m)
 
     @cached_property

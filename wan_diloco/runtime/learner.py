@@ -678,9 +678,9 @@ class Learner:
         raise Stopped()
 
     def _maybe_eval(self) -> None:
-        """Every ``run.eval_every`` steps, one learner in turn evaluates the global model as it holds it (its
+        """Every ``run.eval_every_steps`` steps, one learner in turn evaluates the global model as it holds it (its
         global view Θ, not its local parameters): the run's eval curve (``eval`` events)."""
-        every, step = self.cfg.run.eval_every, self.core.step
+        every, step = self.cfg.run.eval_every_steps, self.core.step
         if not every or step % every or (step // every) % self.cfg.run.learners != self.m:
             return
         t0 = time.monotonic()

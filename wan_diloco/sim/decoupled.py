@@ -72,9 +72,10 @@ class Simulation:
         self.M = spec.run.learners
         self.frags = parts.layout.fragments
         S = spec.syncer.shards
-        if S > 1 or self.cfg.shard_merge_gb_s:
+        merge_gb_s = spec.plan.shard_merge_gb_s if self.cfg.merge_takes_time else 0.0
+        if S > 1 or merge_gb_s:
             cores = [parts.syncer_core(shard=s if S > 1 else None) for s in range(S)]
-            self.syncer = ShardedSyncer(cores, parts.shard_plan, list(parts.layout.nbytes), self.cfg.shard_merge_gb_s)
+            self.syncer = ShardedSyncer(cores, parts.shard_plan, list(parts.layout.nbytes), merge_gb_s)
         else:
             self.syncer = parts.syncer_core()
         rtt, bw = self.cfg.rtt_s, self.cfg.bandwidth_gbit_s
@@ -94,7 +95,7 @@ class Simulation:
         self.bytes_sent = 0
         self.done = False
         self.curve: list[dict] = []
-        self.next_eval = self.cfg.eval_every
+        self.next_eval = self.cfg.curve_every_steps
         for o in outages:
             self._at(o.down_at, self._go_down, o.learner)
             self._at(o.up_at, self._come_up, o.learner)
@@ -146,7 +147,7 @@ class Simulation:
         step = self._global_step()
         if force or step >= self.next_eval:
             while self.next_eval <= step:
-                self.next_eval += self.cfg.eval_every
+                self.next_eval += self.cfg.curve_every_steps
             params = tree.unflatten(self.syncer.global_params(), self.parts.state0.params)
             point = {"step": step, "tokens": self.tokens, "time_s": self.now, "eval_loss": self.parts.evaluate(params)}
             if not self.curve or point != self.curve[-1]:

@@ -3,7 +3,7 @@
 Each shard owns the fragments ``shards.owners`` gives it and runs its own
 rounds, grace windows and outer state, as in a real run; metadata and liveness
 reach every shard. A shard's merge takes the time its work needs at
-``simulate.shard_merge_gb_s`` (0: no time), queued behind its earlier merges:
+``plan.shard_merge_gb_s`` (with ``simulate.merge_takes_time``; else no time), queued behind its earlier merges:
 the broadcast leaves when the shard is done (``ShardedSyncer.ready_at``), so a
 run with too few shards for its model and learners shows the wait.
 """
