@@ -18,7 +18,7 @@ Tables (every key optional; each default is stated once, in the dataclass named)
 
 Values that must agree between tables are derived, and refused when set
 otherwise: ``syncer.num_learners`` is ``run.learners``, ``syncer.tau`` is
-``learner.tau``, ``data.vocab_size`` is ``model.vocab_size``,
+``learner.tau``, ``syncer.sync_every`` is ``learner.sync_every``, ``data.vocab_size`` is ``model.vocab_size``,
 ``train.total_steps`` is the step budget. The bearer token comes from
 ``run.token`` or the ``WAN_DILOCO_TOKEN`` environment variable.
 """
@@ -297,6 +297,7 @@ def from_document(doc: Mapping[str, Any]) -> RunSpec:
     syncer_t = _table(doc, "syncer")
     _derived(syncer_t, "num_learners", run.learners, "syncer", "run.learners")
     _derived(syncer_t, "tau", learner.tau, "syncer", "learner.tau")
+    _derived(syncer_t, "sync_every", learner.sync_every, "syncer", "learner.sync_every")
     syncer = from_mapping(SyncerConfig, syncer_t, prefix="syncer.")
     require(syncer.shards <= learner.num_fragments, "syncer.shards",
             f"must be at most learner.num_fragments ({learner.num_fragments}): a shard owns whole fragments, "
@@ -341,7 +342,8 @@ def to_document(spec: RunSpec) -> dict[str, Any]:
         doc[name] = {k: list(v) if isinstance(v, tuple) else v for k, v in table.items()}
     doc["model"]["preset"] = spec.preset
     doc["data"]["regions"] = dict(spec.data.regions)
-    for table, key in (("data", "vocab_size"), ("syncer", "num_learners"), ("syncer", "tau"), ("train", "total_steps")):
+    for table, key in (("data", "vocab_size"), ("syncer", "num_learners"), ("syncer", "tau"), ("syncer", "sync_every"),
+                       ("train", "total_steps")):
         doc[table].pop(key)
     doc["transport"] = {k: v for k, v in doc["transport"].items() if v is not None}
     if doc["transport"].get("tls") is None:

@@ -57,7 +57,17 @@ def test_measured_links_replace_the_config(tmp_path, capsys):
     assert rc == 0 and data["reached"]
     assert (data["sync_every"], data["fragments"], data["tau"], data["bits"]) == (10, 4, 3, 4)
     assert data["tau_by_region"] == {"eu-west": 3}
-    assert "measured" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "measured" in out
+    # The planned order is not index order: the TOML line says how a run applies it, and a run takes it.
+    assert data["fragment_order"] == [1, 0, 2, 3]
+    assert "fragment_order = [1, 0, 2, 3]" in " ".join(out.split())
+    from wan_diloco import spec as spec_lib
+    from wan_diloco.fragments import Schedule
+    run = spec_lib.from_document({"learner": {"sync_every": 10, "num_fragments": 4, "tau": 3,
+                                              "fragment_order": data["fragment_order"]}})
+    sched = Schedule(run.learner.sync_every, run.learner.num_fragments, run.learner.fragment_order)
+    assert [sched.due(s) for s in (10, 2, 5, 7)] == [[1], [0], [2], [3]]
 
 
 def test_unreachable_target_exits_1_with_why(tmp_path, capsys):

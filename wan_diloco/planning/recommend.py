@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from wan_diloco.compression.config import BITS
 from wan_diloco.config import replace, require
 from wan_diloco.fragments import tau_bounds
 from wan_diloco.planning.bandwidth import BandwidthConfig, schedule_for
@@ -12,7 +13,7 @@ from wan_diloco.planning.timeline import compute_utilization
 SYNC_EVERY_OPTIONS = (10, 25, 50, 100, 200, 500)
 LAYERS_PER_FRAGMENT_OPTIONS = (1, 2, 3, 4, 6, 8, 12)
 TAU_OPTIONS = (0, 1, 2, 3, 4, 5)  # τ <= 5 is the published safe range
-BITS_OPTIONS = (16, 8, 4)
+BITS_OPTIONS = tuple(b for b in BITS if b < 32)  # the codec's widths below fp32: (16, 8, 4)
 STREAMING_METHODS = ("decoupled", "streaming_overlap")
 
 

@@ -1,9 +1,11 @@
-"""learner.fragment_order: a learner core sends its fragments in the planned slot order (fragments.Schedule)."""
+"""The one schedule in the cores: learner.fragment_order (the planned slot order) and the one τ bound."""
 import numpy as np
 import pytest
 
+from wan_diloco.clock import VectorClock
 from wan_diloco.compression import CodecConfig, FragmentCodec
-from wan_diloco.core import LearnerConfig, LearnerCore, Snapshot
+from wan_diloco.config import ConfigError
+from wan_diloco.core import LearnerConfig, LearnerCore, Metadata, ProtocolError, Snapshot, SyncerConfig, SyncerCore
 from wan_diloco.fragments import Layout
 from wan_diloco.planning.plan import fragment_order
 
@@ -45,3 +47,20 @@ def test_a_planned_order_is_the_order_the_learner_syncs_in():
 def test_a_bad_order_is_refused_naming_the_field(order):
     with pytest.raises(ValueError, match="fragment_order"):
         LearnerConfig(sync_every=10, num_fragments=4, tau=1, fragment_order=order).validate()
+
+
+def test_both_cores_bound_tau_by_the_same_rule():
+    # τ <= H - 1 (fragments.tau_bounds), whatever P: τ = H/P and above are fine, τ = H is not.
+    LearnerConfig(sync_every=8, num_fragments=4, tau=7).validate()
+    with pytest.raises(ConfigError, match=r"tau: must be in \[0, 7\]"):
+        LearnerConfig(sync_every=8, num_fragments=4, tau=8).validate()
+    s = SyncerCore(SyncerConfig(num_learners=2, sync_every=8), FRAGS, PARAMS, lambda n: False, CODEC)
+    s.on_metadata(0.0, _meta(0, tau=7))
+    with pytest.raises(ProtocolError, match=r"tau must be in \[0, 7\] \(below H = 8\), got 8"):
+        s.on_metadata(0.0, _meta(1, tau=8))
+    assert s.learners[0].tau == 7 and 1 not in s.learners
+
+
+def _meta(learner: int, tau: int) -> Metadata:
+    return Metadata(learner=learner, step=1, c_steps=(1,) * 4, c_tokens=(100,) * 4,
+                    clock=VectorClock({f"learner-{learner}": 1}), step_s=1.0, tau=tau)
