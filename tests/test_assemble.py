@@ -109,3 +109,11 @@ def test_the_mesh_may_be_given():
     mesh = local_mesh(jax.devices()[:1])
     parts = Assembly(micro(), 0, mesh=mesh)
     assert parts.mesh is mesh and parts.evaluate(parts.params0) > 0
+
+
+def test_the_fingerprint_names_a_fragment_order_only_when_it_is_not_index_order():
+    from wan_diloco.core import fingerprint as fingerprint_lib
+    plain = Assembly(micro(fragments=4)).fingerprint
+    assert plain == Assembly(micro(fragments=4, fragment_order=(0, 1, 2, 3))).fingerprint
+    planned = Assembly(micro(fragments=4, fragment_order=(1, 0, 2, 3))).fingerprint
+    assert fingerprint_lib.differences(plain, planned) == ["schedule (learner.fragment_order 1-0-2-3 vs missing)"]
