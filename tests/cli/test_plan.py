@@ -1,3 +1,4 @@
+import dataclasses
 import json
 from pathlib import Path
 
@@ -68,6 +69,15 @@ def test_measured_links_replace_the_config(tmp_path, capsys):
                                               "fragment_order": data["fragment_order"]}})
     sched = Schedule(run.learner.sync_every, run.learner.num_fragments, run.learner.fragment_order)
     assert [sched.due(s) for s in (10, 2, 5, 7)] == [[1], [0], [2], [3]]
+    # `launch --plan` applies it (whatever order the file had for its own P).
+    from wan_diloco.cli.plan import apply_plan
+    from wan_diloco.planning.plan import Plan
+    fields = {f.name: data[f.name] for f in dataclasses.fields(Plan)}
+    planned = Plan(**{**fields, "fragment_order": tuple(data["fragment_order"])})
+    applied = apply_plan(run.with_changes(learner={"num_fragments": 2, "fragment_order": [1, 0], "tau": 1}), planned)
+    assert applied.learner.fragment_order == (1, 0, 2, 3) and applied.learner.num_fragments == 4
+    index_order = dataclasses.replace(planned, fragment_order=(0, 1, 2, 3))
+    assert apply_plan(run, index_order).learner.fragment_order == ()
 
 
 def test_unreachable_target_exits_1_with_why(tmp_path, capsys):

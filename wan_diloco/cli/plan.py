@@ -132,10 +132,11 @@ def make_plan(spec: RunSpec, console: Console, step_time: float | None = None, m
 
 
 def apply_plan(spec: RunSpec, plan: Plan) -> RunSpec:
-    """``spec`` with the plan's H, P, τ, bits and grace cap (the fragment order is advice: the
-    runtime sends fragments in index order)."""
+    """``spec`` with the plan's H, P, τ, fragment order (``learner.fragment_order``; left empty when it
+    is index order, the default), bits and grace cap."""
+    order = [] if plan.fragment_order == tuple(range(plan.fragments)) else list(plan.fragment_order)
     return spec.with_changes(learner={"sync_every": plan.sync_every, "num_fragments": plan.fragments,
-                                      "tau": plan.tau},
+                                      "tau": plan.tau, "fragment_order": order},
                              codec={"bits": plan.bits}, syncer={"max_grace_s": round(plan.max_grace_s, 6)})
 
 
