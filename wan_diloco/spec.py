@@ -1,3 +1,5 @@
+# Over ~400 lines: the run file in one place (its own tables, the cross-table rules, the renamed keys, the
+# short names and the embedded default), so every key and default is declared once and found here.
 """One run, one TOML file: read by ``simulate``, ``launch``, ``syncer``, ``learner`` and the benchmarks.
 
 Tables (every key optional; each default is stated once, in the dataclass named):
