@@ -101,7 +101,7 @@ def make_fragments(
 def tau_bounds(sync_every: int, num_fragments: int, max_tau: int | None = None) -> tuple[int, int]:
     """The overlaps τ a run with H = ``sync_every`` and P = ``num_fragments`` accepts: ``lo <= τ <= hi``.
 
-    The one rule (docs/method.md, "Fragments and schedule"): 0 <= τ <= H − 1. A fragment is due again
+    The one rule (docs/method.md, "Fragments"): 0 <= τ <= H − 1. A fragment is due again
     H steps after it was sent, so its answer must be merged before that; τ >= H/P is allowed (several
     fragments in flight at once, as the paper's own P = H = 24, τ = 2). ``max_tau`` (``plan.max_tau``,
     the published safe range) lowers ``hi`` further where a τ is chosen rather than configured.
