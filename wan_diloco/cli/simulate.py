@@ -81,7 +81,7 @@ def spec_from_args(args: argparse.Namespace):
 def run(args: argparse.Namespace) -> int:
     from wan_diloco import sim
     from wan_diloco.cli.report import progress_bar, summary_table
-    from wan_diloco.planning.tape import load_tape
+    from wan_diloco.tape import load_tape
 
     spec = spec_from_args(args)
     outages = load_tape(args.failures) if args.failures else []
