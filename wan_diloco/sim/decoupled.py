@@ -286,7 +286,7 @@ class Simulation(FaultReplay):
         actions = self.syncer.on_metadata(now_s, msg)
         if self.keepers and msg.snapshot and msg.epoch == self.syncer.epoch and self.syncer_up[0]:
             part = self.learner_parts.get(msg.learner, (0, None))[1]
-            self.keepers[0].learner_saved(self._cores()[0], msg.learner, msg.snapshot, part)
+            self.keepers[0].learner_saved(now_s, self._cores()[0], msg.learner, msg.snapshot, part)
         return actions
 
     def _upload(self, now_s: float, msg) -> list:
@@ -298,7 +298,7 @@ class Simulation(FaultReplay):
         actions = self.syncer.on_peer_lost(now_s, m)
         for s, keeper in enumerate(self.keepers):
             if self.syncer_up[s]:
-                keeper.check(self._cores()[s])
+                keeper.check(now_s, self._cores()[s])
         return actions
 
     def _timer(self, shard: int, life: int, key) -> None:

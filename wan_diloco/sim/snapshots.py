@@ -22,6 +22,7 @@ class _Cut:
     syncer: tuple[dict, dict]  # SyncerCore.export() at the cut
     waiting: set[int]  # learners whose part is not written yet
     learners: dict[int, Any] = field(default_factory=dict)  # learner -> its part
+    complete_s: float | None = None
 
 
 class SnapshotKeeper:
@@ -34,6 +35,7 @@ class SnapshotKeeper:
         self.pending: dict[int, _Cut] = {}
         self.complete: dict[int, _Cut] = {}
         self.parts_written = 0
+        self.last_id = 0  # ids are never reused: a dead incarnation's cuts keep theirs (as files on disk would)
 
     def maybe_cut(self, now_s: float, core: SyncerCore) -> int | None:
         """Cut snapshot ``core.snapshot_id + 1`` when ``every_merges`` merges happened since the last one."""
@@ -41,23 +43,23 @@ class SnapshotKeeper:
         if not self.every_merges or core.final_started or merges - self.merges_at_cut < self.every_merges:
             return None
         self.merges_at_cut = merges
-        core.snapshot_id += 1
+        core.snapshot_id = self.last_id = max(self.last_id, core.snapshot_id) + 1
         # As the runtime: only learners that trained have state worth keeping.
         waiting = {m for m, ln in core.learners.items() if ln.alive and ln.step > 0} if self.learner_parts else set()
         self.pending[core.snapshot_id] = _Cut(now_s, core.export(), waiting)
-        self.check(core)
+        self.check(now_s, core)
         return core.snapshot_id
 
-    def learner_saved(self, core: SyncerCore, learner: int, snapshot: int, part: Any) -> None:
+    def learner_saved(self, now_s: float, core: SyncerCore, learner: int, snapshot: int, part: Any) -> None:
         """Learner ``learner`` wrote its part of ``snapshot`` (it covers the earlier pending ones too)."""
         for s, cut in self.pending.items():
             if s <= snapshot and learner in cut.waiting:
                 cut.waiting.discard(learner)
                 cut.learners[learner] = part
         self.parts_written += 1
-        self.check(core)
+        self.check(now_s, core)
 
-    def check(self, core: SyncerCore) -> None:
+    def check(self, now_s: float, core: SyncerCore) -> None:
         """Mark complete what waits for no live learner any more."""
         alive = set(core.alive())
         for s in sorted(self.pending):
@@ -65,6 +67,7 @@ class SnapshotKeeper:
             cut.waiting &= alive
             if not cut.waiting:
                 self.complete[s] = self.pending.pop(s)
+                cut.complete_s = now_s
 
     def newest(self) -> tuple[int, _Cut] | None:
         if not self.complete:
@@ -72,9 +75,11 @@ class SnapshotKeeper:
         s = max(self.complete)
         return s, self.complete[s]
 
-    def resume(self, now_s: float, fresh: SyncerCore) -> int:
-        """``fresh`` (a new core of this run) takes up the newest complete snapshot as the next incarnation;
-        returns its id. RuntimeError if none is complete (a real ``--resume`` fails the same way)."""
+    def resume(self, now_s: float, fresh: SyncerCore, dead_epoch: int) -> int:
+        """``fresh`` (a new core of this run) takes up the newest complete snapshot as the incarnation after
+        ``dead_epoch`` (the killed one's: a snapshot cut before an earlier resume must not bring an
+        incarnation number back); returns its id. RuntimeError if none is complete (a real ``--resume``
+        fails the same way)."""
         found = self.newest()
         if found is None:
             raise RuntimeError("the syncer was killed before any snapshot was complete: nothing to resume from "
@@ -82,7 +87,7 @@ class SnapshotKeeper:
         snap, cut = found
         tensors, info = cut.syncer
         fresh.restore(tensors, info)
-        fresh.epoch += 1
+        fresh.epoch = max(fresh.epoch, dead_epoch) + 1
         fresh.resumed_from = fresh.snapshot_id = snap
         fresh.resumed_after(now_s, now_s - cut.cut_s)
         self.merges_at_cut = sum(fresh.stats.fragment_syncs)
