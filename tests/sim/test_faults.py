@@ -52,8 +52,8 @@ def test_a_killed_syncer_resumes_from_its_newest_complete_snapshot_and_the_learn
     assert resumed["epoch"] == 2 and snap >= 1 and s.syncer.resumed_from == snap
     keeper = s.keepers[0]
     # The newest snapshot complete at the kill (cut every 4 merges, complete once every learner wrote its part).
-    assert snap == max(k for k, cut in keeper.complete.items() if cut.complete_s <= 9.0)
-    assert resumed["versions"] == keeper.complete[snap].syncer[1]["versions"]
+    assert snap == max(k for k, t in keeper.complete_s.items() if t <= 9.0)
+    assert resumed["versions"] == keeper.syncer_parts[snap][1]["versions"] == keeper.manifests[snap]["versions"]
     assert keeper.parts_written >= 3  # the learners wrote their parts (SaveState) and the syncer heard of it
     for m in range(3):  # every learner met the new incarnation and took its model up through LearnerCore.join
         (joined,) = events(s, "rejoined", learner=m)
@@ -108,7 +108,9 @@ def test_a_killed_shard_resumes_from_its_own_snapshot_while_the_other_keeps_merg
     assert_every_copy_is_the_syncers(s)
 
 
-ALL_FAULTS = [Outage(2, 0.0, 3.0), Outage(1, 5.0, 6.5), SyncerOutage(8.0, 9.5, shard=1), SyncerOutage(12.0, 13.0)]
+# Shard 1 cuts a snapshot of its own between its two kills (a resume from the same snapshot twice would
+# bring its incarnation number back: see the report of #24).
+ALL_FAULTS = [Outage(2, 0.0, 3.0), Outage(1, 4.0, 5.5), SyncerOutage(6.0, 7.5, shard=1), SyncerOutage(12.0, 13.0)]
 
 
 def test_a_tape_with_every_fault_replays_bit_identically():

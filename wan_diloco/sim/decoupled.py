@@ -92,7 +92,9 @@ class Simulation(FaultReplay):
         # Snapshots are cut only when the tape kills the syncer: nothing else reads them here.
         kills = any(isinstance(o, SyncerOutage) for o in outages)
         every = spec.checkpoint.every_merges
-        self.keepers = [SnapshotKeeper(every, learner_parts=s == 0) for s in range(S)] if kills else []
+        patience_s = 2 * spec.syncer.liveness_timeout_s  # as the network driver's
+        self.keepers = [SnapshotKeeper(core, every, s == 0, self.M, patience_s)
+                        for s, core in enumerate(self._cores())] if kills else []
         self.learner_parts: dict[int, tuple[int, dict]] = {}  # learner -> (snapshot, its part): its newest
         self.donations = Donations(spec.syncer.donor_timeout_s)
         self.faults: list[dict] = []
@@ -284,9 +286,9 @@ class Simulation(FaultReplay):
 
     def _metadata(self, now_s: float, msg) -> list:
         actions = self.syncer.on_metadata(now_s, msg)
-        if self.keepers and msg.snapshot and msg.epoch == self.syncer.epoch and self.syncer_up[0]:
-            part = self.learner_parts.get(msg.learner, (0, None))[1]
-            self.keepers[0].learner_saved(now_s, self._cores()[0], msg.learner, msg.snapshot, part)
+        if self.keepers and self.syncer_up[0]:  # the learners' parts are in shard 0's snapshots
+            epoch = self.syncer.epoch_at(0, msg.epoch) if self.sharded else msg.epoch
+            self.keepers[0].on_metadata(now_s, msg.learner, msg.snapshot, epoch)
         return actions
 
     def _upload(self, now_s: float, msg) -> list:
@@ -298,7 +300,7 @@ class Simulation(FaultReplay):
         actions = self.syncer.on_peer_lost(now_s, m)
         for s, keeper in enumerate(self.keepers):
             if self.syncer_up[s]:
-                keeper.check(now_s, self._cores()[s])
+                keeper.check(now_s)
         return actions
 
     def _timer(self, shard: int, life: int, key) -> None:
@@ -328,7 +330,7 @@ class Simulation(FaultReplay):
                     raise TypeError(f"simulator: unhandled syncer action {a!r}")
         for s, keeper in enumerate(self.keepers):  # the runtime cuts after the actions of a merge
             if actions and self.syncer_up[s]:
-                keeper.maybe_cut(self.now, self._cores()[s])
+                keeper.on_merged(self.now)
 
     def _final_sync(self) -> None:
         """Every live learner sends every fragment at once; the syncer merges them all (a real run's last step)."""

@@ -124,7 +124,7 @@ class FaultReplay:
             if self.syncer_up[s]:
                 continue
             fresh = self.parts.syncer_core(shard=s if self.sharded and self.spec.syncer.shards > 1 else None)
-            snap = self.keepers[s].resume(self.now, fresh, self._cores()[s].epoch)
+            snap = self.keepers[s].resume(self.now, fresh)
             self.syncer_life[s] += 1
             self.syncer_up[s] = True
             if self.sharded:

@@ -8,8 +8,8 @@ the broadcast leaves when the shard is done (``ShardedSyncer.ready_at``), so a
 run with too few shards for its model and learners shows the wait.
 
 A shard can be killed and resumed from its own snapshot (``down``/``resumed``)
-while the others go on. Learners see one syncer, as through the network
-driver's shard view (``runtime/shard_view.py``): the incarnation E = 1 + Σ_s (e_s − 1)
+while the others go on. Learners see one syncer through the core's
+``ShardView``, as through the network driver's: the incarnation E = 1 + Σ_s (e_s − 1)
 grows by one whenever a shard resumes, every message a learner sends carries, for
 the shard it goes to, that shard's incarnation as of the E it was stamped with, and
 updates carry shard 0's snapshot (the learners' parts are in shard 0's snapshots).
@@ -20,6 +20,7 @@ import dataclasses
 from collections import deque
 
 from wan_diloco.core import FINAL_TIMER, Broadcast, SyncerCore
+from wan_diloco.core.shards import ShardView
 from wan_diloco.core.syncer import SyncerStats
 
 
@@ -31,7 +32,7 @@ class ShardedSyncer:
         self.busy_until = [0.0] * len(cores)  # when each shard finishes the merges queued on it
         self.queued_s = 0.0  # virtual seconds rounds waited for their shard to finish earlier merges
         self.up = [True] * len(cores)  # False while a shard is killed: what is sent to it is lost
-        self.history: dict[int, tuple[int, ...]] = {1: tuple(c.epoch for c in cores)}  # E -> each shard's epoch
+        self.view = ShardView(plan)  # one view for every learner: they all hear the same shards
 
     # ---- events: routed to the owner, or to every shard --------------------------------------
 
@@ -51,7 +52,7 @@ class ShardedSyncer:
     def on_peer_lost(self, now_s: float, learner: int) -> list:
         return [self._out(s, a) for s, c in self._live() for a in c.on_peer_lost(now_s, learner)]
 
-    # ---- one syncer to the learners (as runtime/shard_view.py) ------------------------------
+    # ---- one syncer to the learners (core.shards.ShardView) --------------------------------
 
     def _live(self):
         return [(s, c) for s, c in enumerate(self.cores) if self.up[s]]
@@ -59,30 +60,27 @@ class ShardedSyncer:
     @property
     def epoch(self) -> int:
         """E: the incarnation the learners see, one more for each shard resume."""
-        return 1 + sum(c.epoch - 1 for c in self.cores)
+        return self.view.epoch
 
     @property
     def resumed_from(self) -> int:
-        return self.cores[0].resumed_from or max(c.resumed_from for c in self.cores)
+        return self.view.resumed_from
 
     @property
     def run_id(self) -> str:
         return self.cores[0].run_id
 
+    def epoch_at(self, shard: int, epoch: int) -> int:
+        """Shard ``shard``'s incarnation as of the learners' E = ``epoch``."""
+        return self.view.outgoing(shard, epoch)
+
     def _in(self, shard: int, msg):
         """A learner's message stamped with E, as shard ``shard`` knows it: its epoch as of that E."""
-        if not msg.epoch:
-            return msg
-        known = self.history.get(msg.epoch)
-        epoch = self.cores[shard].epoch if known is None else known[shard]
+        epoch = self.view.outgoing(shard, msg.epoch)
         return msg if epoch == msg.epoch else dataclasses.replace(msg, epoch=epoch)
 
     def _out(self, shard: int, action):
-        if not isinstance(action, Broadcast):
-            return action
-        u = action.msg
-        return Broadcast(dataclasses.replace(u, epoch=self.epoch, resumed_from=self.resumed_from,
-                                             snapshot=self.cores[0].snapshot_id))
+        return Broadcast(self.view.update(shard, action.msg)) if isinstance(action, Broadcast) else action
 
     def down(self, shard: int) -> None:
         self.up[shard] = False
@@ -91,7 +89,7 @@ class ShardedSyncer:
         """Shard ``shard`` came back as ``core`` (restored from its snapshot, its epoch one more)."""
         self.cores[shard], self.up[shard] = core, True
         self.busy_until[shard] = 0.0
-        self.history[self.epoch] = tuple(c.epoch for c in self.cores)
+        self.view.seen(shard, core.epoch, core.resumed_from)  # as the Identity of its new update stream
 
     def ready_at(self, now_s: float, action) -> float:
         """When the shard that closed ``action``'s round has finished its merge (queued on that shard)."""

@@ -1,95 +1,83 @@
-"""Snapshots in the simulator: the runtime syncer's cut / part written / complete / resume rule, kept
-in memory (docs/operations.md, "Snapshots and resume").
+"""Snapshots in the simulator: the core's snapshot coordinator (``core.snapshots``) with its files kept in
+memory (docs/operations.md, "Snapshots and resume").
 
-An adapter until the core's snapshot coordinator exists: the decisions are
-the ones ``runtime/syncer.py`` makes (cut every ``checkpoint.every_merges``
-merges; a cut waits for the syncer's part and for the part of every live
-learner that trained; a learner that dies is no longer waited for; resume
-from the newest complete snapshot as the next incarnation), on the core's
-own ``SyncerCore.export``/``restore``. Writes take no virtual time.
+The decisions are the network driver's, made by the same code: cut every
+``checkpoint.every_merges`` merges; a cut waits for the syncer's part and for
+the part of every live learner that trained (a learner that dies, or stays
+silent for twice the liveness timeout, is no longer waited for); resume from
+the newest complete snapshot as the next incarnation. Writing a part or a
+manifest takes no virtual time and never fails here.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
-
 from wan_diloco.core import SyncerCore
-
-
-@dataclass
-class _Cut:
-    cut_s: float
-    syncer: tuple[dict, dict]  # SyncerCore.export() at the cut
-    waiting: set[int]  # learners whose part is not written yet
-    learners: dict[int, Any] = field(default_factory=dict)  # learner -> its part
-    complete_s: float | None = None
+from wan_diloco.core.barrier import StartBarrier
+from wan_diloco.core.positions import Positions
+from wan_diloco.core.snapshots import Found, SnapshotComplete, SnapshotCoordinator, WriteManifest, WriteSyncerPart
 
 
 class SnapshotKeeper:
-    """One syncer core's (a shard's) snapshots. ``learner_parts``: learners write parts into these (the
-    whole syncer's, or shard 0's of a sharded one); a shard's others hold its own part alone."""
+    """One syncer core's (a shard's) snapshots and their parts, in memory. ``learner_parts``: learners write
+    parts into these (the whole syncer's, or shard 0's of a sharded one); a shard's others hold its own part
+    alone."""
 
-    def __init__(self, every_merges: int, learner_parts: bool):
-        self.every_merges, self.learner_parts = every_merges, learner_parts
-        self.merges_at_cut = 0
-        self.pending: dict[int, _Cut] = {}
-        self.complete: dict[int, _Cut] = {}
-        self.parts_written = 0
-        self.last_id = 0  # ids are never reused: a dead incarnation's cuts keep theirs (as files on disk would)
+    def __init__(self, core: SyncerCore, every_merges: int, learner_parts: bool, learners: int, patience_s: float):
+        self.every_merges, self.learner_parts, self.learners, self.patience_s = (
+            every_merges, learner_parts, learners, patience_s)
+        self.syncer_parts: dict[int, tuple[dict, dict]] = {}  # snapshot -> the syncer's part (tensors, info)
+        self.manifests: dict[int, dict] = {}
+        self.complete_s: dict[int, float] = {}  # snapshot -> when it was complete (virtual s)
+        self.parts_written = 0  # learner parts the syncer heard of
+        self.coordinator = self._coordinator(core, first_id=1)
 
-    def maybe_cut(self, now_s: float, core: SyncerCore) -> int | None:
-        """Cut snapshot ``core.snapshot_id + 1`` when ``every_merges`` merges happened since the last one."""
-        merges = sum(core.stats.fragment_syncs)
-        if not self.every_merges or core.final_started or merges - self.merges_at_cut < self.every_merges:
-            return None
-        self.merges_at_cut = merges
-        core.snapshot_id = self.last_id = max(self.last_id, core.snapshot_id) + 1
-        # As the runtime: only learners that trained have state worth keeping.
-        waiting = {m for m, ln in core.learners.items() if ln.alive and ln.step > 0} if self.learner_parts else set()
-        self.pending[core.snapshot_id] = _Cut(now_s, core.export(), waiting)
-        self.check(now_s, core)
-        return core.snapshot_id
+    def _coordinator(self, core: SyncerCore, first_id: int) -> SnapshotCoordinator:
+        barrier = StartBarrier(self.learners, self.learners, 1.0)  # its state only rides along in the parts
+        return SnapshotCoordinator(core, barrier, Positions(self.learners), every_merges=self.every_merges,
+                                   patience_s=self.patience_s, learners=self.learners,
+                                   learner_parts=self.learner_parts, first_id=first_id)
 
-    def learner_saved(self, now_s: float, core: SyncerCore, learner: int, snapshot: int, part: Any) -> None:
-        """Learner ``learner`` wrote its part of ``snapshot`` (it covers the earlier pending ones too)."""
-        for s, cut in self.pending.items():
-            if s <= snapshot and learner in cut.waiting:
-                cut.waiting.discard(learner)
-                cut.learners[learner] = part
-        self.parts_written += 1
-        self.check(now_s, core)
+    def _act(self, now_s: float, actions: list) -> None:
+        while actions:
+            a = actions.pop(0)
+            match a:
+                case WriteSyncerPart(snapshot=snap, tensors=tensors, info=info):
+                    self.syncer_parts[snap] = (tensors, info)
+                    actions += self.coordinator.on_part_written(now_s, snap, True)
+                case WriteManifest(snapshot=snap, manifest=manifest):
+                    self.manifests[snap] = manifest
+                    actions += self.coordinator.on_manifest_written(now_s, snap, True)
+                case SnapshotComplete(snapshot=snap):
+                    self.complete_s[snap] = now_s
+                case _:
+                    raise TypeError(f"simulator: unhandled snapshot action {a!r}")
 
-    def check(self, now_s: float, core: SyncerCore) -> None:
-        """Mark complete what waits for no live learner any more."""
-        alive = set(core.alive())
-        for s in sorted(self.pending):
-            cut = self.pending[s]
-            cut.waiting &= alive
-            if not cut.waiting:
-                self.complete[s] = self.pending.pop(s)
-                cut.complete_s = now_s
+    def on_merged(self, now_s: float) -> None:
+        self._act(now_s, self.coordinator.on_merged(now_s, now_s))
 
-    def newest(self) -> tuple[int, _Cut] | None:
-        if not self.complete:
-            return None
-        s = max(self.complete)
-        return s, self.complete[s]
+    def on_metadata(self, now_s: float, learner: int, snapshot: int, epoch: int) -> None:
+        """A learner's metadata reports the newest snapshot it wrote its part of."""
+        if snapshot and self.coordinator.pending and epoch == self.coordinator.core.epoch:
+            self.parts_written += 1
+        self._act(now_s, self.coordinator.on_metadata(now_s, learner, snapshot, epoch))
 
-    def resume(self, now_s: float, fresh: SyncerCore, dead_epoch: int) -> int:
-        """``fresh`` (a new core of this run) takes up the newest complete snapshot as the incarnation after
-        ``dead_epoch`` (the killed one's: a snapshot cut before an earlier resume must not bring an
-        incarnation number back); returns its id. RuntimeError if none is complete (a real ``--resume``
-        fails the same way)."""
-        found = self.newest()
-        if found is None:
-            raise RuntimeError("the syncer was killed before any snapshot was complete: nothing to resume from "
-                               "(cut snapshots sooner: checkpoint.every_merges)")
-        snap, cut = found
-        tensors, info = cut.syncer
-        fresh.restore(tensors, info)
-        fresh.epoch = max(fresh.epoch, dead_epoch) + 1
-        fresh.resumed_from = fresh.snapshot_id = snap
-        fresh.resumed_after(now_s, now_s - cut.cut_s)
-        self.merges_at_cut = sum(fresh.stats.fragment_syncs)
-        self.pending.clear()  # cuts of the dead incarnation whose parts never all came
-        return snap
+    def check(self, now_s: float) -> None:
+        self._act(now_s, self.coordinator.check(now_s))
+
+    @property
+    def complete(self) -> list[int]:
+        return list(self.coordinator.complete)
+
+    def resume(self, now_s: float, fresh: SyncerCore) -> int:
+        """``fresh`` (a new core of this run) takes up the newest complete snapshot as the next incarnation;
+        returns its id. ``core.snapshots.ResumeError`` if none is complete, as a real ``--resume``."""
+        done = self.coordinator.complete
+        coordinator = self._coordinator(fresh, first_id=self.coordinator.next_id)  # ids are never reused
+        coordinator.complete = list(done)
+        found = None
+        if done:
+            snap = done[-1]
+            tensors, info = self.syncer_parts[snap]
+            found = Found(snap, tensors, info, self.manifests[snap])
+        coordinator.resume(now_s, now_s, found, "the simulator's memory", "", self.patience_s)
+        self.coordinator = coordinator
+        return found.snapshot
