@@ -26,7 +26,7 @@ class SnapshotKeeper:
             every_merges, learner_parts, learners, patience_s)
         self.syncer_parts: dict[int, tuple[dict, dict]] = {}  # snapshot -> the syncer's part (tensors, info)
         self.manifests: dict[int, dict] = {}
-        self.complete_s: dict[int, float] = {}  # snapshot -> when it was complete (virtual s)
+        self.complete_s: dict[int, float] = {}  # snapshot -> when it was complete (virtual s), oldest first
         self.parts_written = 0  # learner parts the syncer heard of
         self.coordinator = self._coordinator(core, first_id=1)
 
@@ -47,7 +47,7 @@ class SnapshotKeeper:
                     self.manifests[snap] = manifest
                     actions += self.coordinator.on_manifest_written(now_s, snap, True)
                 case SnapshotComplete(snapshot=snap):
-                    self.complete_s[snap] = now_s
+                    self.complete_s[snap] = now_s  # kept across incarnations, as the manifests on disk
                 case _:
                     raise TypeError(f"simulator: unhandled snapshot action {a!r}")
 
@@ -65,17 +65,15 @@ class SnapshotKeeper:
 
     @property
     def complete(self) -> list[int]:
-        return list(self.coordinator.complete)
+        return list(self.complete_s)
 
     def resume(self, now_s: float, fresh: SyncerCore) -> int:
         """``fresh`` (a new core of this run) takes up the newest complete snapshot as the next incarnation;
         returns its id. ``core.snapshots.ResumeError`` if none is complete, as a real ``--resume``."""
-        done = self.coordinator.complete
         coordinator = self._coordinator(fresh, first_id=self.coordinator.next_id)  # ids are never reused
-        coordinator.complete = list(done)
         found = None
-        if done:
-            snap = done[-1]
+        if self.complete_s:
+            snap = max(self.complete_s)
             tensors, info = self.syncer_parts[snap]
             found = Found(snap, tensors, info, self.manifests[snap])
         coordinator.resume(now_s, now_s, found, "the simulator's memory", "", self.patience_s)
