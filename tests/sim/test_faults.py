@@ -135,3 +135,10 @@ def test_a_tape_the_run_cannot_replay_names_the_field(tape, cfg, field):
         sim.check_tape(spec(**cfg), tape)
     with pytest.raises(ConfigError, match="checkpoint.every_merges"):
         sim.check_tape(micro().with_changes(checkpoint={"every_merges": 0}), [SyncerOutage(1.0, 2.0)])
+
+
+def test_a_syncer_killed_before_any_snapshot_was_complete_fails_the_run_as_a_real_resume_would():
+    from wan_diloco.core.snapshots import ResumeError
+
+    with pytest.raises(ResumeError, match="no snapshot to resume from"):
+        run(spec(), [SyncerOutage(1.0, 2.0)])  # the first cut comes after 4 merges, about 4 s in
