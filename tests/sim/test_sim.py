@@ -4,7 +4,7 @@ import pytest
 from wan_diloco import model, sim, train
 from wan_diloco.assemble import Assembly
 from wan_diloco.config import ConfigError
-from wan_diloco.planning.tape import Outage
+from wan_diloco.tape import Outage
 
 from .micro import micro
 

@@ -53,7 +53,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a down learner's shard waits for it (default: live learners also read it)")
     p.add_argument("--speeds", default=None, help="comma-separated step-time factors per learner, e.g. 1,1,1,1.2")
     p.add_argument("--rtt-ms", type=float, default=None, help="round-trip time of each link, ms")
-    p.add_argument("--failures", metavar="TAPE", help="failure tape: JSON list of {learner, down_at, up_at} (virtual s)")
+    p.add_argument("--failures", metavar="TAPE",
+                   help="failure tape: JSON list of {learner, down_at, up_at} or {kind: kill_syncer, [shard,] "
+                        "down_at, up_at} (virtual s; wan_diloco/tape.py)")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON (and its picture beside it, PATH.png)")
     p.add_argument("--plot", metavar="PNG", help="where the picture goes: eval loss against tokens, throughput "
                                                  "against virtual time (default: beside --json)")
@@ -84,7 +86,7 @@ def spec_from_args(args: argparse.Namespace):
 def run(args: argparse.Namespace) -> int:
     from wan_diloco import sim
     from wan_diloco.cli.report import progress_bar, summary_table
-    from wan_diloco.planning.tape import load_tape
+    from wan_diloco.tape import load_tape
 
     spec = spec_from_args(args)
     outages = load_tape(args.failures) if args.failures else []

@@ -794,6 +794,23 @@ class SyncerCore:
         self.rounds.clear()
         self.carried = [{} for _ in self.fragments]
 
+    def start(self, run_id: str, fingerprint: str = "") -> None:
+        """The driver's identity of this run: its id (a fresh start; a resume takes the snapshot's) and
+        the settings every learner must run with (``core.fingerprint``; "" compares nothing)."""
+        if run_id:
+            self.run_id = run_id
+        self.fingerprint = fingerprint
+
+    def cut_snapshot(self, snapshot: int) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+        """Snapshot ``snapshot`` is cut now: every later update carries it; (tensors, info) as ``export``."""
+        self.snapshot_id = snapshot
+        return self.export()
+
+    def next_incarnation(self, snapshot: int) -> None:
+        """Resumed from ``snapshot`` (``restore`` done): this is the next incarnation of the syncer."""
+        self.epoch += 1
+        self.resumed_from = self.snapshot_id = snapshot
+
 
 def _combine(a: FragmentUpload, b: FragmentUpload) -> FragmentUpload:
     """One learner's two Δs for a fragment (a late one and a newer one) as one: its whole displacement."""

@@ -14,7 +14,7 @@ import numpy as np
 from wan_diloco import model as model_lib
 from wan_diloco import tree
 from wan_diloco.assemble import Assembly
-from wan_diloco.planning.tape import Outage
+from wan_diloco.tape import Outage
 from wan_diloco.sim.common import Progress, SimResult, step_time
 from wan_diloco.spec import RunSpec, to_document
 
