@@ -438,3 +438,71 @@ def test_donation_frames_name_donor_and_recipient_and_refuse_nonsense():
             serde.donation_from_frame(serde.donation_to_frame(1, bad, b"x" * 300), 4)
     with pytest.raises(ProtocolError, match="part of 0 bytes"):
         serde.donation_from_frame(serde.donation_to_frame(1, msg, b""), 4)
+
+
+# ---- the message table: kinds on the Upload RPC, refusals by field --------------------------
+
+
+def test_the_upload_rpc_names_the_kind_of_each_frame_and_accepts_the_form_without_it():
+    up_frame = wire(upload())
+    part = next(serde.donation_frames(1, 2, (3, 4), b"state", part_bytes=500))
+    assert up_frame.meta["kind"] == "upload" and part.meta["kind"] == "donation"
+    assert serde.donation_from_frame(up_frame, 4) is None
+    assert_same(serde.upload_from_frame(up_frame, FP32, 4), upload(), "delta")
+    donor, msg = serde.donation_from_frame(part, 4)
+    assert (donor, msg.recipient, msg.versions, msg.total_bytes) == (1, 2, (3, 4), 5)
+    # Frames from before the table named kinds: an upload's fields alone, a donation under meta.donation.
+    old_up = with_meta(up_frame, kind=DROP)
+    assert "kind" not in old_up.meta and serde.donation_from_frame(old_up, 4) is None
+    assert_same(serde.upload_from_frame(old_up, FP32, 4), upload(), "delta")
+    old_part = dataclasses.replace(part, meta={"donation": {k: v for k, v in part.meta.items() if k != "kind"}})
+    assert serde.donation_from_frame(old_part, 4) == (donor, msg)
+
+
+@pytest.mark.parametrize("kind", ["update", "metadata", "", 1, None])
+def test_an_upload_frame_of_another_kind_is_refused_by_its_kind_field(kind):
+    frame = with_meta(wire(upload()), kind=kind)
+    assert serde.donation_from_frame(frame, 4) is None
+    with pytest.raises(ProtocolError, match="FragmentUpload.kind: expected 'upload'") as e:
+        serde.upload_from_frame(frame, FP32, 4)
+    assert e.value.field == "upload.kind"
+
+
+@pytest.mark.parametrize("decode, frame, field", [
+    # The field of every refusal is the table's "<kind>.<field>" ("frame" where no one field is to blame):
+    # what the syncer counts refusals by, without reading it back out of the text.
+    ("metadata", lambda: with_meta(wire(metadata()), step=-1), "metadata.step"),
+    ("metadata", lambda: with_meta(wire(metadata()), step_s=DROP), "metadata.step_s"),
+    ("metadata", lambda: dataclasses.replace(wire(metadata()), fragment=1), "metadata.fragment"),
+    ("metadata", lambda: dataclasses.replace(wire(metadata()), payload=b"x"), "metadata.payload"),
+    ("metadata", lambda: dataclasses.replace(wire(metadata()), sender="syncer"), "metadata.sender"),
+    ("metadata", lambda: dataclasses.replace(wire(metadata()), meta=[1]), "frame"),
+    ("metadata", lambda: with_meta(wire(metadata()), made_up_1=1), "metadata.unknown"),
+    ("upload", lambda: with_meta(wire(upload()), base_version="3"), "upload.base_version"),
+    ("upload", lambda: dataclasses.replace(wire(upload()), payload=b"junk"), "frame"),
+    ("upload", lambda: dataclasses.replace(wire(upload()), sender="learner-9"), "upload.sender"),
+    ("donation", lambda: serde.donation_to_frame(1, serde.Donation(1, (0,), 0, 5, "0" * 16), b"x"),
+     "donation.recipient"),
+    ("donation", lambda: serde.donation_to_frame(1, serde.Donation(2, (0,), 0, 5, "XYZ"), b"x"), "donation.digest"),
+    ("donation", lambda: serde.donation_to_frame(1, serde.Donation(2, (0,), 4, 5, "0" * 16), b"xx"), "frame"),
+    ("update", lambda: with_meta(wire(update()), held_s=[1]), "update.held_s"),
+    ("update", lambda: dataclasses.replace(wire(update()), sender="learner-0"), "update.sender"),
+])
+def test_every_decode_refusal_names_its_field(decode, frame, field):
+    run = {"metadata": lambda f: serde.metadata_from_frame(f, 4),
+           "upload": lambda f: serde.upload_from_frame(f, FP32, 4),
+           "donation": lambda f: serde.donation_from_frame(f, 4),
+           "update": lambda f: serde.update_from_frame(f, FP32)}[decode]
+    with pytest.raises(ProtocolError) as e:
+        run(frame())
+    assert e.value.field == field, str(e.value)
+
+
+def test_serde_defines_no_message_of_its_own():
+    from wan_diloco.core import messages
+    for name in ("Identity", "Donate", "Donation", "Barrier", "BulkFragment", "_Bulk"):
+        cls = getattr(serde, name)
+        assert cls.__module__ == "wan_diloco.core.messages" and cls in {*messages.KIND_OF, messages.BulkFragment}
+    own = [n for n, v in vars(serde).items() if isinstance(v, type) and v.__module__ == serde.__name__
+           and (dataclasses.is_dataclass(v) or issubclass(v, tuple)) and n != "_Field"]
+    assert own == []

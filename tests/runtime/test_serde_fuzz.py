@@ -161,7 +161,7 @@ def mutate_frame(rng, frame: transport.Frame, others: list[bytes], steps: list[s
     if rng.random() < p_sender:
         changes["sender"] = _pick(rng, SENDERS)
         steps.append(f"sender {changes['sender']!r:.40}")
-    if rng.random() < 0.6:
+    if rng.random() < 0.6 and isinstance(frame.meta, dict):
         changes["meta"] = mutate_meta(rng, frame.meta, steps)
     if rng.random() < 0.15:
         changes["fragment"] = _pick(rng, [0, 1, 2, 7, 1 << 31, (1 << 63) - 1])
