@@ -20,7 +20,8 @@ from wan_diloco.clock import VectorClock
 # 1: the first versioned table (#24): Upload frames name their kind (``upload`` or ``donation``).
 PROTOCOL_VERSION = 1
 SYNCER = "syncer"  # the syncer's sender name; a learner's is ``learner_node(m)``
-MAX_STR_CHARS = 256  # every string field
+MAX_STR_CHARS = 256  # every string field but the fingerprint
+MAX_FINGERPRINT_CHARS = 512  # ``Metadata.fingerprint``: every setting both ends must agree on, readable
 MAX_INT = (1 << 63) - 1  # every integer field is in 0..MAX_INT
 MAX_LEARNERS = 1 << 20
 
@@ -67,7 +68,7 @@ class Metadata:
     tokens: int = 0  # tokens this learner process trained on so far (tokens/s on /metrics)
     # The settings this learner runs with (``core.fingerprint``); the syncer refuses it if they differ
     # from its own. "" (the simulator, which builds both ends from one spec): not compared.
-    fingerprint: str = ""
+    fingerprint: str = field(default="", metadata={"max_chars": MAX_FINGERPRINT_CHARS})
 
 
 @dataclass(frozen=True)
@@ -254,7 +255,7 @@ MESSAGES: tuple[MessageSpec, ...] = (
         "data": f"{_STR}: its data position, opaque to the syncer",
         "loss": "float or null: its latest training loss",
         "tokens": f"{_INT}: tokens this learner process trained on",
-        "fingerprint": f"{_STR}: the settings it runs with (core.fingerprint); \"\": not compared",
+        "fingerprint": "str, at most 512 characters: the settings it runs with (core.fingerprint); \"\": not compared",
     }),
     MessageSpec("upload", FragmentUpload, "learner", "Upload", {
         "learner": "frame sender learner-M",

@@ -86,9 +86,9 @@ def _check_bool(v: Any) -> bool:
     return v
 
 
-def _check_str(v: Any) -> str:
-    if not isinstance(v, str) or len(v) > MAX_STR_CHARS:
-        raise ValueError(f"expected a string of at most {MAX_STR_CHARS} characters, got {str(v)[:40]!r}")
+def _check_str(v: Any, max_chars: int = MAX_STR_CHARS) -> str:
+    if not isinstance(v, str) or len(v) > max_chars:
+        raise ValueError(f"expected a string of at most {max_chars} characters, got {str(v)[:40]!r}")
     return v
 
 
@@ -149,11 +149,13 @@ _CODECS: dict[tuple, tuple] = {
 }
 
 
-def _field(name: str, hint: Any) -> _Field:
+def _field(name: str, hint: Any, max_chars: int = MAX_STR_CHARS) -> _Field:
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin in (Union, types.UnionType) and len(args) == 2 and type(None) in args:
-        inner = _field(name, next(a for a in args if a is not type(None)))
+        inner = _field(name, next(a for a in args if a is not type(None)), max_chars)
         return _Field(name, _optional(inner.to_json), _optional(inner.from_json))
+    if hint is str and max_chars != MAX_STR_CHARS:  # a longer string the table allows this field
+        return _Field(name, _plain, lambda v: _check_str(v, max_chars))
     key = (origin or hint, args)
     if key not in _CODECS:
         raise TypeError(f"runtime.serde: no JSON form for field {name!r} of type {hint!r}")
@@ -162,7 +164,8 @@ def _field(name: str, hint: Any) -> _Field:
 
 def _schema(cls: type) -> tuple[_Field, ...]:
     hints = typing.get_type_hints(cls)
-    return tuple(_field(f.name, hints[f.name]) for f in dataclasses.fields(cls) if f.name not in _NOT_META)
+    return tuple(_field(f.name, hints[f.name], f.metadata.get("max_chars", MAX_STR_CHARS))
+                 for f in dataclasses.fields(cls) if f.name not in _NOT_META)
 
 
 _SCHEMAS = {cls: _schema(cls) for cls in (Metadata, FragmentUpload, GlobalUpdate)}
