@@ -332,7 +332,8 @@ def core_server():
 def test_netthread_speaks_core_messages_over_loopback():
     import time
 
-    from wan_diloco.runtime.netthread import NetThread
+    from wan_diloco.core.messages import ObjectRequest
+    from wan_diloco.runtime.netthread import Arrived, NetThread
 
     with core_server() as (loop, handler, server):
         net = NetThread(server.target, TOKEN, NET_CFG, "learner-1", "eu", FP32, BULK).start()
@@ -351,13 +352,30 @@ def test_netthread_speaks_core_messages_over_loopback():
             bad = transport.Frame("syncer", 1, {"to_version": 1}, b"")  # refused, counted, not in the inbox
             loop.call_soon_threadsafe(handler.hub.publish, bad)
             loop.call_soon_threadsafe(handler.hub.publish, serde.to_frame(g))
-            kind, (arrived_s, got) = net.inbox.get(timeout=10)
-            assert kind == "update" and arrived_s <= time.monotonic()
-            assert_same(got, g, "update")
-            assert net.bad_updates == 1 and net.inbox.empty()
+            item = net.next(block_s=10)
+            assert type(item) is Arrived and item.arrived_s <= time.monotonic()
+            assert_same(item.update, g, "update")
+            assert net.bad_updates == 1 and net.inbox.empty() and net.queued_bytes() == 0
 
-            p, version, step, out = net.fetch_fragment("fragment/0").result(10)[:4]
-            assert (p, version, step) == (0, 5, 40) and all(out[n].tobytes() == values(4)[n].tobytes() for n in out)
+            # The inbox holds the core's own classes, matched on as such (no class names as strings).
+            ident, barrier = serde.Identity("run-a", 2, 1, "p1"), serde.Barrier(True, 2, (0, 1), ())
+            for msg in (ident, barrier, serde.Donate(0, (5, 0))):
+                loop.call_soon_threadsafe(handler.hub.publish, serde.control_to_frame(msg))
+            got = [net.next(block_s=10) for _ in range(3)]
+            assert got == [ident, barrier, serde.Donate(0, (5, 0))]
+            assert [type(m).__module__ for m in got] == ["wan_diloco.core.messages"] * 3
+            loop.call_soon_threadsafe(handler.hub.publish, serde.control_to_frame(ident))
+            assert net.take(block_s=10) == ("identity", ident)  # the pair of before, until the learner moves
+            net.inbox.put(("saved", (3, None)))  # what the training thread puts itself comes back as put
+            assert net.take() == ("saved", (3, None))
+
+            for request in ("fragment/0", ObjectRequest("fragment", 0)):
+                p, version, step, out = net.fetch_fragment(request).result(10)[:4]
+                assert (p, version, step) == (0, 5, 40) and all(out[n].tobytes() == values(4)[n].tobytes()
+                                                                for n in out)
+            with pytest.raises(ProtocolError, match="unknown bulk object 'theta/0'") as e:
+                net.fetch_bytes("theta/0")  # no syncer serves it: refused here, nothing sent
+            assert e.value.field == "object"
             with pytest.raises(ProtocolError, match="FragmentUpload.payload"):
                 net.upload(upload(learner=1, payload=None))  # refused on the caller's thread, nothing sent
             net.wait_uploads(5)
@@ -396,10 +414,10 @@ def test_a_learner_that_does_not_take_its_updates_holds_back_the_stream_not_its_
             got = []
             while True:
                 try:
-                    kind, (_, u) = net.take(block_s=1.0)
+                    item = net.next(block_s=1.0)
                 except queue.Empty:
                     break
-                got.append(u.to_version)
+                got.append(item.update.to_version)
             # What was held back stayed in the syncer's mailbox, which keeps the newest of each fragment.
             assert got[-1] == 44 and len(got) < 40 and got == sorted(got) and net.queued_bytes() == 0
         finally:
