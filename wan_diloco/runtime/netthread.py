@@ -8,7 +8,7 @@ thread only ever sees the core's types. Memory stays bounded: only the newest
 metadata is kept, and at most one upload per fragment is pending (a newer
 snapshot of a fragment supersedes an older one still waiting to be sent).
 
-The inbox is typed: each item is one of ``InboxItem`` (the core's ``Identity``,
+The inbox is typed: each item is one of ``runtime.inbox.InboxItem`` (the core's ``Identity``,
 ``Barrier``, ``Donate``; ``Arrived`` around a core ``GlobalUpdate``;
 ``transport.LinkSample``; ``ChannelsWidened``; ``Refused``; ``StreamLost``),
 and the training thread dispatches them with one ``match`` on their classes.
@@ -22,13 +22,13 @@ import logging
 import queue
 import threading
 import time
-from typing import Union
 
 from wan_diloco.compression import FragmentCodec
 from wan_diloco import shards
 from wan_diloco.core import FragmentUpload, Metadata, ProtocolError
 from wan_diloco.core.fingerprint import SETTINGS_DIFFER
-from wan_diloco.core.messages import MAX_LEARNERS, Barrier, Donate, GlobalUpdate, Identity, ObjectRequest
+from wan_diloco.core.messages import MAX_LEARNERS, Barrier, Donate, Identity, ObjectRequest
+from wan_diloco.runtime.inbox import Arrived, ChannelsWidened, InboxItem, Refused, StreamLost  # noqa: F401
 from wan_diloco.runtime import serde
 from wan_diloco.runtime.shard_view import ShardView
 from wan_diloco.transport import (
@@ -37,45 +37,6 @@ from wan_diloco.transport import (
 )
 
 log = logging.getLogger(__name__)
-
-
-# ---- what the network thread puts on the inbox ------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class Arrived:
-    """A global update off the stream, stamped (``time.monotonic``) when it arrived: the learner merges
-    between steps, but its sync time is measured to here."""
-
-    arrived_s: float
-    update: GlobalUpdate
-
-
-@dataclasses.dataclass(frozen=True)
-class ChannelsWidened:
-    """The measured link needed more connections to the syncer; they are open."""
-
-    channels_old: int
-    channels_new: int
-    why: str
-
-
-@dataclasses.dataclass(frozen=True)
-class Refused:
-    """The syncer refused this learner's settings at its hello (``core.fingerprint``): retrying cannot
-    help, the learner stops with ``reason`` (one line naming what differs)."""
-
-    reason: str
-
-
-@dataclasses.dataclass(frozen=True)
-class StreamLost:
-    """An update stream ended or failed: the syncer is gone (or restarting); ``reason`` says which."""
-
-    reason: str
-
-
-InboxItem = Union[Identity, Barrier, Donate, Arrived, LinkSample, ChannelsWidened, Refused, StreamLost]
 
 
 class NetThread:

@@ -18,7 +18,7 @@ On the Upload RPC, which carries fragments and donation parts, ``meta.kind``
 is told apart the old way (``meta.donation`` present: a donation part).
 
 Decoding checks every meta field against the dataclass's annotation (see
-``_Field``), refuses missing and unknown fields, and raises ``ProtocolError``
+``serde_fields``), refuses missing and unknown fields, and raises ``ProtocolError``
 naming the message kind and the field in its text ("Metadata.step: ...") and
 in ``.field`` (the table's ``<kind>.<field>``, e.g. "metadata.step"; "frame"
 where no one field is to blame); it builds nothing until all is valid,
@@ -30,11 +30,8 @@ the same model config, and the codec checks a payload against it.
 """
 from __future__ import annotations
 
-import collections.abc
 import dataclasses
-import math
 import re
-import types
 import typing
 from typing import Any, Mapping, Union
 
@@ -42,140 +39,28 @@ import numpy as np
 import xxhash
 
 from wan_diloco import transport
-from wan_diloco.clock import VectorClock
-from wan_diloco.core.messages import (  # the table's names, importable from serde as before
+from wan_diloco.core.messages import (  # noqa: F401 - the table's names, importable from serde as before
     KIND_OF, MAX_INT, MAX_LEARNERS, MAX_STR_CHARS, SYNCER, Barrier, BulkFragment, BulkHeader, Donate, Donation,
     FragmentUpload, GlobalUpdate, Identity, Metadata, ProtocolError, learner_node,
 )
+from wan_diloco.runtime.serde_fields import ID, is_int, plain, schema
 
 Message = Union[Metadata, FragmentUpload, GlobalUpdate]
 _Bulk = BulkHeader  # its old name here
 
 _DIGEST = re.compile(r"[0-9a-f]{16}")
 DONATION_PART_BYTES = 32 << 20  # one Upload per part: a failed part is sent again alone
-_ID = re.compile(r"0|[1-9][0-9]{0,17}")  # ASCII digits, no leading zeros: one spelling per id
-_LEARNER = re.compile(rf"learner-({_ID.pattern})")
-_TENSORS = {FragmentUpload: "delta", GlobalUpdate: "update"}
-# Fields with a slot of their own in the frame, or derived on decode: never in meta.
-_NOT_META = frozenset({"learner", "fragment", "delta", "update", "payload", "nbytes"})
+_LEARNER = re.compile(rf"learner-({ID.pattern})")
 
 
-# ---- one field: JSON form and validation, chosen by its annotation --------------------
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_INT
-
-
-def _check_int(v: Any) -> int:
-    if not _is_int(v):
-        raise ValueError(f"expected a non-negative integer, got {v!r}")
-    return v
-
-
-def _check_float(v: Any) -> float:
-    # JSON writes 1.0 as 1.0, but accept an integer too: it is a number all the same.
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-        raise ValueError(f"expected a finite number, got {v!r}")
-    return float(v)
-
-
-def _check_bool(v: Any) -> bool:
-    if not isinstance(v, bool):
-        raise ValueError(f"expected true or false, got {v!r}")
-    return v
-
-
-def _check_str(v: Any, max_chars: int = MAX_STR_CHARS) -> str:
-    if not isinstance(v, str) or len(v) > max_chars:
-        raise ValueError(f"expected a string of at most {max_chars} characters, got {str(v)[:40]!r}")
-    return v
-
-
-def _check_ints(v: Any) -> tuple[int, ...]:
-    if not isinstance(v, (list, tuple)) or not all(_is_int(x) for x in v):
-        raise ValueError(f"expected a list of non-negative integers, got {str(v)[:60]}")
-    return tuple(v)
-
-
-def _check_clock(v: Any) -> VectorClock:
-    return VectorClock.from_dict(v)  # its ValueError names the bad entry
-
-
-def _check_seconds_by_id(v: Any) -> dict[int, float]:
-    if not isinstance(v, Mapping):
-        raise ValueError(f"expected an object learner id -> seconds, got {type(v).__name__}")
-    out = {}
-    for k, s in v.items():
-        # JSON keys are strings: "3" -> 3, one spelling per id (no sign, no leading zero).
-        if not (isinstance(k, str) and _ID.fullmatch(k)):
-            raise ValueError(f"key {str(k)[:20]!r} is not a learner id")
-        out[int(k)] = _check_float(s)
-    return out
-
-
-def _plain(v: Any) -> Any:
-    """numpy scalars (counters summed in numpy, say) as the Python numbers JSON takes."""
-    return v.item() if isinstance(v, np.generic) else v
-
-
-def _optional(check):
-    return lambda v: None if v is None else check(v)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Field:
-    name: str
-    to_json: typing.Callable[[Any], Any]
-    from_json: typing.Callable[[Any], Any]
-
-
-def _seconds_to_json(m: Mapping) -> dict[str, Any]:
-    return {str(_plain(k)): _plain(v) for k, v in m.items()}
-
-
-# (annotation's origin, its arguments) -> (to JSON, from JSON with validation); keyed
-# so that typing.Mapping and collections.abc.Mapping agree. A new field type in the
-# core fails at import (below), not at the first message.
-_CODECS: dict[tuple, tuple] = {
-    (int, ()): (_plain, _check_int),
-    (float, ()): (_plain, _check_float),
-    (bool, ()): (_plain, _check_bool),
-    (str, ()): (_plain, _check_str),
-    (tuple, (int, ...)): (lambda t: [_plain(x) for x in t], _check_ints),
-    (VectorClock, ()): (VectorClock.to_dict, _check_clock),
-    (collections.abc.Mapping, (int, float)): (_seconds_to_json, _check_seconds_by_id),
-    (dict, (int, float)): (_seconds_to_json, _check_seconds_by_id),
-}
-
-
-def _field(name: str, hint: Any, max_chars: int = MAX_STR_CHARS) -> _Field:
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if origin in (Union, types.UnionType) and len(args) == 2 and type(None) in args:
-        inner = _field(name, next(a for a in args if a is not type(None)), max_chars)
-        return _Field(name, _optional(inner.to_json), _optional(inner.from_json))
-    if hint is str and max_chars != MAX_STR_CHARS:  # a longer string the table allows this field
-        return _Field(name, _plain, lambda v: _check_str(v, max_chars))
-    key = (origin or hint, args)
-    if key not in _CODECS:
-        raise TypeError(f"runtime.serde: no JSON form for field {name!r} of type {hint!r}")
-    return _Field(name, *_CODECS[key])
-
-
-def _schema(cls: type) -> tuple[_Field, ...]:
-    hints = typing.get_type_hints(cls)
-    return tuple(_field(f.name, hints[f.name], f.metadata.get("max_chars", MAX_STR_CHARS))
-                 for f in dataclasses.fields(cls) if f.name not in _NOT_META)
-
-
-_SCHEMAS = {cls: _schema(cls) for cls in (Metadata, FragmentUpload, GlobalUpdate)}
+_SCHEMAS = {cls: schema(cls) for cls in (Metadata, FragmentUpload, GlobalUpdate)}
 
 
 _CONTROL = {"identity": Identity, "donate": Donate, "barrier": Barrier}  # update-stream frames that are not GlobalUpdates
 DONATE_KEY = 1 << 30  # fan-out key of Donate frames (+ recipient): never a fragment, never dropped for one
 BARRIER_KEY = DONATE_KEY - 1  # fan-out key of Barrier frames: a newer one replaces an older, never an update
 for _cls in (Identity, Donate, Donation, Barrier, BulkHeader):
-    _SCHEMAS[_cls] = _schema(_cls)
+    _SCHEMAS[_cls] = schema(_cls)
 
 
 _NAMES = {BulkHeader: "Bulk"}  # what refusal texts call it
@@ -413,8 +298,8 @@ def fragment_from_bulk(data: Any, codec) -> BulkFragment:
 
 
 def _check_int_field(cls: type, name: str, value: Any) -> int:
-    value = _plain(value)
-    if not _is_int(value):
+    value = plain(value)
+    if not is_int(value):
         raise _refusal(cls, name, f"expected a non-negative integer, got {value!r}")
     return value
 
