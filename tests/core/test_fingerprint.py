@@ -129,3 +129,18 @@ def test_the_syncer_refuses_a_learner_with_other_settings_before_anything_else()
 def test_the_fingerprint_travels_in_metadata():
     m = dataclasses.replace(meta(0), fingerprint=SYNCER)
     assert serde.metadata_from_frame(serde.to_frame(m), 2).fingerprint == SYNCER
+
+
+def test_a_hello_of_another_protocol_version_is_refused_before_its_fields_are_read():
+    newer = SYNCER.replace(f"protocol=version:{PROTOCOL_VERSION}", f"protocol=version:{PROTOCOL_VERSION + 1}")
+    frame = serde.to_frame(dataclasses.replace(meta(1), fingerprint=newer))
+    frame = dataclasses.replace(frame, meta={**frame.meta, "a_field_of_version_2": 1})  # unknown here
+    with pytest.raises(ProtocolError) as e:
+        serde.metadata_from_frame(frame, 2)
+    assert str(e.value) == (f"learner 1: {fp.SETTINGS_DIFFER}: protocol version (protocol.version "
+                            f"{PROTOCOL_VERSION + 1} vs {PROTOCOL_VERSION})") and e.value.field == "fingerprint"
+    # The same version, or none named (the simulator's empty fingerprint): read as usual.
+    for same in (SYNCER, ""):
+        ok = serde.to_frame(dataclasses.replace(meta(1), fingerprint=same))
+        assert serde.metadata_from_frame(ok, 2).fingerprint == same
+    assert fp.protocol_differs(None, PROTOCOL_VERSION) is None and fp.protocol_differs("junk", 1) is None

@@ -86,3 +86,17 @@ def differences(mine: str, theirs: str) -> list[str]:
         else:
             out.append(label)
     return out or ["the fingerprint"]
+
+
+def protocol_differs(theirs: object, version: int) -> str | None:
+    """The refusal phrase when a fingerprint names another protocol version than ``version``, else None
+    (also for no fingerprint or none named): checked before the rest of a hello is read, because a
+    learner of another version may send fields this side does not know."""
+    if not isinstance(theirs, str) or len(theirs) > MAX_CHARS:
+        return None
+    body = _decode(theirs).get("protocol")
+    got = _settings(body).get("version") if body is not None else None
+    if got is None or got == str(version):
+        return None
+    return f"{LABELS['protocol']} (protocol.version {got[:20]} vs {version})"
+

@@ -39,9 +39,10 @@ import numpy as np
 import xxhash
 
 from wan_diloco import transport
+from wan_diloco.core import fingerprint
 from wan_diloco.core.messages import (  # noqa: F401 - the table's names, importable from serde as before
-    KIND_OF, MAX_INT, MAX_LEARNERS, MAX_STR_CHARS, SYNCER, Barrier, BulkFragment, BulkHeader, Donate, Donation,
-    FragmentUpload, GlobalUpdate, Identity, Metadata, ProtocolError, learner_node,
+    KIND_OF, MAX_INT, MAX_LEARNERS, MAX_STR_CHARS, PROTOCOL_VERSION, SYNCER, Barrier, BulkFragment, BulkHeader,
+    Donate, Donation, FragmentUpload, GlobalUpdate, Identity, Metadata, ProtocolError, learner_node,
 )
 from wan_diloco.runtime.serde_fields import ID, is_int, plain, schema
 
@@ -153,6 +154,11 @@ def to_frame(msg: Message) -> transport.Frame:
 def metadata_from_frame(frame: transport.Frame, num_learners: int) -> Metadata:
     """A learner's Metadata from its frame (the Metadata RPC)."""
     learner = _learner_of(Metadata, frame.sender, num_learners)
+    # Another protocol version first: its fields may differ, and "unknown field" would hide why.
+    other = fingerprint.protocol_differs(frame.meta.get("fingerprint") if isinstance(frame.meta, Mapping) else None,
+                                         PROTOCOL_VERSION)
+    if other is not None:
+        raise ProtocolError(f"learner {learner}: {fingerprint.SETTINGS_DIFFER}: {other}", "fingerprint")
     if frame.fragment != 0:
         raise _refusal(Metadata, "fragment", f"must be 0 (metadata is not about one fragment), got {frame.fragment}")
     if len(frame.payload):
