@@ -333,7 +333,10 @@ def test_netthread_speaks_core_messages_over_loopback():
     import time
 
     from wan_diloco.core.messages import ObjectRequest
-    from wan_diloco.runtime.netthread import Arrived, NetThread
+    import concurrent.futures
+
+    from wan_diloco.runtime.inbox import Arrived, Saved
+    from wan_diloco.runtime.netthread import NetThread
 
     with core_server() as (loop, handler, server):
         net = NetThread(server.target, TOKEN, NET_CFG, "learner-1", "eu", FP32, BULK).start()
@@ -368,6 +371,9 @@ def test_netthread_speaks_core_messages_over_loopback():
             assert net.take(block_s=10) == ("identity", ident)  # the pair of before, until the learner moves
             net.inbox.put(("saved", (3, None)))  # what the training thread puts itself comes back as put
             assert net.take() == ("saved", (3, None))
+            saved = Saved(3, concurrent.futures.Future())
+            net.inbox.put(saved)
+            assert net.next() is saved
 
             for request in ("fragment/0", ObjectRequest("fragment", 0)):
                 p, version, step, out = net.fetch_fragment(request).result(10)[:4]

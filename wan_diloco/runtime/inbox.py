@@ -3,9 +3,12 @@ items, dispatched with one ``match`` on their classes, never on names.
 
 Besides these, the inbox carries the core's own ``Identity``, ``Barrier`` and ``Donate`` as they came
 off the update stream, and ``transport.LinkSample``s of the link probe (``InboxItem`` lists them all).
+``Saved`` and ``Donated`` are the training thread's own: its background writes report back through the
+same inbox, so that one loop sees every event in the order it happened.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 from typing import Union
 
@@ -46,4 +49,22 @@ class StreamLost:
     reason: str
 
 
-InboxItem = Union[Identity, Barrier, Donate, Arrived, LinkSample, ChannelsWidened, Refused, StreamLost]
+@dataclasses.dataclass(frozen=True)
+class Saved:
+    """The training thread's background write of its part of snapshot ``snapshot`` ended; ``result``
+    (done) holds how."""
+
+    snapshot: int
+    result: concurrent.futures.Future
+
+
+@dataclasses.dataclass(frozen=True)
+class Donated:
+    """The training thread's background upload of its state for learner ``recipient`` ended; ``result``
+    (done) holds how."""
+
+    recipient: int
+    result: concurrent.futures.Future
+
+
+InboxItem = Union[Identity, Barrier, Donate, Arrived, LinkSample, ChannelsWidened, Refused, StreamLost, Saved, Donated]
