@@ -21,9 +21,11 @@ from wan_diloco import shards as shards_lib
 from wan_diloco import train as train_lib
 from wan_diloco import tree
 from wan_diloco.compression import CodecConfig, FragmentCodec
+from wan_diloco.compression.frame import FORMAT_VERSION as CODEC_FORMAT_VERSION
 from wan_diloco.config import ConfigError, require
 from wan_diloco.core import LearnerCore, SyncerCore
 from wan_diloco.core import fingerprint as fingerprint_lib
+from wan_diloco.core.messages import PROTOCOL_VERSION
 from wan_diloco.fragments import Layout, Schedule, make_fragments
 from wan_diloco.spec import RunSpec
 
@@ -142,12 +144,13 @@ class Assembly:
         order = {} if sched.order == tuple(range(sched.num_fragments)) else {
             "fragment_order": "-".join(map(str, sched.order))}
         return fingerprint_lib.encode({
-            "layout": layout,
+            "protocol": {"version": PROTOCOL_VERSION},
+            "layout": {"run.fragmenter": spec.run.fragmenter, "fragments": layout},
             "learner": {"sync_every": spec.learner.sync_every, "num_fragments": spec.learner.num_fragments,
                         "offset": "p*H//P", **order, "tau": spec.learner.tau, "plan.adapt_tau": spec.plan.adapt_tau,
                         "plan.max_tau": spec.plan.max_tau},
-            "codec": {"bits": c.bits, "block_size": c.block_size, "scale_dtype": c.scale_dtype,
-                      "int4_codebook": c.int4_codebook, "zstd": c.zstd},
+            "codec": {"format": CODEC_FORMAT_VERSION, "bits": c.bits, "block_size": c.block_size,
+                      "scale_dtype": c.scale_dtype, "int4_codebook": c.int4_codebook, "zstd": c.zstd},
             # One shard owns everything: only with more is there a plan to disagree on.
             "syncer": {"shards": spec.syncer.shards, **({"plan": fingerprint_lib.digest(repr(self.shard_plan))}
                                                         if spec.syncer.shards > 1 else {})},

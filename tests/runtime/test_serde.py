@@ -332,6 +332,10 @@ def core_server():
 def test_netthread_speaks_core_messages_over_loopback():
     import time
 
+    from wan_diloco.core.messages import ObjectRequest
+    import concurrent.futures
+
+    from wan_diloco.runtime.inbox import Arrived, Saved
     from wan_diloco.runtime.netthread import NetThread
 
     with core_server() as (loop, handler, server):
@@ -351,13 +355,33 @@ def test_netthread_speaks_core_messages_over_loopback():
             bad = transport.Frame("syncer", 1, {"to_version": 1}, b"")  # refused, counted, not in the inbox
             loop.call_soon_threadsafe(handler.hub.publish, bad)
             loop.call_soon_threadsafe(handler.hub.publish, serde.to_frame(g))
-            kind, (arrived_s, got) = net.inbox.get(timeout=10)
-            assert kind == "update" and arrived_s <= time.monotonic()
-            assert_same(got, g, "update")
-            assert net.bad_updates == 1 and net.inbox.empty()
+            item = net.next(block_s=10)
+            assert type(item) is Arrived and item.arrived_s <= time.monotonic()
+            assert_same(item.update, g, "update")
+            assert net.bad_updates == 1 and net.inbox.empty() and net.queued_bytes() == 0
 
-            p, version, step, out = net.fetch_fragment("fragment/0").result(10)[:4]
-            assert (p, version, step) == (0, 5, 40) and all(out[n].tobytes() == values(4)[n].tobytes() for n in out)
+            # The inbox holds the core's own classes, matched on as such (no class names as strings).
+            ident, barrier = serde.Identity("run-a", 2, 1, "p1"), serde.Barrier(True, 2, (0, 1), ())
+            for msg in (ident, barrier, serde.Donate(0, (5, 0))):
+                loop.call_soon_threadsafe(handler.hub.publish, serde.control_to_frame(msg))
+            got = [net.next(block_s=10) for _ in range(3)]
+            assert got == [ident, barrier, serde.Donate(0, (5, 0))]
+            assert [type(m).__module__ for m in got] == ["wan_diloco.core.messages"] * 3
+            loop.call_soon_threadsafe(handler.hub.publish, serde.control_to_frame(ident))
+            assert net.take(block_s=10) == ("identity", ident)  # the pair of before, until the learner moves
+            net.inbox.put(("saved", (3, None)))  # what the training thread puts itself comes back as put
+            assert net.take() == ("saved", (3, None))
+            saved = Saved(3, concurrent.futures.Future())
+            net.inbox.put(saved)
+            assert net.next() is saved
+
+            for request in ("fragment/0", ObjectRequest("fragment", 0)):
+                p, version, step, out = net.fetch_fragment(request).result(10)[:4]
+                assert (p, version, step) == (0, 5, 40) and all(out[n].tobytes() == values(4)[n].tobytes()
+                                                                for n in out)
+            with pytest.raises(ProtocolError, match="unknown bulk object 'theta/0'") as e:
+                net.fetch_bytes("theta/0")  # no syncer serves it: refused here, nothing sent
+            assert e.value.field == "object"
             with pytest.raises(ProtocolError, match="FragmentUpload.payload"):
                 net.upload(upload(learner=1, payload=None))  # refused on the caller's thread, nothing sent
             net.wait_uploads(5)
@@ -396,10 +420,10 @@ def test_a_learner_that_does_not_take_its_updates_holds_back_the_stream_not_its_
             got = []
             while True:
                 try:
-                    kind, (_, u) = net.take(block_s=1.0)
+                    item = net.next(block_s=1.0)
                 except queue.Empty:
                     break
-                got.append(u.to_version)
+                got.append(item.update.to_version)
             # What was held back stayed in the syncer's mailbox, which keeps the newest of each fragment.
             assert got[-1] == 44 and len(got) < 40 and got == sorted(got) and net.queued_bytes() == 0
         finally:
@@ -438,3 +462,71 @@ def test_donation_frames_name_donor_and_recipient_and_refuse_nonsense():
             serde.donation_from_frame(serde.donation_to_frame(1, bad, b"x" * 300), 4)
     with pytest.raises(ProtocolError, match="part of 0 bytes"):
         serde.donation_from_frame(serde.donation_to_frame(1, msg, b""), 4)
+
+
+# ---- the message table: kinds on the Upload RPC, refusals by field --------------------------
+
+
+def test_the_upload_rpc_names_the_kind_of_each_frame_and_accepts_the_form_without_it():
+    up_frame = wire(upload())
+    part = next(serde.donation_frames(1, 2, (3, 4), b"state", part_bytes=500))
+    assert up_frame.meta["kind"] == "upload" and part.meta["kind"] == "donation"
+    assert serde.donation_from_frame(up_frame, 4) is None
+    assert_same(serde.upload_from_frame(up_frame, FP32, 4), upload(), "delta")
+    donor, msg = serde.donation_from_frame(part, 4)
+    assert (donor, msg.recipient, msg.versions, msg.total_bytes) == (1, 2, (3, 4), 5)
+    # Frames from before the table named kinds: an upload's fields alone, a donation under meta.donation.
+    old_up = with_meta(up_frame, kind=DROP)
+    assert "kind" not in old_up.meta and serde.donation_from_frame(old_up, 4) is None
+    assert_same(serde.upload_from_frame(old_up, FP32, 4), upload(), "delta")
+    old_part = dataclasses.replace(part, meta={"donation": {k: v for k, v in part.meta.items() if k != "kind"}})
+    assert serde.donation_from_frame(old_part, 4) == (donor, msg)
+
+
+@pytest.mark.parametrize("kind", ["update", "metadata", "", 1, None])
+def test_an_upload_frame_of_another_kind_is_refused_by_its_kind_field(kind):
+    frame = with_meta(wire(upload()), kind=kind)
+    assert serde.donation_from_frame(frame, 4) is None
+    with pytest.raises(ProtocolError, match="FragmentUpload.kind: expected 'upload'") as e:
+        serde.upload_from_frame(frame, FP32, 4)
+    assert e.value.field == "upload.kind"
+
+
+@pytest.mark.parametrize("decode, frame, field", [
+    # The field of every refusal is the table's "<kind>.<field>" ("frame" where no one field is to blame):
+    # what the syncer counts refusals by, without reading it back out of the text.
+    ("metadata", lambda: with_meta(wire(metadata()), step=-1), "metadata.step"),
+    ("metadata", lambda: with_meta(wire(metadata()), step_s=DROP), "metadata.step_s"),
+    ("metadata", lambda: dataclasses.replace(wire(metadata()), fragment=1), "metadata.fragment"),
+    ("metadata", lambda: dataclasses.replace(wire(metadata()), payload=b"x"), "metadata.payload"),
+    ("metadata", lambda: dataclasses.replace(wire(metadata()), sender="syncer"), "metadata.sender"),
+    ("metadata", lambda: dataclasses.replace(wire(metadata()), meta=[1]), "frame"),
+    ("metadata", lambda: with_meta(wire(metadata()), made_up_1=1), "metadata.unknown"),
+    ("upload", lambda: with_meta(wire(upload()), base_version="3"), "upload.base_version"),
+    ("upload", lambda: dataclasses.replace(wire(upload()), payload=b"junk"), "frame"),
+    ("upload", lambda: dataclasses.replace(wire(upload()), sender="learner-9"), "upload.sender"),
+    ("donation", lambda: serde.donation_to_frame(1, serde.Donation(1, (0,), 0, 5, "0" * 16), b"x"),
+     "donation.recipient"),
+    ("donation", lambda: serde.donation_to_frame(1, serde.Donation(2, (0,), 0, 5, "XYZ"), b"x"), "donation.digest"),
+    ("donation", lambda: serde.donation_to_frame(1, serde.Donation(2, (0,), 4, 5, "0" * 16), b"xx"), "frame"),
+    ("update", lambda: with_meta(wire(update()), held_s=[1]), "update.held_s"),
+    ("update", lambda: dataclasses.replace(wire(update()), sender="learner-0"), "update.sender"),
+])
+def test_every_decode_refusal_names_its_field(decode, frame, field):
+    run = {"metadata": lambda f: serde.metadata_from_frame(f, 4),
+           "upload": lambda f: serde.upload_from_frame(f, FP32, 4),
+           "donation": lambda f: serde.donation_from_frame(f, 4),
+           "update": lambda f: serde.update_from_frame(f, FP32)}[decode]
+    with pytest.raises(ProtocolError) as e:
+        run(frame())
+    assert e.value.field == field, str(e.value)
+
+
+def test_serde_defines_no_message_of_its_own():
+    from wan_diloco.core import messages
+    for name in ("Identity", "Donate", "Donation", "Barrier", "BulkFragment", "_Bulk"):
+        cls = getattr(serde, name)
+        assert cls.__module__ == "wan_diloco.core.messages" and cls in {*messages.KIND_OF, messages.BulkFragment}
+    own = [n for n, v in vars(serde).items() if isinstance(v, type) and v.__module__ == serde.__name__
+           and (dataclasses.is_dataclass(v) or issubclass(v, tuple)) and n != "_Field"]
+    assert own == []

@@ -5,9 +5,11 @@ else from that learner.
 A fingerprint is ``component=value;component=value``; a value is ``key:v,key:v`` (small settings, sent
 as they are so a mismatch can name the key and both values; a key names its config key within the
 component's table, or its own table when it has a dot) or ``#hash`` (the layout: too long to send).
-Components, in order: ``layout`` (every fragment's tensor names, shapes and dtype), ``learner`` (the
-schedule: H, P, the offset rule, τ), ``codec`` (the wire format of a fragment), ``syncer`` (the shard
-plan), ``run`` (run id and number of learners). Built by ``assemble.Assembly.fingerprint``; pure here.
+Components, in order: ``protocol`` (``core.messages.PROTOCOL_VERSION``), ``layout`` (the fragmenter
+and, as ``fragments``, a hash of every fragment's tensor names, shapes and dtype), ``learner`` (the
+schedule: H, P, the offset rule, τ), ``codec`` (the fragment format's version and every setting of it),
+``syncer`` (the shard plan), ``run`` (run id and number of learners). Built by
+``assemble.Assembly.fingerprint``; pure here.
 """
 from __future__ import annotations
 
@@ -15,12 +17,14 @@ from typing import Mapping
 
 import xxhash
 
+from wan_diloco.core.messages import MAX_FINGERPRINT_CHARS
+
 SETTINGS_DIFFER = "settings differ from the syncer's"  # in the refusal: a learner stops on it, not retries
 # What a mismatch in each component is called in the one line the operator reads.
-LABELS = {"layout": "layout", "learner": "schedule", "codec": "codec format", "syncer": "shard plan", "run": "run"}
+LABELS = {"protocol": "protocol version", "layout": "layout", "learner": "schedule", "codec": "codec format", "syncer": "shard plan", "run": "run"}
 _SAFE = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-.+/#*")
 _MAX_VALUE_CHARS = 24  # longer values (a long run id) travel as a hash
-MAX_CHARS = 256  # one metadata string field (runtime.serde); past it, the longest components go as hashes
+MAX_CHARS = MAX_FINGERPRINT_CHARS  # ``Metadata.fingerprint``; past it, the longest components go as hashes
 
 
 def digest(text: str) -> str:
@@ -70,13 +74,29 @@ def differences(mine: str, theirs: str) -> list[str]:
         label = LABELS.get(name, name[:20])
         ours, theirs_ = _settings(a.get(name, "")), _settings(b.get(name, ""))
         keys = [k for k in list(ours) + [k for k in theirs_ if k not in ours] if ours.get(k) != theirs_.get(k)]
-        if name == "layout":
-            out.append(f"{label} (the model's fragments: tensor names, shapes or dtypes; compare [model] and "
-                       f"learner.num_fragments)")
-        elif keys and (ours or theirs_):
-            said = ", ".join(f"{k[:40] if '.' in k else f'{name}.{k[:40]}'} {theirs_.get(k, 'missing')} vs "
-                             f"{ours.get(k, 'missing')}" for k in keys)
-            out.append(f"{label} ({said})")
+        hashed = name == "layout" and (not (ours or theirs_) or "fragments" in keys)
+        keys = [k for k in keys if not (name == "layout" and k == "fragments")]  # a hash: its values say nothing
+        said = [f"{k[:40] if '.' in k else f'{name}.{k[:40]}'} {theirs_.get(k, 'missing')} vs "
+                f"{ours.get(k, 'missing')}" for k in keys if ours or theirs_]
+        if hashed:
+            said.append("the model's fragments: tensor names, shapes or dtypes; compare [model] and "
+                        "learner.num_fragments")
+        if said:
+            out.append(f"{label} ({', '.join(said)})")
         else:
             out.append(label)
     return out or ["the fingerprint"]
+
+
+def protocol_differs(theirs: object, version: int) -> str | None:
+    """The refusal phrase when a fingerprint names another protocol version than ``version``, else None
+    (also for no fingerprint or none named): checked before the rest of a hello is read, because a
+    learner of another version may send fields this side does not know."""
+    if not isinstance(theirs, str) or len(theirs) > MAX_CHARS:
+        return None
+    body = _decode(theirs).get("protocol")
+    got = _settings(body).get("version") if body is not None else None
+    if got is None or got == str(version):
+        return None
+    return f"{LABELS['protocol']} (protocol.version {got[:20]} vs {version})"
+

@@ -1,38 +1,26 @@
-"""The protocol's only schema: messages, actions and the codec interface of both cores.
+"""The cores' actions, errors and codec interface; the messages (the wire's one table) are in
+``core.messages`` and re-exported here.
 
 These are plain values: the network driver turns each message into one
-transport frame (``runtime.serde``: every field here in one small header, the
+transport frame (``runtime.serde``: every field in one small header, the
 codec's bytes as the payload); the simulated driver delivers them as events
 on a virtual clock.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Mapping, Protocol
 
 import numpy as np
 
-from wan_diloco.clock import VectorClock
 from wan_diloco.fragments import Encoded
+# The messages live in ``core.messages`` (the wire's one table); importable from here as before.
+from wan_diloco.core.messages import (  # noqa: F401
+    MESSAGES, PROTOCOL_VERSION, SYNCER, Barrier, BulkFragment, BulkHeader, Donate, Donation, FragmentUpload,
+    GlobalUpdate, Identity, Metadata, ObjectRequest, ProtocolError, learner_node,
+)
 
 Tensors = Mapping[str, np.ndarray]
-SYNCER = "syncer"
-
-
-def learner_node(learner: int) -> str:
-    """Vector-clock node name of a learner."""
-    return f"learner-{learner}"
-
-
-class ProtocolError(ValueError):
-    """A message that breaks the protocol (wrong fragment, shapes, NaN...): rejected, no state changed.
-
-    ``field``: a short dotted name of what was wrong ("metadata.step", "clock", "upload.base_version"),
-    what the syncer counts refusals by (``refused_total{field}`` on /metrics); "" when unnamed."""
-
-    def __init__(self, message: str = "", field: str = ""):
-        super().__init__(message)
-        self.field = field
 
 
 class IncarnationError(RuntimeError):
@@ -57,107 +45,6 @@ def encode_or_refuse(codec: Codec, values: Tensors, what: str) -> Encoded:
         raise
     except ValueError as e:
         raise ProtocolError(f"{what}: {e}") from None
-
-
-# ---- messages -------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Metadata:
-    """Learner -> syncer after every step: its counters and its measured step and sync times."""
-
-    learner: int
-    step: int
-    c_steps: tuple[int, ...]
-    c_tokens: tuple[int, ...]
-    clock: VectorClock
-    step_s: float | None = None  # learner's measured compute time per step
-    sync_s: float | None = None  # learner's measured fragment sync time, syncer waits excluded
-    region: str = ""
-    tau: int | None = None  # the learner's overlap now (it may re-plan it from its link); bounds the grace
-    epoch: int = 0  # the syncer incarnation the learner follows (0: not joined yet)
-    snapshot: int = 0  # the newest snapshot whose part this learner has written durably
-    recovering: bool = False  # it (re)joined without state of its own: it asks for a peer's (core.recovery)
-    # Where its data stream is (opaque to the syncer, which keeps the latest and hands it back to a learner
-    # that rejoins without its own snapshot part, so the stream goes on instead of replaying from the seed).
-    data: str = ""
-    loss: float | None = None  # its latest training loss (for /metrics; the syncer does not act on it)
-    tokens: int = 0  # tokens this learner process trained on so far (tokens/s on /metrics)
-    # The settings this learner runs with (``core.fingerprint``); the syncer refuses it if they differ
-    # from its own. "" (the simulator, which builds both ends from one spec): not compared.
-    fingerprint: str = ""
-
-
-@dataclass(frozen=True)
-class FragmentUpload:
-    """Learner -> syncer: outer gradient Δ = Θ_base − θ for one fragment."""
-
-    learner: int
-    fragment: int
-    due_step: int  # the schedule step this contribution belongs to
-    base_version: int
-    c_steps: int
-    c_tokens: int
-    clock: VectorClock
-    delta: dict[str, np.ndarray]
-    nbytes: int
-    payload: bytes | None = None
-    region: str = ""
-    final: bool = False  # part of the end-of-run sync: merged with every learner's, quorum and grace aside
-    epoch: int = 0  # the syncer incarnation its base version belongs to (0: not joined yet)
-
-
-@dataclass(frozen=True)
-class GlobalUpdate:
-    """Syncer -> every learner: Θ_p(to_version) = Θ_p(from_version) + update."""
-
-    fragment: int
-    from_version: int
-    to_version: int
-    due_step: int
-    global_step: int
-    clock: VectorClock
-    update: dict[str, np.ndarray]
-    nbytes: int
-    contributors: tuple[int, ...] = ()
-    held_s: Mapping[int, float] = field(default_factory=dict)  # per contributor: time the syncer held its Δ
-    payload: bytes | None = None
-    final: bool = False  # the result of the end-of-run sync
-    # Identity: which run, which syncer incarnation (1 at a fresh start, +1 at each resume), and the
-    # snapshot this incarnation resumed from (0: a fresh start).
-    run_id: str = ""
-    epoch: int = 0
-    resumed_from: int = 0
-    snapshot: int = 0  # the newest snapshot the syncer has cut: learners write their part when it grows
-
-
-@dataclass(frozen=True)
-class ObjectRequest:
-    """A named object a peer fetches from the syncer in bulk: ``fragment/P`` (the current global
-    fragment), ``final/P`` (it after the end-of-run sync), ``donation/M`` (a peer's state for learner M)
-    or ``position/M`` (learner M's data position). On the wire it travels as its ``name``."""
-
-    kind: str
-    index: int
-
-    KINDS = ("fragment", "final", "donation", "position")
-    FRAGMENT_KINDS = ("fragment", "final")
-
-    @property
-    def name(self) -> str:
-        return f"{self.kind}/{self.index}"
-
-    @classmethod
-    def parse(cls, name: str, num_fragments: int, num_learners: int) -> "ObjectRequest":
-        """The request a name asks for, or ProtocolError (field ``object``) naming what is valid."""
-        kind, _, index = name.partition("/")
-        bound = num_fragments if kind in cls.FRAGMENT_KINDS else num_learners
-        if kind not in cls.KINDS or not (index.isascii() and index.isdigit()) or index != str(int(index)) \
-                or not 0 <= int(index) < bound:
-            raise ProtocolError(
-                f"unknown bulk object {name[:80]!r}; expected fragment/P or final/P with P in "
-                f"0..{num_fragments - 1}, or donation/M or position/M with M in 0..{num_learners - 1}", "object")
-        return cls(kind, int(index))
 
 
 # ---- actions --------------------------------------------------------------------------

@@ -7,6 +7,11 @@ the network unless it chooses to. Messages become transport frames here
 thread only ever sees the core's types. Memory stays bounded: only the newest
 metadata is kept, and at most one upload per fragment is pending (a newer
 snapshot of a fragment supersedes an older one still waiting to be sent).
+
+The inbox is typed: each item is one of ``runtime.inbox.InboxItem`` (the core's ``Identity``,
+``Barrier``, ``Donate``; ``Arrived`` around a core ``GlobalUpdate``;
+``transport.LinkSample``; ``ChannelsWidened``; ``Refused``; ``StreamLost``),
+and the training thread dispatches them with one ``match`` on their classes.
 """
 from __future__ import annotations
 
@@ -22,11 +27,13 @@ from wan_diloco.compression import FragmentCodec
 from wan_diloco import shards
 from wan_diloco.core import FragmentUpload, Metadata, ProtocolError
 from wan_diloco.core.fingerprint import SETTINGS_DIFFER
+from wan_diloco.core.messages import MAX_LEARNERS, Barrier, Donate, Identity, ObjectRequest
+from wan_diloco.runtime.inbox import Arrived, ChannelsWidened, InboxItem, Refused, StreamLost  # noqa: F401
 from wan_diloco.runtime import serde
 from wan_diloco.runtime.shard_view import ShardView
 from wan_diloco.transport import (
-    BulkRequest, Frame, MessageError, ProbePolicy, SyncerClient, TransportConfig, TransportError, TransportMetrics,
-    channels_for_link, host_socket_buffer_bytes, new_event_loop,
+    BulkRequest, Frame, LinkSample, MessageError, ProbePolicy, SyncerClient, TransportConfig, TransportError,
+    TransportMetrics, channels_for_link, host_socket_buffer_bytes, new_event_loop,
 )
 
 log = logging.getLogger(__name__)
@@ -54,9 +61,7 @@ class NetThread:
         self.inbox_bytes = inbox_bytes
         self._queued_bytes = 0
         self._queued_lock = threading.Lock()
-        # ("update", (arrived_s, core GlobalUpdate)) | ("identity", serde.Identity) | ("donate", serde.Donate)
-        # | ("link", LinkSample)
-        # | ("channels", dict) | ("saved", (snapshot, future)) | ("error", text)
+        # ``InboxItem``s; the training thread may put items of its own (its background writes' results).
         self.inbox: queue.Queue = queue.Queue()
         self.metrics = TransportMetrics()
         self.loop = new_event_loop()
@@ -128,8 +133,8 @@ class NetThread:
                         E, resumed = self.view.seen(shard, control.epoch, control.resumed_from)
                         control = dataclasses.replace(control, epoch=E, resumed_from=resumed,
                                                       process=self.view.process_ids(shard, control.process))
-                    if control is not None:  # ("identity", Identity) or ("donate", Donate)
-                        self.inbox.put((type(control).__name__.lower(), control))
+                    if control is not None:  # Identity, Barrier or Donate, as the core's types
+                        self.inbox.put(control)
                         continue
                     # Off the loop: decoding a large fragment must not stall uploads in flight.
                     update = await asyncio.to_thread(serde.update_from_frame, frame, self.codec)
@@ -143,10 +148,10 @@ class NetThread:
                     await asyncio.sleep(0.005)
                 with self._queued_lock:
                     self._queued_bytes += update.nbytes
-                self.inbox.put(("update", (arrived_s, update)))
-            self.inbox.put(("error", f"{self._name(shard)} ended the update stream"))
+                self.inbox.put(Arrived(arrived_s, update))
+            self.inbox.put(StreamLost(f"{self._name(shard)} ended the update stream"))
         except (TransportError, MessageError) as e:
-            self.inbox.put(("error", f"update stream of {self._name(shard)} failed: {e}"))
+            self.inbox.put(StreamLost(f"update stream of {self._name(shard)} failed: {e}"))
 
     def _name(self, shard: int) -> str:
         return "the syncer" if self.view is None else f"syncer shard {shard}"
@@ -155,13 +160,39 @@ class NetThread:
         """Payload bytes of the updates in the inbox."""
         return self._queued_bytes
 
-    def take(self, block_s: float = 0.0) -> tuple[str, object]:
-        """The next inbox item (waiting up to ``block_s``; queue.Empty if none), making room for updates."""
-        kind, item = self.inbox.get(timeout=block_s) if block_s else self.inbox.get_nowait()
-        if kind == "update":
+    def next(self, block_s: float = 0.0) -> InboxItem | object:
+        """The next inbox item (waiting up to ``block_s``; queue.Empty if none), making room for updates:
+        an ``InboxItem``, or whatever the training thread put there itself."""
+        item = self.inbox.get(timeout=block_s) if block_s else self.inbox.get_nowait()
+        if isinstance(item, Arrived):
             with self._queued_lock:
-                self._queued_bytes -= item[1].nbytes
-        return kind, item
+                self._queued_bytes -= item.update.nbytes
+        return item
+
+    def take(self, block_s: float = 0.0) -> tuple[str, object]:
+        """``next`` as the (kind, item) pair of before the inbox was typed, for a caller not yet moved to
+        ``next`` (to go once runtime.learner matches on the classes); an item the training thread put
+        itself comes back as it was put."""
+        item = self.next(block_s)
+        match item:
+            case Arrived(arrived_s, update):
+                return "update", (arrived_s, update)
+            case Identity():
+                return "identity", item
+            case Barrier():
+                return "barrier", item
+            case Donate():
+                return "donate", item
+            case LinkSample():
+                return "link", item
+            case ChannelsWidened():
+                return "channels", dataclasses.asdict(item)
+            case Refused(reason):
+                return "refused", reason
+            case StreamLost(reason):
+                return "error", reason
+            case _:
+                return item
 
     def start_probing(self) -> None:
         """Start measuring the link (after the join: a probe must not delay it)."""
@@ -187,7 +218,7 @@ class NetThread:
             report = sample.to_event()
             if not pol.take(sample):
                 continue
-            self.inbox.put(("link", sample))
+            self.inbox.put(sample)
             if await self._widen_for(sample):
                 continue  # measure again at once, over the new connections
             if pol.every_s == 0:
@@ -204,10 +235,10 @@ class NetThread:
             return False
         await self.client.widen(want)
         self.probe_policy.restart()
-        self.inbox.put(("channels", {
-            "channels_old": before, "channels_new": self.client.channels,
-            "why": (f"{sample.rate_gbit_s:.3g} Gbit/s x {sample.rtt_s * 1e3:.0f} ms over {before} connections of "
-                    f"at most {self.socket_buffer_bytes / 2**20:.0f} MiB each")}))
+        self.inbox.put(ChannelsWidened(
+            before, self.client.channels,
+            f"{sample.rate_gbit_s:.3g} Gbit/s x {sample.rtt_s * 1e3:.0f} ms over {before} connections of "
+            f"at most {self.socket_buffer_bytes / 2**20:.0f} MiB each"))
         return self.client.channels > before
 
     # ---- liveness of the syncer --------------------------------------------------------
@@ -250,7 +281,7 @@ class NetThread:
                 self.hello_answered.set()
             except (TransportError, MessageError) as e:
                 if SETTINGS_DIFFER in str(e):  # cannot heal by retrying: the learner stops, saying why
-                    self.inbox.put(("refused", str(getattr(e, "details", e)).removeprefix("Metadata: ")))
+                    self.inbox.put(Refused(str(getattr(e, "details", e)).removeprefix("Metadata: ")))
                     self.hello_answered.set()
                     return
                 self.failed(e)
@@ -285,17 +316,23 @@ class NetThread:
             log.warning("%s: upload of fragment %d failed: %s", self.node, frame.fragment, e)
             raise
 
-    def fetch_fragment(self, name: str) -> concurrent.futures.Future:
-        """Bulk-fetch ``fragment/P`` or ``final/P``.
-
-        The future resolves to (fragment, version, global_step, values) with
-        owned fp32 values, or raises TransportError / MessageError (the fetch
-        failed) or ProtocolError (the object it got is malformed)."""
-
+    def _request(self, request: ObjectRequest | str) -> tuple[str, int]:
+        """(object name, shard that serves it): a fragment's shard for ``fragment/P`` and ``final/P``,
+        shard 0 (peer recovery) for the rest. ProtocolError (nothing sent) for a name no syncer serves."""
+        if isinstance(request, str):  # the syncer checks the learner bound; here only the form matters
+            request = ObjectRequest.parse(request, len(self.codec.layout.fragments), MAX_LEARNERS)
         shard = 0
-        if self.view is not None:
-            index = name.partition("/")[2]
-            shard = self.view.shard_of(int(index)) if index.isdigit() else 0
+        if self.view is not None and request.kind in ObjectRequest.FRAGMENT_KINDS:
+            shard = self.view.shard_of(request.index)
+        return request.name, shard
+
+    def fetch_fragment(self, request: ObjectRequest | str) -> concurrent.futures.Future:
+        """Bulk-fetch ``fragment/P`` or ``final/P`` (an ``ObjectRequest`` or its name).
+
+        The future resolves to a ``BulkFragment`` (fragment, version, global_step, values, ...) with
+        owned fp32 values, or raises TransportError / MessageError (the fetch failed) or ProtocolError
+        (the object it got is malformed)."""
+        name, shard = self._request(request)
 
         async def fetch():
             data = await self.clients[shard].fetch_bulk_bytes(BulkRequest(self.node, name, {}))
@@ -308,11 +345,12 @@ class NetThread:
         """Send an already built frame by the Upload RPC (a donor's state); a future of the Ack."""
         return asyncio.run_coroutine_threadsafe(self.client.upload_fragment(frame), self.loop)
 
-    def fetch_bytes(self, name: str, max_bytes: int | None = None) -> concurrent.futures.Future:
-        """Bulk-fetch the raw bytes of object ``name`` (e.g. ``donation/M``); larger than ``max_bytes``
+    def fetch_bytes(self, request: ObjectRequest | str, max_bytes: int | None = None) -> concurrent.futures.Future:
+        """Bulk-fetch the raw bytes of an object (e.g. ``donation/M``); larger than ``max_bytes``
         (default: transport.max_message_bytes) is refused."""
-        request = BulkRequest(self.node, name, {})
-        return asyncio.run_coroutine_threadsafe(self.client.fetch_bulk_bytes(request, max_bytes), self.loop)
+        name, shard = self._request(request)
+        bulk = BulkRequest(self.node, name, {})
+        return asyncio.run_coroutine_threadsafe(self.clients[shard].fetch_bulk_bytes(bulk, max_bytes), self.loop)
 
     def wait_uploads(self, budget_s: float) -> None:
         """Wait up to ``budget_s`` for the uploads handed over so far to finish (or fail)."""

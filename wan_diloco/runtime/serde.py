@@ -1,7 +1,8 @@
 """Core protocol messages <-> transport frames, by one generic rule; nothing else.
 
-The core's dataclasses (``core.protocol``) are the only schema. A message
-becomes one ``transport.Frame``:
+The core's message table (``core.messages``) is the only schema: this module
+defines no message of its own (the names it re-exports, ``Identity``,
+``Donation``... are the core's). A message becomes one ``transport.Frame``:
 
 - ``sender``: ``learner_node(m.learner)`` for a learner's message, ``SYNCER``
   for a GlobalUpdate; ``learner`` is recovered from it on decode.
@@ -12,9 +13,15 @@ becomes one ``transport.Frame``:
   lists, ``held_s`` keys as strings). The tensors (``delta`` / ``update``) come
   from decoding the payload, ``nbytes`` is its length.
 
+On the Upload RPC, which carries fragments and donation parts, ``meta.kind``
+(the table's kind: ``upload`` or ``donation``) says which; a frame without it
+is told apart the old way (``meta.donation`` present: a donation part).
+
 Decoding checks every meta field against the dataclass's annotation (see
-``_Field``), refuses missing and unknown fields, and raises ``ProtocolError``
-naming the message kind and the field; it builds nothing until all is valid,
+``serde_fields``), refuses missing and unknown fields, and raises ``ProtocolError``
+naming the message kind and the field in its text ("Metadata.step: ...") and
+in ``.field`` (the table's ``<kind>.<field>``, e.g. "metadata.step"; "frame"
+where no one field is to blame); it builds nothing until all is valid,
 so malformed input changes no state. Decoded messages carry ``payload=None``:
 the bytes were consumed by the codec and are not kept alive with the message.
 
@@ -23,11 +30,8 @@ the same model config, and the codec checks a payload against it.
 """
 from __future__ import annotations
 
-import collections.abc
 import dataclasses
-import math
 import re
-import types
 import typing
 from typing import Any, Mapping, Union
 
@@ -35,209 +39,47 @@ import numpy as np
 import xxhash
 
 from wan_diloco import transport
-from wan_diloco.clock import VectorClock
-from wan_diloco.core.protocol import SYNCER, FragmentUpload, GlobalUpdate, Metadata, ProtocolError, learner_node
+from wan_diloco.core import fingerprint
+from wan_diloco.core.messages import (  # noqa: F401 - the table's names, importable from serde as before
+    KIND_OF, MAX_INT, MAX_LEARNERS, MAX_STR_CHARS, PROTOCOL_VERSION, SYNCER, Barrier, BulkFragment, BulkHeader,
+    Donate, Donation, FragmentUpload, GlobalUpdate, Identity, Metadata, ProtocolError, learner_node,
+)
+from wan_diloco.runtime.serde_fields import ID, is_int, plain, schema
 
 Message = Union[Metadata, FragmentUpload, GlobalUpdate]
+_Bulk = BulkHeader  # its old name here
 
-MAX_STR_CHARS = 256
 _DIGEST = re.compile(r"[0-9a-f]{16}")
 DONATION_PART_BYTES = 32 << 20  # one Upload per part: a failed part is sent again alone
-MAX_INT = (1 << 63) - 1
-_ID = re.compile(r"0|[1-9][0-9]{0,17}")  # ASCII digits, no leading zeros: one spelling per id
-_LEARNER = re.compile(rf"learner-({_ID.pattern})")
-_TENSORS = {FragmentUpload: "delta", GlobalUpdate: "update"}
-# Fields with a slot of their own in the frame, or derived on decode: never in meta.
-_NOT_META = frozenset({"learner", "fragment", "delta", "update", "payload", "nbytes"})
+_LEARNER = re.compile(rf"learner-({ID.pattern})")
 
 
-# ---- one field: JSON form and validation, chosen by its annotation --------------------
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_INT
-
-
-def _check_int(v: Any) -> int:
-    if not _is_int(v):
-        raise ValueError(f"expected a non-negative integer, got {v!r}")
-    return v
-
-
-def _check_float(v: Any) -> float:
-    # JSON writes 1.0 as 1.0, but accept an integer too: it is a number all the same.
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-        raise ValueError(f"expected a finite number, got {v!r}")
-    return float(v)
-
-
-def _check_bool(v: Any) -> bool:
-    if not isinstance(v, bool):
-        raise ValueError(f"expected true or false, got {v!r}")
-    return v
-
-
-def _check_str(v: Any) -> str:
-    if not isinstance(v, str) or len(v) > MAX_STR_CHARS:
-        raise ValueError(f"expected a string of at most {MAX_STR_CHARS} characters, got {str(v)[:40]!r}")
-    return v
-
-
-def _check_ints(v: Any) -> tuple[int, ...]:
-    if not isinstance(v, (list, tuple)) or not all(_is_int(x) for x in v):
-        raise ValueError(f"expected a list of non-negative integers, got {str(v)[:60]}")
-    return tuple(v)
-
-
-def _check_clock(v: Any) -> VectorClock:
-    return VectorClock.from_dict(v)  # its ValueError names the bad entry
-
-
-def _check_seconds_by_id(v: Any) -> dict[int, float]:
-    if not isinstance(v, Mapping):
-        raise ValueError(f"expected an object learner id -> seconds, got {type(v).__name__}")
-    out = {}
-    for k, s in v.items():
-        # JSON keys are strings: "3" -> 3, one spelling per id (no sign, no leading zero).
-        if not (isinstance(k, str) and _ID.fullmatch(k)):
-            raise ValueError(f"key {str(k)[:20]!r} is not a learner id")
-        out[int(k)] = _check_float(s)
-    return out
-
-
-def _plain(v: Any) -> Any:
-    """numpy scalars (counters summed in numpy, say) as the Python numbers JSON takes."""
-    return v.item() if isinstance(v, np.generic) else v
-
-
-def _optional(check):
-    return lambda v: None if v is None else check(v)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Field:
-    name: str
-    to_json: typing.Callable[[Any], Any]
-    from_json: typing.Callable[[Any], Any]
-
-
-def _seconds_to_json(m: Mapping) -> dict[str, Any]:
-    return {str(_plain(k)): _plain(v) for k, v in m.items()}
-
-
-# (annotation's origin, its arguments) -> (to JSON, from JSON with validation); keyed
-# so that typing.Mapping and collections.abc.Mapping agree. A new field type in the
-# core fails at import (below), not at the first message.
-_CODECS: dict[tuple, tuple] = {
-    (int, ()): (_plain, _check_int),
-    (float, ()): (_plain, _check_float),
-    (bool, ()): (_plain, _check_bool),
-    (str, ()): (_plain, _check_str),
-    (tuple, (int, ...)): (lambda t: [_plain(x) for x in t], _check_ints),
-    (VectorClock, ()): (VectorClock.to_dict, _check_clock),
-    (collections.abc.Mapping, (int, float)): (_seconds_to_json, _check_seconds_by_id),
-    (dict, (int, float)): (_seconds_to_json, _check_seconds_by_id),
-}
-
-
-def _field(name: str, hint: Any) -> _Field:
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if origin in (Union, types.UnionType) and len(args) == 2 and type(None) in args:
-        inner = _field(name, next(a for a in args if a is not type(None)))
-        return _Field(name, _optional(inner.to_json), _optional(inner.from_json))
-    key = (origin or hint, args)
-    if key not in _CODECS:
-        raise TypeError(f"runtime.serde: no JSON form for field {name!r} of type {hint!r}")
-    return _Field(name, *_CODECS[key])
-
-
-def _schema(cls: type) -> tuple[_Field, ...]:
-    hints = typing.get_type_hints(cls)
-    return tuple(_field(f.name, hints[f.name]) for f in dataclasses.fields(cls) if f.name not in _NOT_META)
-
-
-_SCHEMAS = {cls: _schema(cls) for cls in (Metadata, FragmentUpload, GlobalUpdate)}
-
-
-@dataclasses.dataclass(frozen=True)
-class _Bulk:
-    """Meta of a bulk fragment object (its fragment is the frame's), with the syncer's identity."""
-
-    version: int
-    global_step: int
-    run_id: str = ""
-    epoch: int = 0
-    resumed_from: int = 0
-
-
-@dataclasses.dataclass(frozen=True)
-class Identity:
-    """The first frame of every update stream: which run and syncer incarnation the learner is
-    talking to. A learner that reconnects to a syncer resumed from a snapshot learns it here at once,
-    before any update (and even if none comes because its own uploads are of the old incarnation)."""
-
-    run_id: str
-    epoch: int
-    resumed_from: int
-    # The syncer process (random per start): a syncer restarted without --resume comes back at the same
-    # incarnation and run id; only this tells the learner its model is not the one it followed.
-    process: str = ""
-
-
-@dataclasses.dataclass(frozen=True)
-class Donate:
-    """Syncer -> one learner (peer recovery): send your state for ``recipient`` once you have seen
-    the global ``versions``."""
-
-    recipient: int
-    versions: tuple[int, ...]
-
-
-@dataclasses.dataclass(frozen=True)
-class Donation:
-    """Meta of one part of a donor's upload: bytes [offset, offset + len(payload)) of a ``checkpoint``
-    state file of kind ``donation`` that is ``total_bytes`` long and whose XXH3-64 is ``digest``.
-    A state travels in parts so that no single message bounds it and a failed part is sent again alone."""
-
-    recipient: int
-    versions: tuple[int, ...]
-    offset: int
-    total_bytes: int
-    digest: str
-
-
-@dataclasses.dataclass(frozen=True)
-class Barrier:
-    """Syncer -> learners: the start barrier (``core.barrier``), right after ``Identity`` on every update
-    stream and to every learner once it is met. A learner takes no training step before ``started``."""
-
-    started: bool
-    need: int
-    joined: tuple[int, ...]
-    waiting_for: tuple[int, ...]
+_SCHEMAS = {cls: schema(cls) for cls in (Metadata, FragmentUpload, GlobalUpdate)}
 
 
 _CONTROL = {"identity": Identity, "donate": Donate, "barrier": Barrier}  # update-stream frames that are not GlobalUpdates
 DONATE_KEY = 1 << 30  # fan-out key of Donate frames (+ recipient): never a fragment, never dropped for one
 BARRIER_KEY = DONATE_KEY - 1  # fan-out key of Barrier frames: a newer one replaces an older, never an update
-MAX_LEARNERS = 1 << 20
-for _cls in (Identity, Donate, Donation, Barrier):
-    _SCHEMAS[_cls] = _schema(_cls)
+for _cls in (Identity, Donate, Donation, Barrier, BulkHeader):
+    _SCHEMAS[_cls] = schema(_cls)
 
 
-class BulkFragment(typing.NamedTuple):
-    """A global fragment fetched by bulk, and the identity of the syncer that served it."""
-
-    fragment: int
-    version: int
-    global_step: int
-    values: dict[str, np.ndarray]
-    run_id: str = ""
-    epoch: int = 0
-    resumed_from: int = 0
+_NAMES = {BulkHeader: "Bulk"}  # what refusal texts call it
+UPLOAD_KINDS = ("upload", "donation")  # the table kinds the Upload RPC carries, named in ``meta.kind``
 
 
-_SCHEMAS[_Bulk] = _schema(_Bulk)
+def _name(cls: type) -> str:
+    return _NAMES.get(cls, cls.__name__)
+
+
+def _refusal(cls: type, name: str, text: str) -> ProtocolError:
+    """"Metadata.step: text", field "metadata.step" (the table's kind and the field)."""
+    return ProtocolError(f"{_name(cls)}.{name}: {text}", f"{KIND_OF[cls]}.{name}")
+
+
+def _frame_refusal(cls: type, text: str) -> ProtocolError:
+    """A frame of ``cls`` malformed as a whole, not in one field: field "frame"."""
+    return ProtocolError(f"{_name(cls)}: {text}", "frame")
 
 
 def _meta_of(msg: Any) -> dict[str, Any]:
@@ -250,23 +92,32 @@ def _meta_of(msg: Any) -> dict[str, Any]:
 
 def _fields_of(cls: type, meta: Any) -> dict[str, Any]:
     """The dataclass's meta fields from ``meta``, validated; ProtocolError names the first problem."""
-    kind = cls.__name__.lstrip("_")
     if not isinstance(meta, Mapping):
-        raise ProtocolError(f"{kind}: meta must be an object, got {type(meta).__name__}")
+        raise _frame_refusal(cls, f"meta must be an object, got {type(meta).__name__}")
     schema = _SCHEMAS[cls]
     names = {f.name for f in schema}
     unknown, missing = sorted(str(k) for k in set(meta) - names), [f.name for f in schema if f.name not in meta]
     if unknown:
-        raise ProtocolError(f"{kind}.{unknown[0][:40]}: unknown field")
+        # Counted as "<kind>.unknown": a peer's made-up names must not become /metrics labels.
+        raise ProtocolError(f"{_name(cls)}.{unknown[0][:40]}: unknown field", f"{KIND_OF[cls]}.unknown")
     if missing:
-        raise ProtocolError(f"{kind}.{missing[0]}: missing")
+        raise _refusal(cls, missing[0], "missing")
     out = {}
     for f in schema:
         try:
             out[f.name] = f.from_json(meta[f.name])
         except ValueError as e:
-            raise ProtocolError(f"{kind}.{f.name}: {e}") from None
+            raise _refusal(cls, f.name, str(e)) from None
     return out
+
+
+def _without_kind(cls: type, meta: Any) -> Any:
+    """An Upload RPC frame's ``meta`` without its ``kind``, which must name ``cls`` if it is there."""
+    if not (isinstance(meta, Mapping) and "kind" in meta):
+        return meta  # a frame from before the table named its kind
+    if meta["kind"] != KIND_OF[cls]:
+        raise _refusal(cls, "kind", f"expected {KIND_OF[cls]!r}, got {str(meta['kind'])[:40]!r}")
+    return {k: v for k, v in meta.items() if k != "kind"}
 
 
 # ---- public ---------------------------------------------------------------------------
@@ -277,7 +128,7 @@ def learner_id(sender: str, num_learners: int) -> int:
     match = _LEARNER.fullmatch(sender) if isinstance(sender, str) else None
     if match is None or not int(match.group(1)) < num_learners:
         raise ProtocolError(f"sender {str(sender)[:40]!r} is not a learner of this run "
-                            f"(learner-0..learner-{num_learners - 1})")
+                            f"(learner-0..learner-{num_learners - 1})", "sender")
     return int(match.group(1))
 
 
@@ -287,31 +138,38 @@ def to_frame(msg: Message) -> transport.Frame:
     cls = type(msg)
     if cls not in (Metadata, FragmentUpload, GlobalUpdate):
         raise TypeError(f"to_frame takes Metadata, FragmentUpload or GlobalUpdate, got {cls.__name__}")
-    kind = cls.__name__
-    sender = SYNCER if cls is GlobalUpdate else learner_node(_check_int_field(kind, "learner", msg.learner))
+    sender = SYNCER if cls is GlobalUpdate else learner_node(_check_int_field(cls, "learner", msg.learner))
     fragment, payload = 0, b""
     if cls is not Metadata:
-        fragment = _check_int_field(kind, "fragment", msg.fragment)
+        fragment = _check_int_field(cls, "fragment", msg.fragment)
         if msg.payload is None:
-            raise ProtocolError(f"{kind}.payload: none to send (fragment {fragment})")
+            raise _refusal(cls, "payload", f"none to send (fragment {fragment})")
         payload = msg.payload
-    return transport.Frame(sender, fragment, _meta_of(msg), payload)
+    meta = _meta_of(msg)
+    if cls is FragmentUpload:  # the Upload RPC also carries donation parts: say which this is
+        meta = {"kind": KIND_OF[cls], **meta}
+    return transport.Frame(sender, fragment, meta, payload)
 
 
 def metadata_from_frame(frame: transport.Frame, num_learners: int) -> Metadata:
     """A learner's Metadata from its frame (the Metadata RPC)."""
-    learner = _learner_of("Metadata", frame.sender, num_learners)
+    learner = _learner_of(Metadata, frame.sender, num_learners)
+    # Another protocol version first: its fields may differ, and "unknown field" would hide why.
+    other = fingerprint.protocol_differs(frame.meta.get("fingerprint") if isinstance(frame.meta, Mapping) else None,
+                                         PROTOCOL_VERSION)
+    if other is not None:
+        raise ProtocolError(f"learner {learner}: {fingerprint.SETTINGS_DIFFER}: {other}", "fingerprint")
     if frame.fragment != 0:
-        raise ProtocolError(f"Metadata.fragment: must be 0 (metadata is not about one fragment), got {frame.fragment}")
+        raise _refusal(Metadata, "fragment", f"must be 0 (metadata is not about one fragment), got {frame.fragment}")
     if len(frame.payload):
-        raise ProtocolError(f"Metadata.payload: must be empty, got {len(frame.payload)} bytes")
+        raise _refusal(Metadata, "payload", f"must be empty, got {len(frame.payload)} bytes")
     return Metadata(learner=learner, **_fields_of(Metadata, frame.meta))
 
 
 def upload_from_frame(frame: transport.Frame, codec, num_learners: int) -> FragmentUpload:
     """A learner's FragmentUpload from its frame; ``codec.decode`` gives the delta."""
-    learner = _learner_of("FragmentUpload", frame.sender, num_learners)
-    fields = _fields_of(FragmentUpload, frame.meta)
+    learner = _learner_of(FragmentUpload, frame.sender, num_learners)
+    fields = _fields_of(FragmentUpload, _without_kind(FragmentUpload, frame.meta))
     delta = _decode(codec, frame.fragment, frame.payload)
     return FragmentUpload(learner=learner, fragment=frame.fragment, delta=delta, nbytes=len(frame.payload),
                           payload=None, **fields)
@@ -320,7 +178,7 @@ def upload_from_frame(frame: transport.Frame, codec, num_learners: int) -> Fragm
 def update_from_frame(frame: transport.Frame, codec) -> GlobalUpdate:
     """The syncer's GlobalUpdate from its frame; ``codec.decode`` gives the update."""
     if frame.sender != SYNCER:
-        raise ProtocolError(f"GlobalUpdate.sender: expected {SYNCER!r}, got {frame.sender[:40]!r}")
+        raise _refusal(GlobalUpdate, "sender", f"expected {SYNCER!r}, got {frame.sender[:40]!r}")
     fields = _fields_of(GlobalUpdate, frame.meta)
     update = _decode(codec, frame.fragment, frame.payload)
     return GlobalUpdate(fragment=frame.fragment, update=update, nbytes=len(frame.payload), payload=None, **fields)
@@ -339,17 +197,19 @@ def control_from_frame(frame: transport.Frame) -> Identity | Donate | Barrier | 
     names = [k for k in _CONTROL if isinstance(meta, Mapping) and k in meta]
     if not names:
         return None
-    kind = _CONTROL[names[0]].__name__
     if frame.sender != SYNCER or len(meta) != 1 or len(frame.payload):
-        raise ProtocolError(f"{kind}: a frame from the syncer with only meta.{names[0]} and no payload expected")
+        raise _frame_refusal(_CONTROL[names[0]], f"a frame from the syncer with only meta.{names[0]} and no "
+                                                 f"payload expected")
     msg = _CONTROL[names[0]](**_fields_of(_CONTROL[names[0]], meta[names[0]]))
     if isinstance(msg, Donate) and not (msg.recipient < MAX_LEARNERS and frame.fragment == DONATE_KEY + msg.recipient):
-        raise ProtocolError(f"Donate: recipient {msg.recipient} and fan-out key {frame.fragment} do not match")
+        raise ProtocolError(f"Donate: recipient {msg.recipient} and fan-out key {frame.fragment} do not match",
+                            "donate.recipient")
     return msg
 
 
 def donation_to_frame(donor: int, msg: Donation, payload: bytes) -> transport.Frame:
-    return transport.Frame(learner_node(donor), 0, {"donation": _meta_of(msg)}, payload)
+    """The Upload RPC frame of one donation part (``meta.kind`` "donation")."""
+    return transport.Frame(learner_node(donor), 0, {"kind": KIND_OF[Donation], **_meta_of(msg)}, payload)
 
 
 def donation_frames(donor: int, recipient: int, versions: tuple[int, ...], state: bytes,
@@ -375,22 +235,32 @@ def max_state_bytes(model_bytes: int) -> int:
 
 
 def donation_from_frame(frame: transport.Frame, num_learners: int) -> tuple[int, Donation] | None:
-    """(donor, Donation) of a donor's upload, or None for a FragmentUpload's frame; the payload stays
-    in the frame (the recipient decodes it)."""
+    """(donor, Donation) of a donor's upload, or None for a FragmentUpload's frame (``meta.kind`` other
+    than "donation"; ``upload_from_frame`` checks it); the payload stays in the frame (the recipient
+    decodes it). A frame without ``meta.kind`` is a donation part if it has ``meta.donation`` (the form
+    before the table named kinds): both are accepted."""
     meta = frame.meta
-    if not (isinstance(meta, Mapping) and "donation" in meta):
+    if not isinstance(meta, Mapping):
         return None
-    donor = _learner_of("Donation", frame.sender, num_learners)
-    if len(meta) != 1 or frame.fragment != 0:
-        raise ProtocolError("Donation: only meta.donation and fragment 0 expected")
-    msg = Donation(**_fields_of(Donation, meta["donation"]))
+    if meta.get("kind") == KIND_OF[Donation]:
+        fields = {k: v for k, v in meta.items() if k != "kind"}
+    elif "kind" not in meta and "donation" in meta:
+        if len(meta) != 1:
+            raise _frame_refusal(Donation, "only meta.donation and fragment 0 expected")
+        fields = meta["donation"]
+    else:
+        return None
+    donor = _learner_of(Donation, frame.sender, num_learners)
+    if frame.fragment != 0:
+        raise _frame_refusal(Donation, "only meta.donation and fragment 0 expected")
+    msg = Donation(**_fields_of(Donation, fields))
     if not msg.recipient < num_learners or msg.recipient == donor:
-        raise ProtocolError(f"Donation.recipient: {msg.recipient} is not another learner of this run")
+        raise _refusal(Donation, "recipient", f"{msg.recipient} is not another learner of this run")
     if not (len(frame.payload) and msg.offset + len(frame.payload) <= msg.total_bytes):
-        raise ProtocolError(f"Donation: a part of {len(frame.payload)} bytes at offset {msg.offset} does not fit "
-                            f"a state of {msg.total_bytes} bytes")
+        raise _frame_refusal(Donation, f"a part of {len(frame.payload)} bytes at offset {msg.offset} does not fit "
+                                       f"a state of {msg.total_bytes} bytes")
     if not _DIGEST.fullmatch(msg.digest):
-        raise ProtocolError(f"Donation.digest: expected 16 lowercase hex digits (XXH3-64), got {msg.digest[:40]!r}")
+        raise _refusal(Donation, "digest", f"expected 16 lowercase hex digits (XXH3-64), got {msg.digest[:40]!r}")
     return donor, msg
 
 
@@ -402,15 +272,15 @@ def fragment_to_bulk(fragment: int, version: int, global_step: int, values: Mapp
     transport message (one header with fragment, version and global step, one
     checksum) whose payload is ``codec.encode(values)``.
     """
-    meta = _meta_of(_Bulk(version, global_step, run_id, epoch, resumed_from))
+    meta = _meta_of(BulkHeader(version, global_step, run_id, epoch, resumed_from))
     try:
         payload = codec.encode(values)
     except ValueError as e:
-        raise ProtocolError(f"bulk fragment {fragment}: {e}") from None
+        raise ProtocolError(f"bulk fragment {fragment}: {e}", "frame") from None
     try:
         return transport.encode_message(transport.Frame(SYNCER, fragment, meta, payload))
     except transport.MessageError as e:
-        raise ProtocolError(f"bulk fragment {fragment}: {e}") from None
+        raise ProtocolError(f"bulk fragment {fragment}: {e}", "frame") from None
 
 
 def fragment_from_bulk(data: Any, codec) -> BulkFragment:
@@ -420,10 +290,10 @@ def fragment_from_bulk(data: Any, codec) -> BulkFragment:
         # The caller already holds all of ``data`` (the fetch bounded it): no further cap here.
         frame = transport.decode_message(data, max_bytes=len(memoryview(data).cast("B")))
     except (transport.MessageError, TypeError) as e:
-        raise ProtocolError(f"bulk object: {e}") from None
+        raise ProtocolError(f"bulk object: {e}", "frame") from None
     if not isinstance(frame, transport.Frame):
-        raise ProtocolError(f"bulk object: expected a Frame, got {type(frame).__name__}")
-    fields = _fields_of(_Bulk, frame.meta)
+        raise ProtocolError(f"bulk object: expected a Frame, got {type(frame).__name__}", "frame")
+    fields = _fields_of(BulkHeader, frame.meta)
     values = _decode(codec, frame.fragment, frame.payload)
     return BulkFragment(frame.fragment, fields["version"], fields["global_step"],
                         {n: np.array(a) for n, a in values.items()}, fields["run_id"], fields["epoch"],
@@ -433,26 +303,28 @@ def fragment_from_bulk(data: Any, codec) -> BulkFragment:
 # ---- helpers --------------------------------------------------------------------------
 
 
-def _check_int_field(kind: str, name: str, value: Any) -> int:
-    value = _plain(value)
-    if not _is_int(value):
-        raise ProtocolError(f"{kind}.{name}: expected a non-negative integer, got {value!r}")
+def _check_int_field(cls: type, name: str, value: Any) -> int:
+    value = plain(value)
+    if not is_int(value):
+        raise _refusal(cls, name, f"expected a non-negative integer, got {value!r}")
     return value
 
 
-def _learner_of(kind: str, sender: str, num_learners: int) -> int:
+def _learner_of(cls: type, sender: str, num_learners: int) -> int:
     try:
         return learner_id(sender, num_learners)
     except ProtocolError as e:
-        raise ProtocolError(f"{kind}.sender: {e}") from None
+        raise _refusal(cls, "sender", str(e)) from None
 
 
 def _decode(codec, fragment: int, payload: Any) -> dict[str, np.ndarray]:
     """``codec.decode`` with a refusal (any ValueError, e.g. CodecError) as a ProtocolError."""
     try:
         return codec.decode(fragment, payload)
-    except ProtocolError:
+    except ProtocolError as e:
+        e.field = e.field or "frame"
         raise
     except ValueError as e:
         text = str(e)
-        raise ProtocolError(text if text.startswith(f"fragment {fragment}:") else f"fragment {fragment}: {text}") from None
+        raise ProtocolError(text if text.startswith(f"fragment {fragment}:") else f"fragment {fragment}: {text}",
+                            "frame") from None

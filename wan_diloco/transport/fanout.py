@@ -2,13 +2,19 @@
 
 Backpressure policy (chosen): drop-to-latest per routing key. Every published
 Frame is keyed by its ``fragment`` field, and a newer frame with the same key
-replaces one not yet delivered. The application relies on this only for
-self-contained updates (each carries a whole new global fragment, so only the
-newest matters to a learner); a slow subscriber then never blocks the publisher
-or the other subscribers, and its backlog is at most one pending frame per key
-(P encoded frames, shared between subscribers because each is encoded once).
-Frames overwritten before delivery are counted in ``dropped``. A delta-coded
-downstream would need a blocking queue instead.
+replaces one not yet delivered. A slow subscriber then never blocks the
+publisher or the other subscribers, and its backlog is at most one pending
+frame per key (P encoded frames, shared between subscribers because each is
+encoded once). Frames overwritten before delivery are counted in ``dropped``.
+
+The application's updates are deltas, not self-contained fragments: each says
+"version v of fragment p is version v-1 plus this". Dropping one therefore
+leaves a gap, and the application must detect and heal it: every update names
+the version it applies to (``GlobalUpdate.from_version``), a learner that sees
+one it does not hold skips it and fetches the whole current fragment by bulk
+(``core.protocol.Resync``, ``fragment/P``), and the newest delta it then finds
+applies on top. That is what makes dropping safe here; a downstream that cannot
+fetch the whole state would need a blocking queue instead.
 
 "Newer" means published later: the hub numbers publications (``Prepared.seq``),
 because the transport does not look inside ``meta`` for a version.
