@@ -76,16 +76,16 @@ FULL = Scenario(learners=3, train_s=540.0, every_s=60.0, syncer_at_s=270.0, marg
                 disk_full_at_s=100.0)
 
 
-
 def config(s: Scenario) -> spec_lib.RunSpec:
     """The canonical micro run (examples/micro.toml), paced and checkpointed for the scenario."""
     return spec_lib.from_document(micro_document(
         run={"learners": s.learners, "steps": s.steps, "batch_size": 8, "eval_batches": 4, "eval_batch_size": 16,
-             "eval_every": 100, "report_every_s": 0.5, "min_step_s": STEP_S},
+             "eval_every_steps": 100, "report_every_s": 0.5, "min_step_s": STEP_S},
         data={"max_bytes": 1048576}, learner={"tau": 2}, syncer={"quorum": 1, "final_timeout_s": 30},
         train={"warmup_steps": 10},
         # Running learners retry an absent syncer this long: more than a resume takes on a loaded machine.
         transport={"retry_budget_s": 90.0}, checkpoint={"every_merges": 8, "keep": 3}))
+
 
 DEFINITIONS = {
     "recovered_s": "fault -> a restarted learner logs a step / the resumed syncer merges again",
@@ -95,7 +95,7 @@ DEFINITIONS = {
     "recovery_bytes": "bytes_received of restarted learners at their start (join + peer state) + bytes_received "
                       "growth across rejoins of the resumed syncer",
     "loss_ratio": "final eval loss / the fault-free run's eval loss at the tokens the faulty run trained (read off "
-                  "its eval curve, run.eval_every; notes.loss_ratio_equal_steps compares final losses at equal steps)",
+                  "its eval curve, run.eval_every_steps; notes.loss_ratio_equal_steps compares final losses at equal steps)",
     "lost_s": "learner-seconds: kill -> stepping again, plus steps rolled back by the resume x step time",
     "check (disk_full)": "the syncer's failed writes in the window, /status storage not ok in it and ok again after "
                          "(s after space returned), a complete snapshot after it, the final parameters written",

@@ -45,6 +45,7 @@ from wan_diloco.assemble import Assembly, fragment_digest
 from wan_diloco.checkpoint import CheckpointError, SnapshotStore, decode_state, encode_state
 from wan_diloco.config import ConfigError
 from wan_diloco.planning import LinkEstimate, confirmed_move, replan_reasons, tau_for_link
+from wan_diloco.fragments import tau_bounds
 from wan_diloco.core.barrier import BarrierView
 from wan_diloco.core import (
     ApplyGlobal, IncarnationError, ProtocolError, Rejoin, Resync, SaveState, SendFragment, SendMetadata, Snapshot,
@@ -489,7 +490,7 @@ class Learner:
             if plan.replan_confirm > 1:
                 reasons.append(f"seen in {plan.replan_confirm} probes in a row")
         self.planned_link = link
-        cap = min(plan.max_tau, self.cfg.learner.sync_every - 1)
+        _, cap = tau_bounds(self.cfg.learner.sync_every, self.cfg.learner.num_fragments, plan.max_tau)
         # What actually goes on the wire per fragment so far (compressed), else the codec's bound.
         frag_bytes = (self.payload_bytes / self.uploads if self.uploads
                       else max(self.codec.max_bytes(p) for p in range(len(self.layout.fragments))))
@@ -677,9 +678,9 @@ class Learner:
         raise Stopped()
 
     def _maybe_eval(self) -> None:
-        """Every ``run.eval_every`` steps, one learner in turn evaluates the global model as it holds it (its
+        """Every ``run.eval_every_steps`` steps, one learner in turn evaluates the global model as it holds it (its
         global view Θ, not its local parameters): the run's eval curve (``eval`` events)."""
-        every, step = self.cfg.run.eval_every, self.core.step
+        every, step = self.cfg.run.eval_every_steps, self.core.step
         if not every or step % every or (step // every) % self.cfg.run.learners != self.m:
             return
         t0 = time.monotonic()
