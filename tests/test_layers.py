@@ -222,16 +222,16 @@ def test_drivers_write_no_core_attributes(name):
 
 # ---- small modules (docs/DESIGN: one idea each, about 400 lines at most) ---------------------------
 # A module may be longer when its docstring, or a comment above its first statement, says why in a line
-# containing MARKER: "Over 400 lines: <why>".
+# MARKER matches: "Over 400 lines: <why>" (or "Over ~400 lines: <why>").
 MAX_LINES = 400
-MARKER = "over 400 lines:"
+MARKER = re.compile(r"over ~?400 lines:", re.IGNORECASE)
 
 # Over the limit on this branch with no reason given; each is being split (or must say why) under #24.
 LONG = {
     "wan_diloco.runtime.learner": 866, "wan_diloco.runtime.syncer": 862, "wan_diloco.core.syncer": 857,
     "wan_diloco.runtime.launch": 759, "wan_diloco.transport.server": 543, "wan_diloco.regions.emulator": 486,
     "wan_diloco.runtime.chaos.driver": 477, "wan_diloco.runtime.serde": 458,
-    "wan_diloco.runtime.chaos.report": 456, "wan_diloco.data": 447, "wan_diloco.spec": 461,
+    "wan_diloco.runtime.chaos.report": 456, "wan_diloco.data": 447,
     "wan_diloco.core.learner": 437,
 }
 
@@ -242,12 +242,13 @@ def says_why_it_is_long(text: str) -> bool:
                  None)
     top = text.splitlines()[: first.lineno - 1 if first else None]
     doc = ast.get_docstring(tree) or ""
-    return MARKER in doc.lower() or any(MARKER in line.lower() for line in top if line.lstrip().startswith("#"))
+    return bool(MARKER.search(doc)) or any(MARKER.search(line) for line in top if line.lstrip().startswith("#"))
 
 
 def test_the_length_check_reads_the_marker():
     assert says_why_it_is_long('"""A table.\n\nOver 400 lines: the one wire table, kept whole."""\nx = 1\n')
     assert says_why_it_is_long("# over 400 lines: generated\nimport os\n")
+    assert says_why_it_is_long("# Over ~400 lines: the run file in one place\nimport os\n")
     assert not says_why_it_is_long("import os\n# over 400 lines: too late, below the first statement\n")
     assert not says_why_it_is_long('"""A module."""\nx = 1\n')
 
@@ -259,4 +260,4 @@ def test_modules_are_small_or_say_why(name):
     text = ALL[name].read_text()
     lines = len(text.splitlines())
     assert lines <= MAX_LINES or says_why_it_is_long(text), \
-        f"{name}: {lines} lines; split it, or say why at its top in a line with {MARKER!r}"
+        f"{name}: {lines} lines; split it, or say why at its top in a line with 'Over 400 lines: <why>'"
