@@ -38,13 +38,13 @@ import platform
 import sys
 import tempfile
 import time
-import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from wan_diloco import spec as spec_lib  # noqa: E402
+from tests.micro import micro_document  # noqa: E402
 from wan_diloco.runtime import chaos  # noqa: E402
 
 STEP_S = 0.2  # every step padded to this: 1 + M processes share 2 cores, and compute is not what is measured
@@ -75,52 +75,17 @@ QUICK = Scenario(learners=2, train_s=210.0, every_s=30.0, syncer_at_s=None, marg
 FULL = Scenario(learners=3, train_s=540.0, every_s=60.0, syncer_at_s=270.0, margin_s=60.0, fresh_at_s=400.0,
                 disk_full_at_s=100.0)
 
-CONFIG = """\
-[run]
-learners = {learners}
-steps = {steps}
-batch_size = 8
-seed = 0
-eval_batches = 4
-eval_batch_size = 16
-eval_every_steps = 100
-tick_s = 0.2
-report_every_s = 0.5
-min_step_s = {step_s}
 
-[data]
-max_bytes = 1048576
+def config(s: Scenario) -> spec_lib.RunSpec:
+    """The canonical micro run (examples/micro.toml), paced and checkpointed for the scenario."""
+    return spec_lib.from_document(micro_document(
+        run={"learners": s.learners, "steps": s.steps, "batch_size": 8, "eval_batches": 4, "eval_batch_size": 16,
+             "eval_every_steps": 100, "report_every_s": 0.5, "min_step_s": STEP_S},
+        data={"max_bytes": 1048576}, learner={"tau": 2}, syncer={"quorum": 1, "final_timeout_s": 30},
+        train={"warmup_steps": 10},
+        # Running learners retry an absent syncer this long: more than a resume takes on a loaded machine.
+        transport={"retry_budget_s": 90.0}, checkpoint={"every_merges": 8, "keep": 3}))
 
-[model]
-d_model = 32
-n_layers = 2
-n_heads = 2
-d_ff = 64
-seq_len = 32
-
-[learner]
-sync_every = 8
-num_fragments = 2
-tau = 2
-
-[syncer]
-quorum = 1
-liveness_timeout_s = 20.0
-final_timeout_s = 30
-
-[train]
-warmup_steps = 10
-
-[transport]
-channels = 1
-call_timeout_s = 10.0
-# Running learners retry an absent syncer this long: more than a resume takes on a loaded machine.
-retry_budget_s = 90.0
-
-[checkpoint]
-every_merges = 8
-keep = 3
-"""
 
 DEFINITIONS = {
     "recovered_s": "fault -> a restarted learner logs a step / the resumed syncer merges again",
@@ -183,7 +148,7 @@ def main(argv=None) -> int:
     if args.out is None:  # a quick check never overwrites the full run's figures
         args.out = ROOT / "bench" / "results" / ("chaos_quick.json" if args.quick else "chaos.json")
     t_bench = time.monotonic()
-    cfg = spec_lib.from_document(tomllib.loads(CONFIG.format(learners=s.learners, steps=s.steps, step_s=STEP_S)))
+    cfg = config(s)
     if args.reanalyze:
         record, base = (recorded(args.reanalyze / name, cfg) for name in ("chaos", "baseline"))
         out = report(record, base, cfg, s, t_bench)

@@ -41,7 +41,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import tomllib
 import urllib.request
 from pathlib import Path
 
@@ -50,6 +49,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench import hostile_attack  # noqa: E402
 from bench.hostile_report import HONEST, analyze, quarantined_of, read_rows  # noqa: E402
+from tests.micro import micro_document  # noqa: E402
 from wan_diloco import spec as spec_lib  # noqa: E402
 from wan_diloco.runtime.launch import Cluster, child_env, run_spec, write_config  # noqa: E402
 from wan_diloco.transport.security import derive_token  # noqa: E402
@@ -59,47 +59,6 @@ ATTACKER = 2
 SYNCER_GRACE_S = 90.0  # the syncer ends final_timeout_s (20 s) after the learners' final fetches, at most
 ATTACKER_GRACE_S = 60.0  # after the run: for the attacker's calls in flight to be answered (they time out in 10 s)
 
-CONFIG = """\
-[run]
-learners = 3
-steps = {steps}
-batch_size = 8
-seed = {seed}
-eval_batches = 4
-eval_batch_size = 16
-tick_s = 0.2
-report_every_s = 0.5
-min_step_s = {step_s}
-
-[data]
-max_bytes = 1048576
-
-[model]
-d_model = 32
-n_layers = 2
-n_heads = 2
-d_ff = 64
-seq_len = 32
-
-[learner]
-sync_every = 8
-num_fragments = 2
-tau = 2
-
-[syncer]
-quorum = 1
-liveness_timeout_s = 20.0
-final_timeout_s = 20
-
-[train]
-warmup_steps = 10
-
-[transport]
-channels = 1
-call_timeout_s = 10.0
-retry_budget_s = 60.0
-{transport_extra}
-"""
 
 
 def _get(url: str, token: str) -> bytes:
@@ -110,14 +69,17 @@ def _get(url: str, token: str) -> bytes:
 
 # ---- one run --------------------------------------------------------------------------------------
 
-def make_config(steps: int, seed: int, per_learner: bool = True) -> tuple[str, object]:
+def make_config(steps: int, seed: int, per_learner: bool = True) -> spec_lib.RunSpec:
     """The run's config: per-learner tokens as ``launch`` hands them out (#23), or the shared token."""
-    text = CONFIG.format(steps=steps, seed=seed, step_s=STEP_S,
-                         transport_extra=f"per_learner_tokens = {'true' if per_learner else 'false'}")
+    run = {"steps": steps, "batch_size": 8, "seed": seed, "eval_batches": 4, "eval_batch_size": 16,
+           "report_every_s": 0.5, "min_step_s": STEP_S}
     if "min_learners_to_start" in {f.name for f in dataclasses.fields(spec_lib.RunConfig)}:
         # A start barrier (#23) must not wait for learner 2: its slot is the attacker's, never a learner.
-        text = text.replace("[run]\n", f"[run]\nmin_learners_to_start = {len(HONEST)}\n", 1)
-    return text, spec_lib.from_document(tomllib.loads(text))
+        run["min_learners_to_start"] = len(HONEST)
+    doc = micro_document(run=run, data={"max_bytes": 1048576}, learner={"tau": 2}, syncer={"quorum": 1},
+                         train={"warmup_steps": 10},
+                         transport={"retry_budget_s": 60.0, "per_learner_tokens": per_learner})
+    return spec_lib.from_document(doc)
 
 
 def run_once(cfg, rdir: Path, attack: dict | None, note, timeout_s: float) -> dict:
@@ -274,7 +236,7 @@ def main(argv=None) -> int:
     attack_s = args.messages / args.rate
     # Training outlasts the attack with room to spare: the attacker may fall behind its rate on a busy host.
     steps = args.steps or int(math.ceil((1.5 * attack_s + 30.0) / STEP_S / 8) * 8)
-    _, cfg = make_config(steps, args.seed, per_learner=not args.shared_token)
+    cfg = make_config(steps, args.seed, per_learner=not args.shared_token)
     work = args.work or Path(tempfile.mkdtemp(prefix="wdl-hostile-"))
     timeout_s = attack_s * 3 + steps * STEP_S * 4 + 300
     note = lambda line: print(f"[{time.monotonic() - t_bench:7.1f} s] {line}", flush=True)  # noqa: E731

@@ -14,9 +14,9 @@ Two measurements (issue #15):
    process, and M learner processes that upload pre-encoded
    int4 fragments of every fragment in turn as fast as the protocol lets them (a fragment's
    next Δ goes once the learner has its previous update; two uploads in flight per learner),
-   subscribed to the broadcasts. No training. The syncer's stages are timed the same way
-   by wrapping them in the syncer process (no change to ``wan_diloco``); transport is the
-   rest of the syncer process's CPU. Round latency: from the moment the syncer's handler got
+   subscribed to the broadcasts. No training. The syncer's stages are timed the same way,
+   through the core's timing hook (``SyncerCore.timing``, ``TIMED_STAGES``) and the service's
+   codec (decode), on the run's own ``Assembly``; transport is the rest of the syncer process's CPU. Round latency: from the moment the syncer's handler got
    the round's last contribution to the moment the last learner had the broadcast.
 
 From these, the largest model x M x per-learner link rate one shard keeps up with
@@ -149,33 +149,6 @@ class Stages:
         return {"wall": dict(self.wall), "cpu": dict(self.cpu), "calls": dict(self.calls)}
 
 
-def instrument_core(core, stages: Stages) -> None:
-    """Time the syncer core's stages by wrapping them on this instance (and the module's merge):
-    validate = upload checks + NaN and norm check; close = the whole merge of a round, which holds merge,
-    outer_step (update + commit of the momentum) and encode (the rest of close is applying the update
-    to Θ, the norm of the new Θ and bookkeeping)."""
-    import wan_diloco.core.syncer as core_syncer
-    if not getattr(core_syncer.merge_fragment, "_bench_timed", False):
-        original = core_syncer.merge_fragment
-
-        def merge(*args, **kwargs):
-            with _CURRENT_STAGES[0].time("merge"):
-                return original(*args, **kwargs)
-        merge._bench_timed = True
-        core_syncer.merge_fragment = merge
-    _CURRENT_STAGES[0] = stages
-    core._validate_upload = stages.wrap("validate_upload", core._validate_upload)
-    core._check_norm = stages.wrap("validate_norm", core._check_norm)
-    core._close = stages.wrap("close", core._close)
-    core.outer.update = stages.wrap("outer_step", core.outer.update)
-    core.outer.commit = stages.wrap("outer_step", core.outer.commit)
-    codec = core.codec
-    codec.roundtrip = stages.wrap("encode", codec.roundtrip)
-
-
-_CURRENT_STAGES: list[Stages] = [Stages()]
-
-
 def split_of(cpu: dict[str, float], total_cpu: float | None = None) -> dict[str, float]:
     """The five-way split (seconds) from stage seconds: decode holds the checks of an upload (validate),
     outer holds applying the step to Θ; transport is the rest of ``total_cpu`` (None: not measured)."""
@@ -232,7 +205,7 @@ def inprocess(layout, learners: list[int], reps: int, log) -> list[dict]:
             per_rep = []
             for rep in range(reps + 1):  # the first is a warm-up
                 stages = Stages()  # fresh accumulators for every repeat
-                core_stages(core, stages)
+                core.timing = stages.time  # the core's public timing hook (TIMED_STAGES)
                 decode = stages.wrap("decode", core.codec.decode)
                 version = core.version[i]
                 w0, c0, ru0 = time.perf_counter(), time.process_time(), resource.getrusage(resource.RUSAGE_SELF)
@@ -281,17 +254,6 @@ def inprocess(layout, learners: list[int], reps: int, log) -> list[dict]:
     return rows
 
 
-def core_stages(core, stages: Stages) -> None:
-    """(Re)instrument ``core`` with ``stages``: unwrap earlier wrappers first."""
-    for name in ("_validate_upload", "_check_norm", "_close"):
-        core.__dict__.pop(name, None)
-    for name in ("update", "commit"):
-        core.outer.__dict__.pop(name, None)
-    rt = core.codec.roundtrip
-    core.codec.roundtrip = getattr(rt, "__wrapped__", rt)
-    instrument_core(core, stages)
-
-
 def inprocess_summary(layout, rows: list[dict]) -> dict[int, dict]:
     """Per M: CPU seconds per GB merged, each stage, for the whole model (the embedding fragment
     weighted by its bytes, the middle one standing for every other fragment)."""
@@ -320,13 +282,21 @@ def rss_bytes() -> int:
 
 # ---- 2. end to end: the syncer process ---------------------------------------------------------
 
-def run_spec(learners: int, fragments: int, shards: int = 1):
+def run_spec(layout_name: str, learners: int, fragments: int, shards: int = 1):
     from wan_diloco import spec as spec_lib
+    model = LAYOUTS[layout_name]
+    seq_len = model_config(layout_name).seq_len
     return spec_lib.from_document({
-        "run": {"learners": learners, "token": TOKEN, "status_port": -1, "tick_s": 1.0, "run_id": "bench-syncer"},
+        # The learners' steps are of TOKENS_PER_STEP tokens (the syncer refuses more per step), and the step
+        # budget is out of reach: the measurement ends on time, not on a final sync.
+        "run": {"learners": learners, "token": TOKEN, "status_port": -1, "tick_s": 1.0, "run_id": "bench-syncer",
+                "steps": 10**9, "batch_size": TOKENS_PER_STEP // seq_len},
+        "model": {"preset": model} if isinstance(model, str) else model,
         "learner": {"num_fragments": fragments, "sync_every": 4 * fragments, "tau": 1},
         # K = M, no grace: a round closes on its M-th contribution, all of them merged.
-        "syncer": {"quorum": learners, "grace": False, "liveness_timeout_s": 600.0, "shards": shards},
+        # The learners send fragments only, no step reports: the pace bound would stop them at step_slack.
+        "syncer": {"quorum": learners, "grace": False, "liveness_timeout_s": 600.0, "shards": shards,
+                   "step_slack": 10**9},
         "codec": {"bits": 4},
         # Long deadlines: a queued upload waits for the syncer's loop, which is the point here. The default
         # stream_idle_timeout_s (30 s) could abort an upload whose chunks the busy loop does not read in time
@@ -336,23 +306,14 @@ def run_spec(learners: int, fragments: int, shards: int = 1):
     })
 
 
-class _Parts:
-    """What ``SyncerService`` takes from an ``Assembly``: a synthetic layout instead of a built model."""
-
-    def __init__(self, spec, layout):
-        from wan_diloco.compression import CodecConfig, FragmentCodec
-        self.spec, self.layout = spec, layout
-        self.codec = wire_codec(layout)
-        self.bulk_codec = FragmentCodec(CodecConfig(bits=32, zstd=False), layout)
-        self.shard_plan = shard_owners(layout, spec.syncer.shards)
-
-    def syncer_core(self, bounded: bool = False, shard: int | None = None):
-        from wan_diloco import model as model_lib
-        from wan_diloco import shards as shards_lib
-        from wan_diloco.core import SyncerCore
-        owned = None if shard is None else shards_lib.owned(self.shard_plan, shard)
-        return SyncerCore(self.spec.syncer, self.layout.fragments, theta0(self.layout), model_lib.is_embedding,
-                          self.codec, owned)
+def bench_parts(spec, layout):
+    """The run's ``Assembly`` with Θ(0) as broadcast views of the synthetic layout instead of a built model:
+    every part the syncer takes (layout, codecs, shard plan, fingerprint, its core) follows from it as in a run."""
+    from wan_diloco.assemble import Assembly
+    parts = Assembly(spec)
+    parts.flat0 = theta0(layout)  # takes the place of the cached property: no model is initialised
+    assert parts.layout.fragments == layout.fragments and parts.codec.cfg == wire_codec(layout).cfg
+    return parts
 
 
 async def serve_syncer(args: dict) -> None:
@@ -363,14 +324,14 @@ async def serve_syncer(args: dict) -> None:
     t0 = time.perf_counter()
     STREAM_IDLE_TIMEOUT_S[0] = args["idle_timeout_s"]
     layout = build_layout(args["layout"], args["fragments"])
-    spec = run_spec(args["learners"], args["fragments"], args["shards"])
+    spec = run_spec(args["layout"], args["learners"], args["fragments"], args["shards"])
     rss0 = rss_bytes()  # before Θ and the outer state exist
     metrics = TransportMetrics()
-    service = SyncerService(spec, metrics, parts=_Parts(spec, layout), shard=args["shard"])
+    service = SyncerService(spec, metrics, parts=bench_parts(spec, layout), shard=args["shard"])
     core = service.core
     stages = Stages()
-    instrument_core(core, stages)
-    core.codec.decode = stages.wrap("decode", core.codec.decode)
+    core.timing = stages.time  # the core's public timing hook (TIMED_STAGES)
+    service.codec.decode = stages.wrap("decode", service.codec.decode)  # the service decodes each upload
     setup_s = time.perf_counter() - t0
     server = TransportServer(service, TOKEN, spec.transport, "127.0.0.1:0", metrics, name="syncer")
     port = await server.start()

@@ -1,14 +1,9 @@
 import numpy as np
 import pytest
 
-from wan_diloco import model, spec as spec_lib
+from wan_diloco import spec as spec_lib
 from wan_diloco.assemble import Assembly, fragment_digest, preflight
 from wan_diloco.config import ConfigError
-
-
-@pytest.fixture(autouse=True)
-def micro_preset(monkeypatch):
-    monkeypatch.setitem(model.PRESETS, "micro", model.ModelConfig(d_model=32, n_layers=2, n_heads=2, d_ff=64, seq_len=32))
 
 
 def micro(**kw):

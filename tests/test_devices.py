@@ -11,22 +11,11 @@ from wan_diloco import spec
 from wan_diloco.config import ConfigError
 from wan_diloco.runtime.launch import Cluster
 
-CONFIG = """\
-[run]
-learners = 3
-batch_size = 4
-{extra}
-[model]
-d_model = 32
-n_layers = 2
-n_heads = 2
-d_ff = 64
-seq_len = 16
-"""
+from tests.conftest import write_micro
 
 
 def load(tmp_path, extra=""):
-    (tmp_path / "run.toml").write_text(CONFIG.format(extra=extra))
+    write_micro(tmp_path / "run.toml", "[run]\n" + extra, model={"seq_len": 16})
     return spec.load(tmp_path / "run.toml")
 
 

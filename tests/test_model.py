@@ -12,7 +12,9 @@ from wan_diloco import model as m
 from wan_diloco.config import ConfigError, from_mapping
 from wan_diloco.tree import flatten
 
-MICRO = m.ModelConfig(d_model=32, n_layers=2, n_heads=2, d_ff=64, seq_len=16)
+from tests.conftest import micro_model
+
+MICRO = micro_model(seq_len=16)
 
 
 @pytest.fixture(scope="module")

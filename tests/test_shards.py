@@ -34,7 +34,7 @@ def test_spec_refuses_more_shards_than_fragments_and_the_assembly_splits_by_shar
         spec.from_document({"learner": {"num_fragments": 4}, "syncer": {"shards": 5}})
     with pytest.raises(ConfigError, match="syncer.shards"):
         spec.from_document({"syncer": {"shards": 0}})
-    cfg = spec.from_document({"model": {"preset": "tiny", "d_model": 32, "n_layers": 2, "n_heads": 2, "d_ff": 64, "seq_len": 16}, "learner": {"num_fragments": 4}, "syncer": {"shards": 2}})
+    cfg = spec.from_document({"model": {"preset": "micro", "seq_len": 16}, "learner": {"num_fragments": 4}, "syncer": {"shards": 2}})
     parts = Assembly(cfg)
     cores = [parts.syncer_core(shard=s) for s in range(2)]
     assert sorted(p for c in cores for p in c.owned) == [0, 1, 2, 3]

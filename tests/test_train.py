@@ -12,10 +12,11 @@ import pytest
 from wan_diloco import data as d
 from wan_diloco import train as tr
 from wan_diloco.config import ConfigError, from_mapping
-from wan_diloco.model import ModelConfig
 from wan_diloco.tree import flatten
 
-MICRO = ModelConfig(d_model=32, n_layers=2, n_heads=2, d_ff=64, seq_len=16)
+from tests.conftest import micro_model
+
+MICRO = micro_model(seq_len=16)
 TRAIN = tr.TrainConfig(lr=1e-2, warmup_steps=5, total_steps=100)
 
 
@@ -100,8 +101,9 @@ _MULTI_DEVICE = textwrap.dedent("""
     import jax, numpy as np
     from wan_diloco import data as d, train as tr
     from wan_diloco.config import ConfigError
-    from wan_diloco.model import ModelConfig
-    cfg = ModelConfig(d_model=32, n_layers=2, n_heads=2, d_ff=64, seq_len=16)
+    import dataclasses
+    from wan_diloco.model import preset
+    cfg = dataclasses.replace(preset("micro"), seq_len=16)
     tc = tr.TrainConfig(lr=1e-2, warmup_steps=2, total_steps=100)
     assert len(jax.devices()) == 4, jax.devices()
     toks = d.load_corpus(d.DataConfig(max_bytes=200_000)).train

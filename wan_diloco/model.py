@@ -75,6 +75,8 @@ class ModelConfig:
 
 
 PRESETS: dict[str, ModelConfig] = {
+    # ~33K params: the canonical small run of tests and benchmarks (examples/micro.toml).
+    "micro": ModelConfig(d_model=32, n_layers=2, n_heads=2, d_ff=64, seq_len=32),
     # ~0.86M params: trains at CPU speed in tests and simulations.
     "tiny": ModelConfig(d_model=128, n_layers=4, n_heads=4, d_ff=512, seq_len=128),
     # ~10.8M params.

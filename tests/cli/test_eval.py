@@ -9,21 +9,9 @@ from wan_diloco.assemble import Assembly
 from wan_diloco.checkpoint import save_params
 from wan_diloco.cli import main
 
-CONFIG = """\
-[run]
-eval_batches = 1
-eval_batch_size = 4
+from tests.conftest import micro_toml
 
-[data]
-max_bytes = 262144
-
-[model]
-d_model = 32
-n_layers = 2
-n_heads = 2
-d_ff = 64
-seq_len = 32
-"""
+CONFIG = micro_toml()
 
 
 def test_eval_of_saved_parameters_matches_the_in_process_loss(tmp_path, capsys):

@@ -9,37 +9,16 @@ from wan_diloco import spec
 from wan_diloco.cli import live, main
 from wan_diloco.runtime.events import emit
 
-CONFIG = """\
-[run]
-learners = 2
-token = "live-test-token-0123456"
-steps = 40
-batch_size = 4
-eval_batches = 1
-eval_batch_size = 4
+from tests.conftest import write_micro
 
-[data]
-max_bytes = 262144
 
-[model]
-d_model = 32
-n_layers = 2
-n_heads = 2
-d_ff = 64
-seq_len = 32
-
-[learner]
-sync_every = 8
-num_fragments = 2
-
-[transport]
-retry_budget_s = 1.0
-backoff_initial_s = 0.2
-"""
+def write_config(tmp_path):
+    return write_micro(tmp_path / "run.toml", run={"learners": 2, "token": "live-test-token-0123456"},
+                      transport={"retry_budget_s": 1.0, "backoff_initial_s": 0.2})
 
 
 def view_of(tmp_path, name):
-    (tmp_path / "run.toml").write_text(CONFIG)
+    write_config(tmp_path)
     cfg = spec.load(tmp_path / "run.toml")
     term = io.StringIO()
     return live.ProcessView(cfg, name, tmp_path / "ev" / f"{name}.jsonl",
@@ -92,7 +71,7 @@ def test_a_syncer_shows_its_learners_as_their_metadata_says(tmp_path):
 
 
 def test_a_standalone_learner_that_cannot_reach_its_syncer_says_why_in_its_summary(tmp_path, capsys):
-    (tmp_path / "run.toml").write_text(CONFIG)
+    write_config(tmp_path)
     events = tmp_path / "l0.jsonl"
     code = main(["learner", "--config", str(tmp_path / "run.toml"), "--id", "0", "--syncer", "127.0.0.1:9",
                  "--table", "--events", str(events)])

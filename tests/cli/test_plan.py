@@ -128,7 +128,7 @@ def test_measure_step_time_times_real_steps():
     from wan_diloco import spec
     from wan_diloco.cli.plan import measure_step_time
 
-    micro = spec.from_document({"model": {"d_model": 16, "n_layers": 1, "n_heads": 2, "d_ff": 32, "seq_len": 8,
+    micro = spec.from_document({"model": {"preset": "micro", "d_model": 16, "n_layers": 1, "d_ff": 32, "seq_len": 8,
                                           "vocab_size": 64}, "run": {"batch_size": 2, "min_step_s": 0.02},
                                 "learner": {"num_fragments": 1}})
     assert 0.02 <= measure_step_time(micro, steps=2) < 10  # min_step_s pacing is a floor

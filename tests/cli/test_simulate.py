@@ -2,12 +2,7 @@ import json
 
 import pytest
 
-from wan_diloco import cli, model
-
-
-@pytest.fixture(autouse=True)
-def micro_preset(monkeypatch):
-    monkeypatch.setitem(model.PRESETS, "micro", model.ModelConfig(d_model=32, n_layers=2, n_heads=2, d_ff=64, seq_len=32))
+from wan_diloco import cli
 
 
 def test_cli_simulate_writes_json(tmp_path, capsys):

@@ -14,8 +14,8 @@ from wan_diloco.runtime import serde
 
 from .helpers import CODEC, FRAGS, PARAMS, is_embedding, meta, upload
 
-TINY = {"model": {"d_model": 32, "n_layers": 2, "n_heads": 2, "d_ff": 64, "seq_len": 32},
-        "learner": {"sync_every": 8, "num_fragments": 2, "tau": 1}, "run": {"learners": 2, "run_id": "run-x"}}
+TINY = {"model": {"preset": "micro"}, "learner": {"sync_every": 8, "num_fragments": 2, "tau": 1},
+        "run": {"learners": 2, "run_id": "run-x"}}
 
 
 BASE = Assembly(spec.from_document(TINY))

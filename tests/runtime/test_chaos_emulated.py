@@ -13,17 +13,12 @@ pytestmark = [pytest.mark.netns, pytest.mark.slow]
 if (reason := unavailable_reason()) is not None:
     pytestmark = [*pytestmark, pytest.mark.skip(reason=reason)]
 
-REGIONS = """
-[regions]
-names = ["hub", "far"]
-[regions.link]
-rate_gbit_s = 0.2
-rtt_ms = 20.0
-"""
+# Two regions joined by one emulated link.
+REGIONS = {"names": ["hub", "far"], "link": {"rate_gbit_s": 0.2, "rtt_ms": 20.0}}
 
 
 def test_a_cut_link_stalls_only_its_region_and_the_run_recovers(tmp_path):
-    cfg = rt.load(micro_config(tmp_path, learners=2, steps=300, min_step_s=0.1, extra=REGIONS))
+    cfg = rt.load(micro_config(tmp_path, learners=2, steps=300, min_step_s=0.1, regions=REGIONS))
     cfg = cfg.with_changes(transport={"retry_budget_s": 60.0})
     assert cfg.region(1) == "far" and cfg.region(0) == "hub"
     faults = chaos.parse_schedule([{"t_s": 3.0, "kind": "cut_link", "target": "far", "duration_s": 4.0}],

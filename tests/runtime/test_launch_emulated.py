@@ -16,20 +16,12 @@ pytestmark = pytest.mark.netns
 if (reason := unavailable_reason()) is not None:
     pytestmark = [pytest.mark.netns, pytest.mark.skip(reason=reason)]
 
-REGIONS = """
-[regions]
-names = ["hub", "far"]
-[regions.link]
-rate_gbit_s = 0.2
-rtt_ms = 40.0
-
-[plan]
-adapt_tau = true
-"""
+# Two regions joined by one emulated link; the plan adapts tau to it.
+REGIONS = {"names": ["hub", "far"], "link": {"rate_gbit_s": 0.2, "rtt_ms": 40.0}}
 
 
 def test_a_run_across_emulated_regions_ends_bit_identical_and_logs_its_links(tmp_path):
-    path = micro_config(tmp_path, learners=2, steps=48, min_step_s=0.25, extra=REGIONS)
+    path = micro_config(tmp_path, learners=2, steps=48, min_step_s=0.25, regions=REGIONS, plan={"adapt_tau": True})
     cfg = rt.load(path)
     code, summary = launch(cfg, path.read_text(), str(tmp_path / "run"), emulate=True, emulator_prefix="wdlt")
     assert code == 0, summary

@@ -9,10 +9,11 @@ import numpy as np
 from wan_diloco import train as tr
 from wan_diloco import tree
 from wan_diloco.checkpoint import SnapshotStore
-from wan_diloco.model import ModelConfig
 from wan_diloco.runtime.learner import Learner
 
-MICRO = ModelConfig(d_model=32, n_layers=2, n_heads=2, d_ff=64, seq_len=16)
+from .conftest import micro_model
+
+MICRO = micro_model(seq_len=16)
 TRAIN = tr.TrainConfig(lr=1e-2, warmup_steps=5, total_steps=400)
 
 

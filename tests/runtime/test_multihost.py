@@ -29,8 +29,9 @@ _WORKER = textwrap.dedent("""
         mh.initialize(mh.MultihostConfig(f"127.0.0.1:{port}", n, pid, init_timeout_s=60))
     import jax, numpy as np
     from wan_diloco import data as d, train as tr, tree
-    from wan_diloco.model import ModelConfig
-    cfg = ModelConfig(d_model=32, n_layers=2, n_heads=2, d_ff=64, seq_len=16)
+    import dataclasses
+    from wan_diloco.model import preset
+    cfg = dataclasses.replace(preset("micro"), seq_len=16)
     tc = tr.TrainConfig(lr=1e-2, warmup_steps=2, total_steps=100)
     toks = d.load_corpus(d.DataConfig(max_bytes=200_000)).train
     mesh = mh.global_mesh() if n else tr.local_mesh()

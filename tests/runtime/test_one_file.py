@@ -4,40 +4,12 @@ import json
 from wan_diloco import cli
 from wan_diloco.spec import TOKEN_ENV
 
-from .conftest import TOKEN, micro_config
+from .conftest import TOKEN, micro_config, micro_toml
 
-FOR_SIMULATE = """\
-[run]
-learners = 2
-steps = 16
-batch_size = 4
-eval_batches = 1
-eval_batch_size = 4
-
-[model]
-d_model = 32
-n_layers = 2
-n_heads = 2
-d_ff = 64
-seq_len = 32
-
-[data]
-max_bytes = 262144
-
-[learner]
-sync_every = 8
-num_fragments = 2
-tau = 1
-
-[codec]
-bits = 8
-
-[simulate]
-baseline = "decoupled"
-step_time_s = 0.2
-bandwidth_gbit_s = 1.0
-speeds = [1.0, 1.3]
-"""
+# A file as one writes it for `simulate`: no token, no ports, a [simulate] table.
+FOR_SIMULATE = micro_toml(run={"learners": 2, "steps": 16}, codec={"bits": 8},
+                          simulate={"baseline": "decoupled", "step_time_s": 0.2, "bandwidth_gbit_s": 1.0,
+                                    "speeds": [1.0, 1.3]})
 
 
 def test_a_simulate_file_launches_unchanged(tmp_path, monkeypatch):

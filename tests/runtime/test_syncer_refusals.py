@@ -99,6 +99,9 @@ def wait_for(what, predicate, timeout_s=120.0):
     raise AssertionError(f"timed out waiting for {what}")
 
 
+# Its logic runs at core speed in tests/core/test_refused_last_step.py (and test_plausibility.py); the refusal
+# over the wire is this file's first test; a real run ending bit-identical is tests/runtime/test_end_to_end.py.
+@pytest.mark.slow  # a real 300-step run of 2 learners: minutes under load
 def test_one_metadata_at_the_last_step_does_not_end_a_real_run(tmp_path):
     # Case 1 as observed: a token holder sends one Metadata as learner 1 with step = run.steps while the
     # learners are early in the run. On main the syncer took it as the global step, the learners jumped

@@ -1,4 +1,4 @@
-"""A micro run spec for simulator tests."""
+"""A micro run spec for simulator tests: the canonical "micro" model preset with the simulator tests' settings."""
 from wan_diloco import spec as spec_lib
 
 BASE = dict(preset="micro", learners=3, quorum=1, fragments=4, sync_every=8, tau=1, steps=48,
@@ -6,5 +6,5 @@ BASE = dict(preset="micro", learners=3, quorum=1, fragments=4, sync_every=8, tau
 
 
 def micro(**kw):
-    """The micro spec (model preset "micro" must be registered by the caller) with ``kw`` changed."""
+    """The micro spec with ``kw`` changed."""
     return spec_lib.from_short(**{**BASE, **kw})

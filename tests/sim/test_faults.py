@@ -7,17 +7,12 @@ every 4 merges."""
 import numpy as np
 import pytest
 
-from wan_diloco import model, sim
+from wan_diloco import sim
 from wan_diloco.assemble import Assembly
 from wan_diloco.config import ConfigError
 from wan_diloco.tape import Outage, SyncerOutage
 
 from .micro import micro
-
-
-@pytest.fixture(autouse=True)
-def micro_preset(monkeypatch):
-    monkeypatch.setitem(model.PRESETS, "micro", model.ModelConfig(d_model=32, n_layers=2, n_heads=2, d_ff=64, seq_len=32))
 
 
 def spec(every_merges=4, **kw):

@@ -1,17 +1,12 @@
 import numpy as np
 import pytest
 
-from wan_diloco import model, sim, train
+from wan_diloco import sim, train
 from wan_diloco.assemble import Assembly
 from wan_diloco.config import ConfigError
 from wan_diloco.tape import Outage
 
 from .micro import micro
-
-
-@pytest.fixture(autouse=True)
-def micro_preset(monkeypatch):
-    monkeypatch.setitem(model.PRESETS, "micro", model.ModelConfig(d_model=32, n_layers=2, n_heads=2, d_ff=64, seq_len=32))
 
 
 def simulation(spec, outages=()):

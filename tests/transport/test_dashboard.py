@@ -28,6 +28,8 @@ from wan_diloco.runtime.syncer import LossCurve, SyncerService
 from wan_diloco.transport import StatusServer, TransportMetrics, run
 from wan_diloco.transport import status as status_module
 
+from tests.conftest import micro_toml
+
 CHROMIUM = "/usr/bin/chromium"
 TOKEN = "dashboard-token-0123456789"
 WIDTH, HEIGHT = 1280, 900
@@ -164,26 +166,7 @@ def test_a_missing_page_file_is_a_clear_500_and_status_still_works(monkeypatch):
 
 # ---- what the syncer adds to /status for the page -------------------------------------------
 
-SYNCER_TOML = f"""\
-[run]
-learners = 2
-steps = 40
-token = "{TOKEN}"
-
-[model]
-d_model = 32
-n_layers = 2
-n_heads = 2
-d_ff = 64
-seq_len = 32
-
-[learner]
-sync_every = 8
-num_fragments = 2
-
-[syncer]
-liveness_timeout_s = 20.0
-"""
+SYNCER_TOML = micro_toml(run={"learners": 2, "batch_size": 16, "token": TOKEN})  # 16: the tokens posted below
 
 
 def test_syncer_status_gives_loss_tokens_history_and_liveness_events(tmp_path):

@@ -25,28 +25,8 @@ from wan_diloco.runtime.syncer import SyncerService
 from wan_diloco.transport import TransportMetrics, run
 from wan_diloco.transport import status as status_module
 
-TOML = """\
-[run]
-learners = 2
-steps = 40
-run_id = "schema-test"
-token = "schema-token-0123456789"
+from tests.conftest import write_micro
 
-[model]
-d_model = 32
-n_layers = 2
-n_heads = 2
-d_ff = 64
-seq_len = 32
-
-[learner]
-sync_every = 8
-num_fragments = 2
-
-[syncer]
-shards = {shards}
-liveness_timeout_s = 20.0
-"""
 
 JSON_TYPES = {"number": (int, float), "string": str, "boolean": bool, "null": type(None), "array": list,
               "object": dict}
@@ -106,7 +86,8 @@ def served(status: dict) -> dict:
 
 def service(tmp_path, shards=1, shard=0) -> SyncerService:
     path = tmp_path / f"run-{shards}-{shard}.toml"
-    path.write_text(TOML.format(shards=shards))
+    write_micro(path, run={"learners": 2, "batch_size": 16, "run_id": "schema-test",  # 16: the tokens posted
+                           "token": "schema-token-0123456789"}, syncer={"shards": shards})
     return SyncerService(rt.load(path), TransportMetrics(), shard=shard)
 
 

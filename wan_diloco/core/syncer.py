@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
 
@@ -167,6 +168,15 @@ class SyncerStats:
     history: deque = field(default_factory=lambda: deque(maxlen=10_000))
 
 
+# The stages ``SyncerCore(timing=...)`` is entered around: an upload's checks (shape and clock; NaN and norm),
+# a round's whole close, and within it the merge, the outer step (update and commit) and encoding the update.
+TIMED_STAGES = ("validate_upload", "validate_norm", "close", "merge", "outer_step", "encode")
+
+
+def _untimed(stage: str) -> AbstractContextManager[None]:
+    return nullcontext()
+
+
 class SyncerCore:
     def __init__(
         self,
@@ -177,11 +187,15 @@ class SyncerCore:
         codec: Codec,
         owned: Sequence[int] | None = None,
         workers: int | None = None,
+        timing: Callable[[str], AbstractContextManager[Any]] | None = None,
     ):
         """``owned``: the fragments this core merges (a syncer shard's); None: all of them. Θ and
         outer state exist only for those; ``params`` needs only their tensors. ``workers``: threads
-        for the checks, merge and outer step of a fragment (None: one per core; 1: none)."""
+        for the checks, merge and outer step of a fragment (None: one per core; 1: none). ``timing``:
+        a profiler's hook (bench/syncer.py), entered around each stage of the hot path with the stage's
+        name (``TIMED_STAGES``); the core reads no clock itself. It may be replaced at any time."""
         cfg.validate()
+        self.timing = timing or _untimed
         self.cfg = cfg
         self.fragments = fragments
         self.is_embedding = is_embedding
@@ -301,12 +315,14 @@ class SyncerCore:
             raise ProtocolError(self.settings_refused[msg.learner], "fingerprint")
         self._check_quarantine(now_s, msg.learner)
         self._check_learner(msg.learner)
-        self._validate_upload(msg)
+        with self.timing("validate_upload"):
+            self._validate_upload(msg)
         bound = self.pace.bound(msg.learner, now_s, self.global_step)
         if msg.due_step > bound:
             raise ProtocolError(f"fragment upload from learner {msg.learner}: due step {msg.due_step} is past what "
                                 f"its pace allows now ({bound})", "upload.due_step")
-        self._check_norm(now_s, msg)
+        with self.timing("validate_norm"):
+            self._check_norm(now_s, msg)
         self._seen(now_s, msg.learner)
         self.clock = self.clock.merge(msg.clock)
         self.stats.bytes_in += msg.nbytes
@@ -633,7 +649,8 @@ class SyncerCore:
             rnd.deadline_s = now_s + rnd.grace_s
         waiting = [m for m in self.alive() if m not in rnd.contributions]
         if not waiting or now_s >= rnd.deadline_s:
-            return self._close(now_s, key)
+            with self.timing("close"):
+                return self._close(now_s, key)
         if not rnd.timer_set:
             rnd.timer_set = True
             return [SetTimer(key, rnd.deadline_s)]
@@ -658,13 +675,15 @@ class SyncerCore:
         weights = token_weights([u.c_tokens for u in ups], [u.c_steps for u in ups])
         if weights.sum() <= 0:
             weights = np.ones(len(ups))
-        delta = merge_fragment([u.delta for u in ups], weights, self.cfg.merge, self.is_embedding, self.workers)
+        with self.timing("merge"):
+            delta = merge_fragment([u.delta for u in ups], weights, self.cfg.merge, self.is_embedding, self.workers)
         try:
-            with np.errstate(over="ignore", invalid="ignore"):
+            with np.errstate(over="ignore", invalid="ignore"), self.timing("outer_step"):
                 update = self.outer.update(p, delta, self.workers)
             # Everyone, the syncer included, applies the same decoded update: all copies stay bit-identical.
             # The codec refuses a non-finite update (an outer step that overflowed).
-            enc = encode_or_refuse(self.codec, update, f"update of fragment {p}")
+            with self.timing("encode"):
+                enc = encode_or_refuse(self.codec, update, f"update of fragment {p}")
             # New arrays, not in place: a snapshot being written shares the old ones (``export``).
             new = _add(self.theta[p], enc.values, self.workers)
             theta_sq = float(sum_squares(list(new.values()), self.workers).sum())  # the next norm check's
@@ -675,7 +694,8 @@ class SyncerCore:
             self.stats.refused_rounds += 1
             self.notices.append(f"merge of fragment {p} (due step {due}, learners {learners}) refused: {e}")
             return []
-        self.outer.commit(p, delta, self.workers)
+        with self.timing("outer_step"):
+            self.outer.commit(p, delta, self.workers)
         self.theta[p], self.theta_sq[p] = new, theta_sq
         from_version = self.version[p]
         self.version[p] += 1
@@ -732,7 +752,8 @@ class SyncerCore:
             for u in ups:
                 rnd.contributions[u.learner] = u
                 rnd.received_s[u.learner] = now_s
-            actions += self._close(now_s, key, final=True)
+            with self.timing("close"):
+                actions += self._close(now_s, key, final=True)
         return actions
 
     def global_params(self) -> dict[str, np.ndarray]:
