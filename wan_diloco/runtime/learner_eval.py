@@ -40,5 +40,3 @@ def maybe_eval(self) -> None:
         self.state, loss = lk.evaluate_global_together(self.ls, self.evaluate_params, self.state, global_params)
     emit({"event": "eval", "role": "learner", "learner": self.m, "step": step, "eval_loss": loss,
           "versions": list(self.core.version), "tokens": self.tokens, "eval_s": round(time.monotonic() - t0, 3)})
-
-

@@ -24,7 +24,6 @@ def unreachable(target: str, t) -> Diagnosis | None:
     return None
 
 
-
 def reach_syncer(self) -> None:
     """Before the first call: if the syncer (or one of its shards) cannot be reached, say why at once
     (one line naming the address and the cause), then try again with backoff for
@@ -74,4 +73,3 @@ def await_start(self) -> None:
             last_md_s = now
             self._send_metadata(self.core.metadata())
     raise Stopped()
-
