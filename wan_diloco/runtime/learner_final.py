@@ -1,4 +1,5 @@
-"""The IO of a networked learner's final sync; its rules are ``core.final_sync``'s (``lrn``: the ``runtime.learner.Learner``)."""
+"""The IO of a networked learner's final sync (``lrn``: the ``runtime.learner.Learner``); its rules are
+``core.final_sync``'s."""
 from __future__ import annotations
 
 import concurrent.futures
