@@ -83,7 +83,7 @@ batch_size = 8
 seed = 0
 eval_batches = 4
 eval_batch_size = 16
-eval_every = 100
+eval_every_steps = 100
 tick_s = 0.2
 report_every_s = 0.5
 min_step_s = {step_s}
@@ -130,7 +130,7 @@ DEFINITIONS = {
     "recovery_bytes": "bytes_received of restarted learners at their start (join + peer state) + bytes_received "
                       "growth across rejoins of the resumed syncer",
     "loss_ratio": "final eval loss / the fault-free run's eval loss at the tokens the faulty run trained (read off "
-                  "its eval curve, run.eval_every; notes.loss_ratio_equal_steps compares final losses at equal steps)",
+                  "its eval curve, run.eval_every_steps; notes.loss_ratio_equal_steps compares final losses at equal steps)",
     "lost_s": "learner-seconds: kill -> stepping again, plus steps rolled back by the resume x step time",
     "check (disk_full)": "the syncer's failed writes in the window, /status storage not ok in it and ok again after "
                          "(s after space returned), a complete snapshot after it, the final parameters written",

@@ -44,7 +44,7 @@ def capture_outer_grads(quick: bool) -> dict[str, np.ndarray]:
     from wan_diloco import sim, spec as spec_lib
 
     s = spec_lib.from_document({"run": {"learners": 2, "steps": 48 if quick else 160, "eval_batches": 1},
-                                "simulate": {"eval_every": 10_000}})
+                                "simulate": {"curve_every_steps": 10_000}})
     captured: dict[str, np.ndarray] = {}
 
     def record(msg):

@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT.parent))
 
 from wan_diloco import model, sim, spec as spec_lib  # noqa: E402
-from wan_diloco.planning.tape import Outage  # noqa: E402
+from wan_diloco.tape import Outage  # noqa: E402
 
 # Decoupled settings chosen from the calibration in docs/quality.md (K = 1 + grace, balanced fragments).
 DECOUPLED = dict(baseline="decoupled", learners=4, quorum=1, grace=True, fragments=4, tau=2)

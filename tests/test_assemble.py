@@ -34,7 +34,7 @@ def test_learners_and_syncer_come_from_the_spec():
     assert [c.region for c in cores] == [s.region(m) for m in range(3)]
     assert parts.syncer_core().cfg.num_learners == 3
     assert "state0" not in vars(parts)  # the syncer side builds no inner optimizer state
-    assert [len(sh) > 0 for sh in parts.shards] == [True] * 3
+    assert [len(sh) > 0 for sh in parts.data_shards] == [True] * 3
     batch = parts.batches(1).next()
     assert batch.tokens.shape == (2, 33)
 
@@ -80,7 +80,7 @@ def test_each_region_reads_its_own_corpus_split_among_its_learners(tmp_path):
     spec = regional(tmp_path, tmp_path / "eu.txt")
     assert [spec.region(m) for m in range(3)] == ["us-east", "eu-west", "us-east"]
     us, eu = Assembly(spec, 0), Assembly(spec, 1)
-    assert us.peers == [0, 2] and eu.peers == [1] and len(us.shards) == 2 and len(eu.shards) == 1
+    assert us.peers == [0, 2] and eu.peers == [1] and len(us.data_shards) == 2 and len(eu.data_shards) == 1
     assert set(np.unique(eu.corpus.train)) == set(b"eu ")  # learner 1 reads only its region's file
     assert ord("z") in set(np.unique(us.corpus.train))  # and the others data.corpus
     assert len(eu.batches(1).next().tokens) == 2 and set(np.unique(eu.batches(1).next().tokens)) <= set(b"eu ")
@@ -109,3 +109,11 @@ def test_the_mesh_may_be_given():
     mesh = local_mesh(jax.devices()[:1])
     parts = Assembly(micro(), 0, mesh=mesh)
     assert parts.mesh is mesh and parts.evaluate(parts.params0) > 0
+
+
+def test_the_fingerprint_names_a_fragment_order_only_when_it_is_not_index_order():
+    from wan_diloco.core import fingerprint as fingerprint_lib
+    plain = Assembly(micro(fragments=4)).fingerprint
+    assert plain == Assembly(micro(fragments=4, fragment_order=(0, 1, 2, 3))).fingerprint
+    planned = Assembly(micro(fragments=4, fragment_order=(1, 0, 2, 3))).fingerprint
+    assert fingerprint_lib.differences(plain, planned) == ["schedule (learner.fragment_order 1-0-2-3 vs missing)"]

@@ -77,3 +77,28 @@ def test_bad_strategy_and_no_blocks():
         F.make_fragments("nope", toy_sizes(), 2, layer_of)
     with pytest.raises(ValueError, match="no transformer blocks"):
         F.make_fragments("layer", {"a": 3}, 2, layer_of)
+
+
+def test_schedule_order_maps_slots_to_fragments():
+    s = F.Schedule(sync_every=8, num_fragments=4, order=(2, 0, 3, 1))
+    assert [s.offset(p) for p in range(4)] == [2, 6, 0, 4]  # fragment order[k] at slot k's ⌊k·H/P⌋
+    assert s.due(8) == [2] and s.due(2) == [0]
+    assert F.Schedule(8, 4).order == F.Schedule(8, 4, (0, 1, 2, 3)).order == (0, 1, 2, 3)
+    # The 0-based step index within a round after which fragment p goes (the bandwidth timeline's count).
+    assert [F.Schedule(8, 4).round_index(p) for p in range(4)] == [7, 1, 3, 5]
+
+
+@pytest.mark.parametrize("order, match", [((0, 1), "each of the 4"), ((0, 1, 1, 2), "listed 2 times"),
+                                          ((0, 1, 2, 7), "indices 0..3"), ((0, 1, 2, True), "indices 0..3")])
+def test_bad_order_names_the_field(order, match):
+    with pytest.raises(ValueError, match=f"fragment_order: .*{match}"):
+        F.Schedule(8, 4, order)
+
+
+def test_tau_bounds_is_the_one_rule():
+    # τ < H whatever P (τ >= H/P is allowed: several fragments in flight, as the paper's P = H = 24, τ = 2).
+    assert F.tau_bounds(24, 24) == (0, 23)
+    assert F.tau_bounds(8, 4) == F.Schedule(8, 4).tau_bounds() == (0, 7)
+    assert F.tau_bounds(8, 4, max_tau=5) == (0, 5) and F.tau_bounds(4, 2, max_tau=5) == (0, 3)
+    with pytest.raises(ValueError, match="schedule"):
+        F.tau_bounds(0, 4)

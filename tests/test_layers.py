@@ -14,8 +14,9 @@ PKG = Path(__file__).resolve().parents[1] / "wan_diloco"
 LAYERS: list[tuple[set[str], bool]] = [  # (units, may units of this layer import each other)
     ({"config", "tree", "clock"}, True),
     ({"model", "data", "data_sources", "train"}, True),
-    ({"fragments", "merge", "outer", "feedback", "shards"}, True),
-    ({"core", "compression", "transport", "planning", "regions", "checkpoint"}, False),
+    ({"fragments", "merge", "outer", "feedback", "shards", "tape"}, True),
+    ({"core", "compression", "transport", "regions", "checkpoint"}, False),
+    ({"planning"}, False),  # models the run: the schedule (fragments) and the codec's bit widths
     ({"spec"}, False),
     ({"assemble"}, False),
     ({"sim", "runtime"}, False),

@@ -90,3 +90,41 @@ def test_dumps_round_trips_through_toml_and_leaves_unset_values_out():
     text = rt.dumps(s)
     assert "max_grace_s" not in text  # None: unset, and TOML has no null
     assert rt.from_document(tomllib.loads(text)) == s
+
+
+@pytest.mark.parametrize("doc, text", [
+    ({"run": {"eval_every": 10}}, "run.eval_every: renamed; write run.eval_every_steps instead"),
+    ({"simulate": {"eval_every": 10}}, "simulate.eval_every: renamed; write simulate.curve_every_steps instead"),
+    ({"simulate": {"shard_merge_gb_s": 0.5}}, r"simulate.shard_merge_gb_s: renamed; write plan.shard_merge_gb_s "
+                                               r"\(the one merge rate\) with simulate.merge_takes_time = true"),
+])
+def test_an_old_key_names_its_new_name(doc, text):
+    with pytest.raises(ConfigError, match=text):
+        rt.from_document(doc)
+
+
+def test_renamed_keys_load_and_each_default_is_declared_once():
+    s = rt.from_document({"run": {"eval_every_steps": 10}, "simulate": {"curve_every_steps": 5, "merge_takes_time": True},
+                          "plan": {"shard_merge_gb_s": 0.5}})
+    assert (s.run.eval_every_steps, s.simulate.curve_every_steps, s.plan.shard_merge_gb_s) == (10, 5, 0.5)
+    d = rt.from_document({})
+    assert (d.run.eval_every_steps, d.simulate.curve_every_steps, d.simulate.merge_takes_time) == (0, 50, False)
+    assert not hasattr(d.simulate, "shard_merge_gb_s")  # one merge rate: plan.shard_merge_gb_s
+
+
+@pytest.mark.parametrize("order, text", [
+    ([0, 1, 2], "learner.fragment_order: must list each of the 4 fragments"),
+    ([0, 1, 1, 3], "learner.fragment_order: fragment 1 is listed 2 times"),
+    ([0, 1, 2, 4], "learner.fragment_order: entries must be fragment indices 0..3"),
+    ([0, 1, 2, "3"], r"learner.fragment_order\[3\]: must be an integer"),
+])
+def test_fragment_order_is_a_permutation_of_the_fragments(order, text):
+    with pytest.raises(ConfigError, match=text):
+        rt.from_document({"learner": {"num_fragments": 4, "fragment_order": order}})
+
+
+def test_fragment_order_defaults_to_index_order_and_round_trips():
+    assert rt.from_document({}).learner.fragment_order == ()
+    s = rt.from_document({"learner": {"num_fragments": 4, "fragment_order": [1, 0, 2, 3]}})
+    assert s.learner.fragment_order == (1, 0, 2, 3)
+    assert rt.from_document(rt.to_document(s)) == s

@@ -24,7 +24,7 @@ from wan_diloco.compression import CodecConfig, FragmentCodec
 from wan_diloco.config import ConfigError, require
 from wan_diloco.core import LearnerCore, SyncerCore
 from wan_diloco.core import fingerprint as fingerprint_lib
-from wan_diloco.fragments import Layout, make_fragments
+from wan_diloco.fragments import Layout, Schedule, make_fragments
 from wan_diloco.spec import RunSpec
 
 
@@ -136,10 +136,15 @@ class Assembly:
         spec, lay, c = self.spec, self.layout, self.spec.codec
         layout = fingerprint_lib.digest(repr([(n, lay.shapes[n], "float32") for f in lay.fragments for n in f]
                                              + [len(f) for f in lay.fragments]))
+        # The offset rule (fragments.Schedule): slot k at k*H//P sends fragment order[k]; the order is named
+        # only when it is not the identity, so a run that sets none keeps its fingerprint.
+        sched = Schedule(spec.learner.sync_every, spec.learner.num_fragments, spec.learner.fragment_order)
+        order = {} if sched.order == tuple(range(sched.num_fragments)) else {
+            "fragment_order": "-".join(map(str, sched.order))}
         return fingerprint_lib.encode({
             "layout": layout,
             "learner": {"sync_every": spec.learner.sync_every, "num_fragments": spec.learner.num_fragments,
-                        "offset": "p*H//P", "tau": spec.learner.tau, "plan.adapt_tau": spec.plan.adapt_tau,
+                        "offset": "p*H//P", **order, "tau": spec.learner.tau, "plan.adapt_tau": spec.plan.adapt_tau,
                         "plan.max_tau": spec.plan.max_tau},
             "codec": {"bits": c.bits, "block_size": c.block_size, "scale_dtype": c.scale_dtype,
                       "int4_codebook": c.int4_codebook, "zstd": c.zstd},
@@ -193,14 +198,15 @@ class Assembly:
         return data_lib.load_corpus(self.data)
 
     @cached_property
-    def shards(self) -> list[np.ndarray]:
+    def data_shards(self) -> list[np.ndarray]:
+        """Each peer's part of the training tokens (``data.shard``); not the syncer's shards (``shard_plan``)."""
         n, block = len(self.peers), self.data.shard_block_tokens
         return [data_lib.shard(self.corpus.train, i, n, block).tokens for i in range(n)]
 
     def batches(self, m: int) -> data_lib.FailoverBatches:
         """Learner m's batches: its own shard, and down learners' shards when told who is down."""
         r = self.spec.run
-        return data_lib.FailoverBatches(self.shards, self.peers.index(m), r.batch_size, self.spec.model.seq_len,
+        return data_lib.FailoverBatches(self.data_shards, self.peers.index(m), r.batch_size, self.spec.model.seq_len,
                                         seed=r.seed * 1009 + m)
 
     @cached_property

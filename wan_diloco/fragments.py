@@ -1,7 +1,8 @@
 """Parameter fragments, their layout and their sync schedule (docs/method.md, "Fragments").
 
 A fragmentation is a list of P fragments, each a tuple of flat tensor names.
-Fragment p syncs every H learner steps at offset t_p = floor(p·H/P), so one
+Fragment p syncs every H learner steps at offset t_p = floor(k·H/P), k its send
+slot (p itself unless ``learner.fragment_order`` says otherwise), so one
 fragment is due every H/P steps and the WAN carries a steady stream. Both ends
 of a run derive the same :class:`Layout` from the same config, so names and
 shapes never travel with a fragment.
@@ -97,28 +98,86 @@ def make_fragments(
     raise ValueError(f"fragments: unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
 
 
+def tau_bounds(sync_every: int, num_fragments: int, max_tau: int | None = None) -> tuple[int, int]:
+    """The overlaps τ a run with H = ``sync_every`` and P = ``num_fragments`` accepts: ``lo <= τ <= hi``.
+
+    The one rule (docs/method.md, "Fragments"): 0 <= τ <= H − 1. A fragment is due again
+    H steps after it was sent, so its answer must be merged before that; τ >= H/P is allowed (several
+    fragments in flight at once, as the paper's own P = H = 24, τ = 2). ``max_tau`` (``plan.max_tau``,
+    the published safe range) lowers ``hi`` further where a τ is chosen rather than configured.
+    ``num_fragments`` is not part of the rule; it is checked so that every caller states its P.
+    """
+    Schedule(sync_every, num_fragments)  # H and P themselves valid
+    hi = sync_every - 1 if max_tau is None else min(max_tau, sync_every - 1)
+    return 0, hi
+
+
+def check_order(order: Sequence[int], num_fragments: int, field: str = "fragment_order") -> tuple[int, ...]:
+    """``order`` as a tuple when it is a permutation of 0..P−1 (empty: the identity); ValueError naming ``field``."""
+    order = tuple(order)
+    if not order:
+        return tuple(range(num_fragments))
+    if len(order) != num_fragments:
+        raise ValueError(f"{field}: must list each of the {num_fragments} fragments (num_fragments) once, "
+                         f"got {len(order)} entries")
+    bad = [p for p in order if isinstance(p, bool) or not isinstance(p, int) or not 0 <= p < num_fragments]
+    if bad:
+        raise ValueError(f"{field}: entries must be fragment indices 0..{num_fragments - 1}, got {bad[0]!r}")
+    twice = sorted({p for p in order if order.count(p) > 1})
+    if twice:
+        raise ValueError(f"{field}: fragment {twice[0]} is listed {order.count(twice[0])} times; each must be "
+                         f"listed once (missing: {sorted(set(range(num_fragments)) - set(order))})")
+    return order
+
+
 @dataclass(frozen=True)
 class Schedule:
-    """Fragment p is due at steps s > 0 with s ≡ offset(p) (mod H)."""
+    """The one sync schedule of a run: fragment p is due at steps s > 0 with s ≡ offset(p) (mod H).
+
+    The P send slots of an H-step round sit at ⌊k·H/P⌋, k = 0..P−1; slot k sends fragment
+    ``order[k]`` (``learner.fragment_order``, e.g. ``plan.fragment_order``; empty: slot k sends
+    fragment k). Steps count from 1 (step 0 is the shared start, nothing due), so slot 0 is the end of
+    each round: steps H, 2H, ...
+    """
 
     sync_every: int
     num_fragments: int
+    order: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.sync_every < 1:
             raise ValueError(f"schedule: sync_every (H) must be >= 1, got {self.sync_every}")
         if self.num_fragments < 1:
             raise ValueError(f"schedule: num_fragments (P) must be >= 1, got {self.num_fragments}")
+        order = check_order(self.order, self.num_fragments)
+        object.__setattr__(self, "order", order)
+        object.__setattr__(self, "_slot", {p: k for k, p in enumerate(order)})
+
+    @staticmethod
+    def slot_offset(k: int, sync_every: int, num_fragments: int) -> int:
+        """The step within a round (mod H) of send slot k: ⌊k·H/P⌋."""
+        return (k * sync_every) // num_fragments
 
     def offset(self, p: int) -> int:
-        return (p * self.sync_every) // self.num_fragments
+        """Fragment p's sync step within an H-step round (mod H)."""
+        return self.slot_offset(self._slot[p], self.sync_every, self.num_fragments)
+
+    def round_index(self, p: int) -> int:
+        """0-based index, within an H-step round, of the step after which fragment p is sent
+        (the ``wan-diloco bandwidth`` timeline counts steps this way): (offset(p) − 1) mod H."""
+        return (self.offset(p) - 1) % self.sync_every
+
+    def tau_bounds(self, max_tau: int | None = None) -> tuple[int, int]:
+        """:func:`tau_bounds` of this schedule's H and P."""
+        return tau_bounds(self.sync_every, self.num_fragments, max_tau)
 
     def due(self, step: int) -> list[int]:
-        """Fragments due at ``step`` (step 0 is the shared starting point: nothing is due)."""
+        """Fragments due at ``step`` (step 0 is the shared starting point: nothing is due), in slot order."""
         if step <= 0:
             return []
         r = step % self.sync_every
-        return [p for p in range(self.num_fragments) if self.offset(p) == r]
+        H, P = self.sync_every, self.num_fragments
+        return [self.order[k] for k in range(P) if self.slot_offset(k, H, P) == r]
 
     def due_between(self, after: int, upto: int) -> list[tuple[int, int]]:
         """(step, fragment) pairs due in (after, upto], in order."""

@@ -1,3 +1,5 @@
+# Over ~400 lines: the run file in one place (its own tables, the cross-table rules, the renamed keys, the
+# short names and the embedded default), so every key and default is declared once and found here.
 """One run, one TOML file: read by ``simulate``, ``launch``, ``syncer``, ``learner`` and the benchmarks.
 
 Tables (every key optional; each default is stated once, in the dataclass named):
@@ -18,7 +20,7 @@ Tables (every key optional; each default is stated once, in the dataclass named)
 
 Values that must agree between tables are derived, and refused when set
 otherwise: ``syncer.num_learners`` is ``run.learners``, ``syncer.tau`` is
-``learner.tau``, ``data.vocab_size`` is ``model.vocab_size``,
+``learner.tau``, ``syncer.sync_every`` is ``learner.sync_every``, ``data.vocab_size`` is ``model.vocab_size``,
 ``train.total_steps`` is the step budget. The bearer token comes from
 ``run.token`` or the ``WAN_DILOCO_TOKEN`` environment variable.
 """
@@ -68,8 +70,9 @@ class RunConfig:
     tick_s: float = 1.0  # liveness check period of the syncer
     report_every_s: float = 0.5  # progress lines on stdout at most this often
     # Networked runs: the global model's held-out loss every this many steps (0: at start and end only).
-    # The learners take turns (the one with id (step / eval_every) mod M), so one that is down costs points.
-    eval_every: int = 0
+    # The learners take turns (the one with id (step / eval_every_steps) mod M), so one that is down costs points.
+    # (The simulator's curve has its own cadence, simulate.curve_every_steps: there an eval costs no one time.)
+    eval_every_steps: int = 0
     min_step_s: float = 0.0  # learners pace their steps to at least this long (emulates slower chips)
     run_dir: str = "runs"  # launcher: where metrics.jsonl and logs go
     tensorboard: bool = False  # launcher: also TensorBoard scalars in RUN_DIR/tensorboard (needs tensorboardX)
@@ -106,7 +109,7 @@ class RunConfig:
         require(self.min_step_s >= 0, "min_step_s", f"must be >= 0, got {self.min_step_s}")
         require(self.tick_s > 0, "tick_s", f"must be > 0, got {self.tick_s}")
         require(self.report_every_s > 0, "report_every_s", f"must be > 0, got {self.report_every_s}")
-        require(self.eval_every >= 0, "eval_every", f"must be >= 0 (0: off), got {self.eval_every}")
+        require(self.eval_every_steps >= 0, "eval_every_steps", f"must be >= 0 (0: off), got {self.eval_every_steps}")
         require(self.devices_per_learner >= 0, "devices_per_learner", f"must be >= 0, got {self.devices_per_learner}")
         require(len(set(self.devices)) == len(self.devices) and all(isinstance(i, int) and i >= 0 for i in self.devices),
                 "devices", f"must be distinct device indices >= 0, got {list(self.devices)}")
@@ -128,17 +131,15 @@ class SimulateConfig:
     speeds: tuple[float, ...] = ()
     bandwidth_gbit_s: float = 0.1  # per learner link, each direction
     rtt_s: float = 0.06
-    eval_every: int = 50  # global steps between eval points on the curve
+    curve_every_steps: int = 50  # global steps between points of the simulated eval curve
     # Live learners also read the shards of learners that are down, so no shard drops out of the mix
     # while its learner is away (data.FailoverBatches). Off: a down learner's data waits for it.
     data_failover: bool = True
-    # What one syncer shard merges, GB/s of fp32-equivalent outer gradients: each merge then takes its time
-    # on its shard, queued behind the shard's earlier merges (0: merges take no time).
-    shard_merge_gb_s: float = 0.0
+    # Each merge takes its time on its syncer shard at plan.shard_merge_gb_s (the one merge rate of a run),
+    # queued behind the shard's earlier merges. Off: merges take no virtual time.
+    merge_takes_time: bool = False
 
     def validate(self) -> None:
-        require(self.shard_merge_gb_s >= 0 and math.isfinite(self.shard_merge_gb_s), "shard_merge_gb_s",
-                f"must be a finite number >= 0, got {self.shard_merge_gb_s}")
         require(self.baseline in BASELINES, "baseline", f"must be one of {', '.join(BASELINES)}, got {self.baseline!r}")
         require(self.tokens >= 0, "tokens", f"must be >= 0, got {self.tokens}")
         require(self.step_time_s > 0, "step_time_s", "must be > 0")
@@ -146,7 +147,7 @@ class SimulateConfig:
         require(all(s > 0 for s in self.speeds), "speeds", "factors must be > 0")
         require(self.bandwidth_gbit_s > 0, "bandwidth_gbit_s", "must be > 0")
         require(self.rtt_s >= 0, "rtt_s", "must be >= 0")
-        require(self.eval_every >= 1, "eval_every", f"must be >= 1, got {self.eval_every}")
+        require(self.curve_every_steps >= 1, "curve_every_steps", f"must be >= 1, got {self.curve_every_steps}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,7 +156,7 @@ class PlanConfig:
 
     With ``adapt_tau`` each learner takes the smallest τ its measured link
     allows (``planning.tau_for_link``, from its probe and its measured step
-    time, at most ``max_tau`` and below H/P) and plans again when
+    time, at most ``max_tau`` and within ``fragments.tau_bounds``: below H) and plans again when
     ``replan_confirm`` probes in a row find the link's rate moved the same way
     by more than ``replan_threshold``.
     """
@@ -167,7 +168,8 @@ class PlanConfig:
     replan_confirm: int = 2  # probes in a row that must show a move (one noisy probe does not re-plan)
     max_tau: int = 5
     # What one syncer shard merges, GB/s of fp32-equivalent outer gradients (bench/syncer.py measures it on
-    # the syncer's host: docs/benchmarks.md); `plan` warns when the run needs more syncer.shards than it has.
+    # the syncer's host: docs/benchmarks.md); `plan` warns when the run needs more syncer.shards than it has,
+    # and the simulator charges each merge at this rate with simulate.merge_takes_time.
     shard_merge_gb_s: float = 0.25
 
     def validate(self) -> None:
@@ -257,10 +259,26 @@ def _model(table: Mapping[str, Any]) -> tuple[str, ModelConfig]:
     return name, from_mapping(ModelConfig, {**dataclasses.asdict(base), **table}, prefix="model.")
 
 
+# Keys that were renamed: (table, old key) -> what to write instead. A file with an old key is refused
+# with this, rather than with a bare "unknown field".
+RENAMED: dict[tuple[str, str], str] = {
+    ("run", "eval_every"): "run.eval_every_steps",
+    ("simulate", "eval_every"): "simulate.curve_every_steps",
+    ("simulate", "shard_merge_gb_s"): "plan.shard_merge_gb_s (the one merge rate) with simulate.merge_takes_time = true",
+}
+
+
+def _check_renamed(doc: Mapping[str, Any]) -> None:
+    for (table, key), new in RENAMED.items():
+        if isinstance(doc.get(table), Mapping) and key in doc[table]:
+            raise ConfigError(f"{table}.{key}: renamed; write {new} instead")
+
+
 def from_document(doc: Mapping[str, Any]) -> RunSpec:
     """Build and cross-check the whole spec from a parsed TOML document."""
     unknown = sorted(set(doc) - set(TABLES))
     require(not unknown, unknown[0] if unknown else "", f"unknown table; known tables are {', '.join(TABLES)}")
+    _check_renamed(doc)
     run = from_mapping(RunConfig, _table(doc, "run"), prefix="run.")
     preset, model = _model(_table(doc, "model"))
     data_t = _table(doc, "data")
@@ -281,6 +299,7 @@ def from_document(doc: Mapping[str, Any]) -> RunSpec:
     syncer_t = _table(doc, "syncer")
     _derived(syncer_t, "num_learners", run.learners, "syncer", "run.learners")
     _derived(syncer_t, "tau", learner.tau, "syncer", "learner.tau")
+    _derived(syncer_t, "sync_every", learner.sync_every, "syncer", "learner.sync_every")
     syncer = from_mapping(SyncerConfig, syncer_t, prefix="syncer.")
     require(syncer.shards <= learner.num_fragments, "syncer.shards",
             f"must be at most learner.num_fragments ({learner.num_fragments}): a shard owns whole fragments, "
@@ -325,7 +344,8 @@ def to_document(spec: RunSpec) -> dict[str, Any]:
         doc[name] = {k: list(v) if isinstance(v, tuple) else v for k, v in table.items()}
     doc["model"]["preset"] = spec.preset
     doc["data"]["regions"] = dict(spec.data.regions)
-    for table, key in (("data", "vocab_size"), ("syncer", "num_learners"), ("syncer", "tau"), ("train", "total_steps")):
+    for table, key in (("data", "vocab_size"), ("syncer", "num_learners"), ("syncer", "tau"), ("syncer", "sync_every"),
+                       ("train", "total_steps")):
         doc[table].pop(key)
     doc["transport"] = {k: v for k, v in doc["transport"].items() if v is not None}
     if doc["transport"].get("tls") is None:
@@ -358,8 +378,9 @@ SHORT_NAMES: dict[str, tuple[str, str]] = {
     "baseline": ("simulate", "baseline"), "tokens": ("simulate", "tokens"), "step_time_s": ("simulate", "step_time_s"),
     "step_noise": ("simulate", "step_noise"), "speeds": ("simulate", "speeds"),
     "bandwidth_gbit_s": ("simulate", "bandwidth_gbit_s"), "rtt_s": ("simulate", "rtt_s"),
-    "eval_every": ("simulate", "eval_every"), "data_failover": ("simulate", "data_failover"),
-    "shards": ("syncer", "shards"), "shard_merge_gb_s": ("simulate", "shard_merge_gb_s"),
+    "eval_every": ("simulate", "curve_every_steps"), "data_failover": ("simulate", "data_failover"),
+    "shards": ("syncer", "shards"), "shard_merge_gb_s": ("plan", "shard_merge_gb_s"),
+    "merge_takes_time": ("simulate", "merge_takes_time"), "fragment_order": ("learner", "fragment_order"),
 }
 
 
@@ -405,7 +426,7 @@ host = "127.0.0.1"
 port = 0                           # 0: any free port; the launcher passes it to the learners
 status_port = 0                    # /status and /metrics of the syncer
 run_dir = "runs"
-eval_every = 50                    # the global model's held-out loss every 50 steps (loss.png, the table)
+eval_every_steps = 50              # the global model's held-out loss every 50 steps (loss.png, the table)
 
 [model]
 preset = "tiny"

@@ -1,3 +1,4 @@
+import dataclasses
 import json
 from pathlib import Path
 
@@ -52,12 +53,31 @@ def test_measured_links_replace_the_config(tmp_path, capsys):
     assert data["links"] == {"eu-west": {"rate_gbit_s": 0.05, "rtt_s": 0.15}}
     assert data["inputs"]["link_source"] == {"eu-west": "measured"}
     assert any("us-east" in n and "syncer" in n for n in data["inputs"]["notes"])
-    # 25 Mbit/s per learner. H=10, P=4 allows only tau 1; P=2 at 4 bits: 213 kB, 2 x 0.068 s + 0.15 s = 0.29 s
-    # over 0.09 s steps -> tau 4 = 10//2 - 1 (8 bits would need 5).
+    # 25 Mbit/s per learner. H=10, P=4 at 4 bits: 107 kB, 2 x 0.034 s + 0.15 s = 0.22 s over 0.09 s steps
+    # -> tau 3 (any tau < H is the run's; P=2 would need 4, 8 bits 4).
     assert rc == 0 and data["reached"]
-    assert (data["sync_every"], data["fragments"], data["tau"], data["bits"]) == (10, 2, 4, 4)
-    assert data["tau_by_region"] == {"eu-west": 4}
-    assert "measured" in capsys.readouterr().out
+    assert (data["sync_every"], data["fragments"], data["tau"], data["bits"]) == (10, 4, 3, 4)
+    assert data["tau_by_region"] == {"eu-west": 3}
+    out = capsys.readouterr().out
+    assert "measured" in out
+    # The planned order is not index order: the TOML line says how a run applies it, and a run takes it.
+    assert data["fragment_order"] == [1, 0, 2, 3]
+    assert "fragment_order = [1, 0, 2, 3]" in " ".join(out.split())
+    from wan_diloco import spec as spec_lib
+    from wan_diloco.fragments import Schedule
+    run = spec_lib.from_document({"learner": {"sync_every": 10, "num_fragments": 4, "tau": 3,
+                                              "fragment_order": data["fragment_order"]}})
+    sched = Schedule(run.learner.sync_every, run.learner.num_fragments, run.learner.fragment_order)
+    assert [sched.due(s) for s in (10, 2, 5, 7)] == [[1], [0], [2], [3]]
+    # `launch --plan` applies it (whatever order the file had for its own P).
+    from wan_diloco.cli.plan import apply_plan
+    from wan_diloco.planning.plan import Plan
+    fields = {f.name: data[f.name] for f in dataclasses.fields(Plan)}
+    planned = Plan(**{**fields, "fragment_order": tuple(data["fragment_order"])})
+    applied = apply_plan(run.with_changes(learner={"num_fragments": 2, "fragment_order": [1, 0], "tau": 1}), planned)
+    assert applied.learner.fragment_order == (1, 0, 2, 3) and applied.learner.num_fragments == 4
+    index_order = dataclasses.replace(planned, fragment_order=(0, 1, 2, 3))
+    assert apply_plan(run, index_order).learner.fragment_order == ()
 
 
 def test_unreachable_target_exits_1_with_why(tmp_path, capsys):

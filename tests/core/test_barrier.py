@@ -44,3 +44,19 @@ def test_a_learner_waits_until_the_syncer_says_started_and_never_again():
     assert not v.must_wait(6.0) and not v.expired(100.0)
     v.on_status(False, 2, (0,), (1,))  # an older frame after a reconnect cannot take the start back
     assert v.started and not v.must_wait(7.0)
+
+
+def test_barrier_events_announce_each_join_and_fail_the_run_once():
+    from wan_diloco.core.barrier import AnnounceBarrier, FailRun
+
+    b = StartBarrier(need=2, learners=3, timeout_s=10.0)
+    assert b.on_tick(0.0) == []
+    [a] = b.on_metadata(1.0, 0)
+    assert a == AnnounceBarrier({"need": 2, "joined": [0], "waiting_for": [1, 2], "started": False}, met=False)
+    assert b.on_metadata(2.0, 0) == []  # not its first metadata
+    assert b.on_tick(10.5) == [FailRun(b.failure())] and b.failed and b.on_tick(11.0) == []
+    ok = StartBarrier(need=1, learners=2, timeout_s=10.0)
+    assert ok.on_metadata(1.0, 1)[0].met and ok.on_tick(100.0) == []
+    resumed = StartBarrier(need=2, learners=2, timeout_s=10.0)
+    resumed.resumed(True)
+    assert resumed.started and not resumed.on_metadata(0.0, 0)[0].met

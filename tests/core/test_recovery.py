@@ -73,3 +73,66 @@ def test_adopt_refuses_a_state_of_another_layout_or_incarnation_and_changes_noth
     with pytest.raises(ProtocolError, match="residual 'x'"):
         recipient.adopt({**tensors, "feedback/x": np.zeros(1, np.float32)}, info)
     assert recipient.version == [0, 0]
+
+
+# ---- the syncer's side of a donation: parts, digest, serving, taken ----------------------------
+
+from wan_diloco.core.recovery import (  # noqa: E402
+    DonatedState, NoState, PartRefused, RecoveryStarted, StateReady, StateTaken, state_digest,
+)
+
+
+def asked(max_state_bytes=None):
+    d = Donations(timeout_s=10.0, max_state_bytes=max_state_bytes)
+    cands = {0: Candidate("us", 8), 1: Candidate("eu", 8)}
+    acts = d.on_metadata(0.0, 2, True, (3, 4), cands, "eu")
+    assert acts == [RecoveryStarted(2), AskDonor(1, 2, (3, 4))]
+    assert d.on_metadata(0.5, 2, True, (3, 4), cands, "eu") == []  # asked already
+    return d
+
+
+def test_parts_arrive_in_order_and_the_whole_is_checked_against_its_digest():
+    d = asked()
+    state = bytes(range(10))
+    with pytest.raises(PartRefused, match="learner 0 was not asked"):
+        d.on_part(1.0, 0, 2, 0, 10, state_digest(state), state[:4])
+    with pytest.raises(PartRefused, match="first part never arrived"):
+        d.on_part(1.0, 1, 2, 4, 10, state_digest(state), state[4:])
+    assert d.on_part(1.0, 1, 2, 0, 10, state_digest(state), state[:4]) == []
+    with pytest.raises(PartRefused, match="offset 6, but only 4 bytes"):
+        d.on_part(1.0, 1, 2, 6, 10, state_digest(state), state[6:])
+    assert d.on_part(2.0, 1, 2, 0, 10, state_digest(state), state[:4]) == []  # sent again: lands on itself
+    assert d.not_yet(2) == NoState("peer state still arriving (4 of 10 bytes): ask again", waiting=True)
+    assert d.on_part(3.0, 1, 2, 4, 10, state_digest(state), state[4:]) == [StateReady(2, 1, 10)]
+    assert d.lookup(2) == DonatedState(state_digest(state), bytearray(state))
+    assert d.served == 1 and d.received_bytes == 14 and not d.pending
+    assert d.on_metadata(4.0, 2, False, (), {}, "eu") == [StateTaken(2)] and d.lookup(2) is None
+
+
+def test_a_state_too_large_or_not_matching_its_digest_is_refused_and_never_served():
+    d = asked(max_state_bytes=8)
+    with pytest.raises(ProtocolError, match="a state of 10 bytes is larger than this model's state can be"):
+        d.on_part(1.0, 1, 2, 0, 10, "0" * 16, b"x" * 10)
+    d.max_state_bytes = None
+    with pytest.raises(ProtocolError, match="does not match its digest"):
+        d.on_part(1.0, 1, 2, 0, 3, "0" * 16, b"abc")
+    assert d.lookup(2) is None and d.donor_of(2) == 1  # the donor is replaced when its time is up
+    assert d.not_yet(5) == NoState("no peer state arrived in time", waiting=False)
+
+
+def test_nobody_to_copy_from_is_the_answer_kept_for_the_recipient_and_a_lost_recipient_drops_it():
+    d = Donations(timeout_s=10.0)
+    assert d.on_metadata(0.0, 2, True, (0,), {}, "eu") == [RecoveryStarted(2), NoDonor(2, "no healthy learner to copy from")]
+    assert d.lookup(2) == NoState("no peer state: no healthy learner to copy from", waiting=False)
+    assert d.on_peer_lost(1.0, 2, {}, {}) == [StateTaken(2)] and d.lookup(2) is None
+
+
+def test_candidates_are_live_trained_unquarantined_learners_not_recovering_themselves():
+    class L:
+        def __init__(self, alive, step):
+            self.alive, self.step = alive, step
+
+    d = asked()
+    learners = {0: L(True, 5), 1: L(True, 5), 2: L(True, 0), 3: L(False, 9), 4: L(True, 3)}
+    got = d.candidates(10.0, learners, {4: (20.0, "norm")}, {m: f"r{m}" for m in range(5)})
+    assert got == {0: Candidate("r0", 5), 1: Candidate("r1", 5)}

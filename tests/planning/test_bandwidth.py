@@ -138,3 +138,13 @@ def test_via_hub_moves_each_sites_bytes_up_and_down_whatever_the_site_count():
     assert cu("data_parallel", 2, True) == cu("data_parallel", 8, True)  # a ring of 8 sends 1.75x, a hub 1x
     assert cu("data_parallel", 8, False) < cu("data_parallel", 8, True)
     assert cu("decoupled", 4, True) == cu("decoupled", 4, False)  # the syncer is a hub already
+
+
+def test_fragments_go_on_the_wire_when_the_run_sends_them():
+    # The run's rule (fragments.Schedule): fragment p after step offset(p) of each round, fragment 0 last.
+    from wan_diloco.fragments import Schedule
+    cfg = BandwidthConfig(params=1e9, layers=8, step_time_s=0.1, sync_every=8, fragments=4, tau=1)
+    timeline = schedule_for(cfg, "decoupled")
+    sent = {i: [s.layers for s in syncs] for i, syncs in timeline.syncs.items()}
+    assert sent == {1: [(2, 3)], 3: [(4, 5)], 5: [(6, 7)], 7: [(0, 1)]}
+    assert all(sent[Schedule(8, 4).round_index(p)] == [(2 * p, 2 * p + 1)] for p in range(4))

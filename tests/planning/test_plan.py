@@ -57,22 +57,22 @@ def test_tau_is_at_least_one_even_for_an_instant_round_trip():
 
 def test_plan_uses_the_bandwidth_model_and_picks_the_hand_derived_setting():
     # 1B params, 24 layers, 0.1 s steps, one learner on 2.5 Gbit/s with 60 ms RTT, margin 0.1:
-    # H=10: 4-bit demand 1e9*4/(10*0.1) = 4 Gbit/s > 2.25. H=25: 8-bit demand 3.2 > 2.25; at 4 bits every
-    # P the grid allows (tau < 25//P) needs a longer tau (P=12: 2*0.133 s + 0.06 = 0.327 s -> 4 > 1).
-    # H=50: likewise (P=24 4-bit: 0.193 s -> tau 3 > 50//24 - 1 = 1). H=100, P=24, 4-bit: 20.8 MB each,
-    # 0.0667 s each way: 0.193 s / 0.09 -> tau 3 = 100//24 - 1, the first setting that fits.
+    # H=10: 4-bit demand 1e9*4/(10*0.1) = 4 Gbit/s > 2.25. H=25: 8-bit demand 3.2 > 2.25; 4-bit 1.6 fits.
+    # At H=25, 4 bits, τ may be anything below H (the run's rule, fragments.tau_bounds) up to max_tau 5:
+    # P=24: 20.8 MB each, 0.0667 s each way: 0.193 s / 0.09 -> tau 3; P=12: 2*0.133 s + 0.06 = 0.327 s -> 4.
+    # The smallest τ wins: H=25, P=24, τ=3 (τ >= H/P: several fragments in flight, as the paper's P=H=24).
     link = LinkEstimate(2.5, 0.06)
     plan = plan_run(ModelFacts(10**9, 24), {"eu-west": link}, 0.1, {"eu-west": 1})
     assert plan.reached and plan.why == ()
-    assert (plan.sync_every, plan.fragments, plan.tau, plan.bits) == (100, 24, 3, 4)
+    assert (plan.sync_every, plan.fragments, plan.tau, plan.bits) == (25, 24, 3, 4)
     assert plan.tau_by_region == {"eu-west": 3}
     assert plan.fragment_bytes == pytest.approx(1e9 / 24 / 2)
-    assert plan.demand_gbit_s_by_region["eu-west"] == pytest.approx(0.4)
+    assert plan.demand_gbit_s_by_region["eu-west"] == pytest.approx(1.6)
     # Grace: 0.8 x (3 x 0.1 x 0.9 - 0.1933) = 0.0613 s.
     assert plan.max_grace_s == pytest.approx(0.8 * (0.27 - (2 * 20.8333e6 * 8 / 2.5e9 + 0.06)), rel=1e-4)
     assert plan.cu_predicted == _cu(1e9, 24, 0.1, plan, link)
     assert plan.cu_predicted >= 0.95
-    assert plan.fragment_order == tuple(range(24))  # equal sizes, equal gaps
+    assert plan.fragment_order == tuple(range(24))  # equal sizes: index order
     json.dumps(plan.to_dict())
 
 
@@ -80,9 +80,9 @@ def test_every_region_stays_under_its_rate_and_a_slow_region_gets_a_larger_tau()
     links = {"fast": LinkEstimate(4.0, 0.03), "slow": LinkEstimate(0.5, 0.15)}
     plan = plan_run(ModelFacts(10**8, 12), links, 0.2, {"fast": 2, "slow": 1, "hub": 3}, margin=0.1)
     assert plan.reached
-    assert (plan.sync_every, plan.fragments, plan.tau, plan.bits) == (25, 6, 3, 4)
-    # slow: 8.33 MB -> 0.133 s each way + 0.15 s = 0.417 s over 0.18 s steps -> 3; fast (2 Gbit/s each): 1.
-    assert plan.tau_by_region == {"fast": 1, "slow": 3}
+    assert (plan.sync_every, plan.fragments, plan.tau, plan.bits) == (10, 12, 2, 4)
+    # slow: 4.17 MB -> 0.0667 s each way + 0.15 s = 0.283 s over 0.18 s steps -> 2; fast (2 Gbit/s each): 1.
+    assert plan.tau_by_region == {"fast": 1, "slow": 2}
     assert plan.tau == max(plan.tau_by_region.values())
     for region, n in {"fast": 2, "slow": 1}.items():
         demand = n * 1e8 * plan.bits / (plan.sync_every * 0.2) / 1e9
@@ -94,7 +94,7 @@ def test_every_region_stays_under_its_rate_and_a_slow_region_gets_a_larger_tau()
     cus = {r: _cu(1e8, 12, 0.2, plan, per_learner[r]) for r in per_learner}
     assert plan.cu_by_region == cus
     assert plan.cu_predicted == min(cus.values()) == cus[plan.bottleneck]
-    assert plan.max_grace_s == pytest.approx(0.8 * (3 * 0.18 - (2 * 1e8 / 6 / 2 * 8 / 0.5e9 + 0.15)))
+    assert plan.max_grace_s == pytest.approx(0.8 * (2 * 0.18 - (2 * 1e8 / 12 / 2 * 8 / 0.5e9 + 0.15)))
 
 
 def test_learners_sharing_a_link_plan_like_one_learner_on_their_share():

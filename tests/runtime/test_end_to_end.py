@@ -16,7 +16,7 @@ def test_three_learners_end_bit_identical_to_the_syncer(tmp_path, bits):
     # Paced: 40 unpaced micro steps take 0.5 s, less than the spread of three learners' start-ups on two
     # loaded cores, and a learner that trains the whole run alone leaves nothing to merge along the way.
     path = micro_config(tmp_path, learners=3, steps=40, min_step_s=0.05, extra=extra)
-    path.write_text(path.read_text().replace("[run]\n", "[run]\neval_every = 10\n"))
+    path.write_text(path.read_text().replace("[run]\n", "[run]\neval_every_steps = 10\n"))
     if bits == 32:  # and TensorBoard scalars beside metrics.jsonl
         path.write_text(path.read_text().replace("[run]\n", "[run]\ntensorboard = true\n"))
     if bits == 4:  # and each learner with its own token (#13): launch hands each only its own
@@ -39,7 +39,7 @@ def test_three_learners_end_bit_identical_to_the_syncer(tmp_path, bits):
     assert sum(f["final_by_bulk"] for f in finals.values()) < 3 * len(syncer["versions"])
     assert summary["final_eval_loss"] < summary["initial_eval_loss"] - 0.5
     assert 0 < summary["bytes_sent"] < summary["dp_bytes"]
-    # run.eval_every: the global model's loss every 10 steps, learner (step / 10) mod 3 in turn (a learner
+    # run.eval_every_steps: the global model's loss every 10 steps, learner (step / 10) mod 3 in turn (a learner
     # that joined late, past its turn's step, skips that point).
     evals = [e for e in events if e["event"] == "eval"]
     turns = {(10, 1), (20, 2), (30, 0), (40, 1)}

@@ -222,7 +222,7 @@ def _lockstep_config(tmp_path: Path, hosts: int, **changes: str) -> Path:
 
     path = micro_config(tmp_path, learners=1, steps=18, tau=0, extra="[codec]\nbits = 32\n")
     text = path.read_text().replace("[learner]\n", f"[learner]\nhosts = {hosts}\nblocking = true\n")
-    text = text.replace("report_every_s = 0.2", "report_every_s = 0.001\neval_every = 6")
+    text = text.replace("report_every_s = 0.2", "report_every_s = 0.001\neval_every_steps = 6")
     for old, new in changes.items():
         text = text.replace(old, new)
     path.write_text(text)

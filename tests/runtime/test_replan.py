@@ -32,7 +32,7 @@ def sample(rate_gbit_s, rtt_s=0.05):
 
 def setup():
     cfg = types.SimpleNamespace(plan=PlanConfig(adapt_tau=True, replan_confirm=2, max_tau=5),
-                                learner=types.SimpleNamespace(sync_every=8))
+                                learner=types.SimpleNamespace(sync_every=8, num_fragments=2))
     core = Core()
     return Replanner(cfg, 0, "us-east", max_fragment_bytes=50_000_000), core
 

@@ -4,7 +4,7 @@ import pytest
 from wan_diloco import model, sim, train
 from wan_diloco.assemble import Assembly
 from wan_diloco.config import ConfigError
-from wan_diloco.planning.tape import Outage
+from wan_diloco.tape import Outage
 
 from .micro import micro
 
@@ -181,7 +181,7 @@ def test_too_few_shards_for_the_merge_work_show_as_waiting():
     # A merge of one ~33 kB fragment takes 1.6 virtual s at 2e-5 GB/s, and a fragment is due every second
     # (H/P = 2 steps of 0.5 s): one shard falls behind and its rounds queue; four shards (one fragment each,
     # due every 4 s) keep up, and the learners get their updates sooner after sending.
-    kw = dict(steps=24, eval_every=24, grace=False, shard_merge_gb_s=2e-5, sync_every=8)
+    kw = dict(steps=24, eval_every=24, grace=False, shard_merge_gb_s=2e-5, merge_takes_time=True, sync_every=8)
     s1, one = run_sim(micro(**kw, shards=1))
     s4, four = run_sim(micro(**kw, shards=4))
     assert [len(c.owned) for c in s4.syncer.cores] == [1, 1, 1, 1]

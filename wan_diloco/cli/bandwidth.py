@@ -21,7 +21,7 @@ from wan_diloco.planning.bandwidth import (
     schedule_for,
     step_time_from_flops,
 )
-from wan_diloco.planning.recommend import STREAMING_METHODS, recommend
+from wan_diloco.planning.recommend import BITS_OPTIONS, STREAMING_METHODS, recommend
 from wan_diloco.planning.timeline import compute_utilization
 
 SHOWN_RECOMMENDATIONS = 8
@@ -43,7 +43,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--sync-every", type=count, default=100, metavar="H", help="inner steps per outer sync (default 100)")
     s.add_argument("--fragments", type=count, metavar="P", help="fragments (default: one per 3 layers)")
     s.add_argument("--tau", type=count, default=1, help="overlap steps for overlapped methods (default 1)")
-    s.add_argument("--bits", type=count, default=16, choices=(16, 8, 4), help="outer-gradient bits (default 16)")
+    s.add_argument("--bits", type=count, default=16, choices=BITS_OPTIONS, help="outer-gradient bits (default 16)")
     s.add_argument("--rtt-ms", type=float, default=0.0, help="round-trip time between datacenters (default 0)")
     o = p.add_argument_group("question and output")
     o.add_argument("--target-cu", default=",".join(map(str, DEFAULT_CU_TARGETS)), help="comma list of CU targets")

@@ -21,7 +21,7 @@ from rich.table import Table
 from wan_diloco import spec as spec_lib
 from wan_diloco.cli.report import console, human_bytes, out
 from wan_diloco.config import ConfigError, require
-from wan_diloco.planning.tape import load_tape
+from wan_diloco.tape import load_tape
 from wan_diloco.runtime import chaos
 
 

@@ -13,7 +13,7 @@ from rich.table import Table
 from wan_diloco.cli.args import count
 from wan_diloco.config import require
 from wan_diloco.planning.goodput import SYSTEMS, GoodputConfig, simulate
-from wan_diloco.planning.tape import save_tape, scale_tape
+from wan_diloco.tape import save_tape, scale_tape
 
 PLOT_LEARNERS = (1, 2, 4, 8, 16)
 _HELP = {

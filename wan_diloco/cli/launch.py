@@ -75,7 +75,7 @@ def table(mon: RunState, learners: list[int] | None = None) -> Table:
                         f"waiting for {waiting}")
     if mon.evals:
         last = mon.evals[-1]
-        captions.append(f"global model: eval loss {last['eval_loss']:.3f} at step {last['step']} (run.eval_every)")
+        captions.append(f"global model: eval loss {last['eval_loss']:.3f} at step {last['step']} (run.eval_every_steps)")
     if captions:
         t.caption = "\n".join(captions)
     return t

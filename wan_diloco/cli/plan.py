@@ -132,10 +132,11 @@ def make_plan(spec: RunSpec, console: Console, step_time: float | None = None, m
 
 
 def apply_plan(spec: RunSpec, plan: Plan) -> RunSpec:
-    """``spec`` with the plan's H, P, τ, bits and grace cap (the fragment order is advice: the
-    runtime sends fragments in index order)."""
+    """``spec`` with the plan's H, P, τ, fragment order (``learner.fragment_order``; left empty when it
+    is index order, the default), bits and grace cap."""
+    order = [] if plan.fragment_order == tuple(range(plan.fragments)) else list(plan.fragment_order)
     return spec.with_changes(learner={"sync_every": plan.sync_every, "num_fragments": plan.fragments,
-                                      "tau": plan.tau},
+                                      "tau": plan.tau, "fragment_order": order},
                              codec={"bits": plan.bits}, syncer={"max_grace_s": round(plan.max_grace_s, 6)})
 
 
@@ -181,7 +182,8 @@ def print_plan(console: Console, spec: RunSpec, plan: Plan, facts: ModelFacts, s
                 ("tau  learner.tau", f"{plan.tau}  ({per_region})", cfg.tau),
                 ("bits  codec.bits", plan.bits, spec.codec.bits),
                 ("grace cap, s  syncer.max_grace_s", f"{plan.max_grace_s:.3g}", grace_now),
-                ("fragment order (slot -> fragment)", " ".join(map(str, plan.fragment_order)), "index order"),
+                ("fragment order (slot -> fragment)  learner.fragment_order", " ".join(map(str, plan.fragment_order)),
+                 " ".join(map(str, cfg.fragment_order)) or "index order"),
                 ("largest fragment on the wire, MB", f"{plan.fragment_bytes / 1e6:.3g}", "")):
         settings.add_row(*map(str, row))
     console.print(settings)
@@ -204,7 +206,10 @@ def print_plan(console: Console, spec: RunSpec, plan: Plan, facts: ModelFacts, s
         console.print(f"  [red]why:[/] {line}", highlight=False)
     for line in [*notes, *plan.notes]:
         console.print(f"  note: {line}", highlight=False)
+    # The order is set only when it is not index order (the default, a run's behaviour without the key).
+    order = ("" if plan.fragment_order == tuple(range(plan.fragments))
+             else f", fragment_order = [{', '.join(map(str, plan.fragment_order))}]")
     console.print("TOML: "
-                  f"[learner] sync_every = {plan.sync_every}, num_fragments = {plan.fragments}, tau = {plan.tau}; "
-                  f"[codec] bits = {plan.bits}; [syncer] max_grace_s = {plan.max_grace_s:.3g}", highlight=False,
-                  markup=False)
+                  f"[learner] sync_every = {plan.sync_every}, num_fragments = {plan.fragments}, tau = {plan.tau}"
+                  f"{order}; [codec] bits = {plan.bits}; [syncer] max_grace_s = {plan.max_grace_s:.3g}",
+                  highlight=False, markup=False)

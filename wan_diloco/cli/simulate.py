@@ -30,11 +30,12 @@ _FLAGS: dict[str, tuple[str, type, str]] = {
     "--step-time": ("step_time_s", float, "base virtual seconds per step"),
     "--bandwidth-gbit": ("bandwidth_gbit_s", float, "per-learner WAN link, Gbit/s each way"),
     "--seed": ("seed", int, "random seed (runs are deterministic for a seed)"),
-    "--eval-every": ("eval_every", int, "global steps between eval points"),
+    "--eval-every": ("eval_every", int, "global steps between eval points (simulate.curve_every_steps)"),
     "--corpus": ("corpus", str, "'stdlib', a text file or directory, or a .bin token file"),
     "--bits": ("bits", int, "wire precision of outer gradients and updates: 32 | 16 | 8 | 4"),
     "--shards": ("shards", int, "syncer shards S, each owning whole fragments"),
-    "--shard-merge-gb-s": ("shard_merge_gb_s", float, "GB/s of fp32 outer gradients one shard merges (0: no time)"),
+    "--shard-merge-gb-s": ("shard_merge_gb_s", float, "GB/s of fp32 outer gradients one shard merges: each merge "
+                           "takes its time (plan.shard_merge_gb_s, simulate.merge_takes_time)"),
 }
 
 
@@ -52,7 +53,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a down learner's shard waits for it (default: live learners also read it)")
     p.add_argument("--speeds", default=None, help="comma-separated step-time factors per learner, e.g. 1,1,1,1.2")
     p.add_argument("--rtt-ms", type=float, default=None, help="round-trip time of each link, ms")
-    p.add_argument("--failures", metavar="TAPE", help="failure tape: JSON list of {learner, down_at, up_at} (virtual s)")
+    p.add_argument("--failures", metavar="TAPE",
+                   help="failure tape: JSON list of {learner, down_at, up_at} or {kind: kill_syncer, [shard,] "
+                        "down_at, up_at} (virtual s; wan_diloco/tape.py)")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON (and its picture beside it, PATH.png)")
     p.add_argument("--plot", metavar="PNG", help="where the picture goes: eval loss against tokens, throughput "
                                                  "against virtual time (default: beside --json)")
@@ -69,6 +72,8 @@ def spec_from_args(args: argparse.Namespace):
     values = {name: getattr(args, flag[2:].replace("-", "_")) for flag, (name, _, _) in _FLAGS.items()}
     values.update(grace=args.grace, error_feedback=args.error_feedback, keep_local=args.keep_local,
                   data_failover=args.data_failover, rtt_s=None if args.rtt_ms is None else args.rtt_ms / 1000)
+    if values["shard_merge_gb_s"] is not None:  # a merge rate given on the command line is one to simulate
+        values["merge_takes_time"] = True
     if args.speeds is not None:
         try:
             values["speeds"] = [float(x) for x in args.speeds.split(",") if x.strip()]
@@ -81,7 +86,7 @@ def spec_from_args(args: argparse.Namespace):
 def run(args: argparse.Namespace) -> int:
     from wan_diloco import sim
     from wan_diloco.cli.report import progress_bar, summary_table
-    from wan_diloco.planning.tape import load_tape
+    from wan_diloco.tape import load_tape
 
     spec = spec_from_args(args)
     outages = load_tape(args.failures) if args.failures else []

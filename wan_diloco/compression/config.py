@@ -54,6 +54,10 @@ INT8_QMAX = 127
 # near fp32's max (with [-1, 1] it would be subnormal and flushed to zero).
 INT4_QMAX = 4
 BLOCK_SIZE_RANGE = (16, 4096)
+# The bit widths of values on the wire, widest first: the one list (the codec, its frame header, the
+# planner's options and the bandwidth model all take it from here). 8 and 4 are blockwise quantized.
+BITS = (32, 16, 8, 4)
+QUANTIZED_BITS = (8, 4)
 
 
 @dataclass(frozen=True)
@@ -82,7 +86,7 @@ class CodecConfig:
     impl: Literal["auto", "jnp", "pallas"] = "auto"
 
     def validate(self) -> None:
-        require(self.bits in (32, 16, 8, 4), "bits", f"must be 32, 16, 8 or 4, got {self.bits!r}")
+        require(self.bits in BITS, "bits", f"must be one of {', '.join(map(str, BITS))}, got {self.bits!r}")
         lo, hi = BLOCK_SIZE_RANGE
         b = self.block_size
         require(
@@ -127,4 +131,4 @@ class Format:
 
     @property
     def quantized(self) -> bool:
-        return self.bits in (8, 4)
+        return self.bits in QUANTIZED_BITS

@@ -24,7 +24,7 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
-from wan_diloco.compression.config import BLOCK_SIZE_RANGE, CODEBOOK_IDS, SCALE_DTYPE_IDS, Format
+from wan_diloco.compression.config import BITS, BLOCK_SIZE_RANGE, CODEBOOK_IDS, SCALE_DTYPE_IDS, Format
 from wan_diloco.compression.errors import CodecError
 
 FRAGMENT_MAGIC = b"WDFG"
@@ -64,8 +64,8 @@ def parse_header(data: memoryview) -> Header:
         raise CodecError(f"bad magic {bytes(magic)!r}, expected {FRAGMENT_MAGIC!r}: not a fragment payload")
     if version != FORMAT_VERSION:
         raise CodecError(f"unsupported format version {version}, this build reads {FORMAT_VERSION}")
-    if bits not in (32, 16, 8, 4):
-        raise CodecError(f"bits: {bits} is not one of 32, 16, 8, 4")
+    if bits not in BITS:
+        raise CodecError(f"bits: {bits} is not one of {', '.join(map(str, BITS))}")
     if flags & ~FLAG_ZSTD:
         raise CodecError(f"flags: unknown bits set in {flags:#04x}")
     if reserved:

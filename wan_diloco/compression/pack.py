@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from wan_diloco.compression import blocks
-from wan_diloco.compression.config import INT4_QMAX, INT8_QMAX, MIN_SCALE, Format
+from wan_diloco.compression.config import BITS, INT4_QMAX, INT8_QMAX, MIN_SCALE, Format
 from wan_diloco.compression.errors import CodecError, EncodeError, NonFiniteError
 from wan_diloco.compression.quantize import code_bytes_per_block, n_blocks
 
@@ -159,7 +159,7 @@ def packer(fmt: Format):
     try:
         return _PACKERS[fmt.bits]
     except KeyError:
-        raise EncodeError(f"bits: {fmt.bits} is not one of 32, 16, 8, 4") from None
+        raise EncodeError(f"bits: {fmt.bits} is not one of {', '.join(map(str, BITS))}") from None
 
 
 def raw_nbytes(fmt: Format, sizes: Sequence[int]) -> int:

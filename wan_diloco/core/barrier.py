@@ -14,6 +14,22 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+@dataclass(frozen=True)
+class AnnounceBarrier:
+    """Driver: tell every learner the barrier's state (``status``: need, joined, waiting_for, started);
+    ``met``: this join met it (say so in the log and the events)."""
+
+    status: dict
+    met: bool
+
+
+@dataclass(frozen=True)
+class FailRun:
+    """Driver: the run cannot go on (``why``, one line): end the serving loop, exit non-zero."""
+
+    why: str
+
+
 def barrier_need(configured: int, learners: int) -> int:
     """``run.min_learners_to_start`` as the syncer applies it: 0 means 1 (a standalone syncer); ``launch``
     writes every learner of the run into the run's config instead."""
@@ -30,6 +46,7 @@ class StartBarrier:
     joined: set[int] = field(default_factory=set)
     started: bool = False
     opened_s: float | None = None
+    failed: str | None = None  # why the run failed here (not met in time); said once
 
     def __post_init__(self) -> None:
         if not 1 <= self.need <= self.learners:
@@ -52,6 +69,27 @@ class StartBarrier:
             self.started = True
             return True
         return False
+
+    def on_metadata(self, now_s: float, learner: int) -> list:
+        """A learner's metadata: its first one is its join (it holds Θ and is ready to train); every
+        learner then hears who is still missing, and that the run starts once enough have joined."""
+        if learner in self.joined:
+            return []
+        met = self.on_joined(now_s, learner)
+        return [AnnounceBarrier(self.status(), met)]
+
+    def on_tick(self, now_s: float) -> list:
+        """The clock moved: a barrier not met within ``timeout_s`` of opening fails the run, once."""
+        self.open(now_s)
+        if self.failed is None and self.expired(now_s):
+            self.failed = self.failure()
+            return [FailRun(self.failed)]
+        return []
+
+    def resumed(self, started: bool) -> None:
+        """A resume from a snapshot of a run that had ``started``: it stays started (its learners come
+        back to go on, not to wait for each other)."""
+        self.started = self.started or bool(started)
 
     def waiting_for(self) -> list[int]:
         """Learners not joined yet (all of them may be needed: which ones the barrier waits for is any ``need``)."""

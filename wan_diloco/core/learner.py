@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from wan_diloco.clock import VectorClock
-from wan_diloco.config import require
+from wan_diloco.config import ConfigError, require
 from wan_diloco.core.protocol import (
     ApplyGlobal,
     Codec,
@@ -36,7 +36,7 @@ from wan_diloco.core.protocol import (
     learner_node,
 )
 from wan_diloco.feedback import ErrorFeedback
-from wan_diloco.fragments import Schedule
+from wan_diloco.fragments import Schedule, check_order, tau_bounds
 
 
 @dataclass(frozen=True)
@@ -56,6 +56,9 @@ class LearnerConfig:
     # Processes of one learner (runtime.multihost): one per host, P local ones under `launch`. Process 0
     # talks to the syncer; the others train in lockstep with it. 1: a single process.
     hosts: int = 1
+    # Fragment sent in each of the P send slots of a round (slot k at step ⌊k·H/P⌋ mod H): a permutation
+    # of 0..P-1, as `wan-diloco plan` prints it (plan.fragment_order). Empty: slot k sends fragment k.
+    fragment_order: tuple[int, ...] = ()
 
     def validate(self) -> None:
         require(self.sync_every >= 1, "sync_every", f"must be >= 1, got {self.sync_every}")
@@ -64,7 +67,13 @@ class LearnerConfig:
         require(isinstance(self.hosts, int) and not isinstance(self.hosts, bool) and self.hosts >= 1, "hosts",
                 f"must be a whole number >= 1 (processes of one learner), got {self.hosts!r}")
         # τ >= H/P is allowed (several fragments in flight at once); τ >= H would overtake the next sync.
-        require(self.tau < self.sync_every, "tau", f"must be < sync_every ({self.sync_every}), got {self.tau}")
+        lo, hi = tau_bounds(self.sync_every, self.num_fragments)
+        require(lo <= self.tau <= hi, "tau", f"must be in [{lo}, {hi}] (below sync_every {self.sync_every}), "
+                f"got {self.tau}")
+        try:
+            check_order(self.fragment_order, self.num_fragments)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         require(0.0 <= self.alpha <= 1.0, "alpha", f"must be in [0, 1], got {self.alpha}")
         require(not (self.keep_local and self.alpha), "alpha",
                 f"keep_local replaces the alpha rule: alpha must be 0 with it, got {self.alpha}")
@@ -95,7 +104,7 @@ class LearnerCore:
         self.cfg, self.learner, self.region = cfg, learner, region
         self.node = learner_node(learner)
         self.fragments = fragments
-        self.schedule = Schedule(cfg.sync_every, cfg.num_fragments)
+        self.schedule = Schedule(cfg.sync_every, cfg.num_fragments, cfg.fragment_order)
         self.codec = codec
         P = cfg.num_fragments
         self.base = [{n: np.array(global_params[n], dtype=np.float32) for n in f} for f in fragments]

@@ -7,6 +7,9 @@ then the most advanced), and an ``AskDonor`` action names the global versions
 V the recipient saw; the donor answers once it has seen V, without stopping
 its training. If the donor is lost before its state arrives, the next donor
 is asked (``peer_lost``); a recipient nobody can serve gets ``NoDonor``.
+The donor's state arrives in parts (``on_part``: in order, within the
+model's bound, checked against its digest once whole); the syncer keeps it
+until the recipient took it up (``lookup`` answers the recipient's fetch).
 The learner side (installing the state and replaying the updates buffered
 meanwhile) is ``LearnerCore.adopt`` plus the driver's replay. The simulator
 and the networked runtime both go through these.
@@ -14,7 +17,17 @@ and the networked runtime both go through these.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Any, Mapping
+
+import xxhash
+
+from wan_diloco.core.protocol import ProtocolError
+
+
+def state_digest(data) -> str:
+    """XXH3-64 (hex) of a donated state: what its parts are checked against once all arrived
+    (the same digest as ``runtime.serde.bytes_digest``)."""
+    return xxhash.xxh3_64_hexdigest(data)
 
 
 @dataclass(frozen=True)
@@ -53,6 +66,68 @@ class NoDonor:
     why: str
 
 
+@dataclass(frozen=True)
+class RecoveryStarted:
+    """Driver: ``recipient`` asks for a peer's state anew: what an earlier attempt left is gone; a fetch
+    of ``donation/M`` from now on waits for this attempt (keep the same waiter: the fetch may be there
+    before the metadata that asked)."""
+
+    recipient: int
+
+
+@dataclass(frozen=True)
+class StateReady:
+    """Driver: the state for ``recipient`` arrived whole from ``donor`` (``nbytes``) and matches its
+    digest: wake the recipient's fetch (``Donations.lookup`` has it)."""
+
+    recipient: int
+    donor: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class StateTaken:
+    """Driver: ``recipient`` took its state up or went away: drop its waiter; the copy is gone."""
+
+    recipient: int
+
+
+class PartRefused(Exception):
+    """A donation part that cannot be taken now (not asked, or out of order): refused with this text, the
+    donor may send it again (unlike ``ProtocolError``: a malformed or false part, counted as refused)."""
+
+
+@dataclass(frozen=True)
+class DonatedState:
+    """What ``Donations.lookup`` answers for a recipient whose state is here."""
+
+    digest: str
+    data: bytearray
+
+
+@dataclass(frozen=True)
+class NoState:
+    """What ``Donations.lookup`` answers when there is no state to serve: ``waiting`` (a donor is still at
+    work: ask again) or not (``why`` there is none)."""
+
+    why: str
+    waiting: bool
+
+
+@dataclass
+class _Incoming:
+    """A donor's state arriving in parts."""
+
+    donor: int
+    digest: str
+    total_bytes: int
+    received: int = 0
+    data: bytearray = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.data = bytearray(self.total_bytes)
+
+
 @dataclass
 class _Pending:
     donor: int
@@ -64,11 +139,107 @@ class _Pending:
 class Donations:
     """Syncer-side bookkeeping of recoveries in progress (see the module docstring)."""
 
-    def __init__(self, timeout_s: float):
+    def __init__(self, timeout_s: float, max_state_bytes: int | None = None):
         self.timeout_s = timeout_s  # a donor that has not delivered by then is replaced
+        self.max_state_bytes = max_state_bytes  # the largest state a donor may send (None: no bound)
         self.pending: dict[int, _Pending] = {}  # recipient -> its current donor
         self.served = 0
         self.replaced = 0
+        self.received_bytes = 0  # donation bytes taken in, parts sent again included
+        self.incoming: dict[int, _Incoming] = {}  # recipient -> the state arriving in parts
+        # recipient -> (digest, the state its donor sent), or why there is none; kept until the recipient
+        # took it up (its next metadata no longer recovering), so a broken fetch resumes where it stopped
+        self.donated: dict[int, tuple[str, bytearray] | str] = {}
+
+    # ---- events of the networked syncer: requests, parts, fetches -------------------------------
+
+    def on_metadata(self, now_s: float, learner: int, recovering: bool, versions: tuple[int, ...],
+                    candidates: Mapping[int, Candidate], region: str) -> list:
+        """A learner's metadata: recovering (and not asked for yet), it asks for a peer's state; no longer
+        recovering, the state kept for it goes."""
+        if not recovering:
+            return self._taken(learner) if learner in self.donated else []
+        if learner in self.pending:
+            return []
+        self.donated.pop(learner, None)
+        self.incoming.pop(learner, None)
+        return [RecoveryStarted(learner)] + self._record(self.request(now_s, learner, versions, candidates, region))
+
+    def on_part(self, now_s: float, donor: int, recipient: int, offset: int, total_bytes: int, digest: str,
+                payload) -> list:
+        """One part of ``donor``'s state for ``recipient``: bytes [offset, offset + len(payload)) of
+        ``total_bytes`` whose digest is ``digest``. The last one completes it (``StateReady``). A part sent
+        again lands on itself. PartRefused: not asked, or out of order; ProtocolError: too large for this
+        model, or the whole does not match its digest (never handed on; the donor is replaced in time)."""
+        if self.donor_of(recipient) != donor:
+            raise PartRefused(f"learner {donor} was not asked for a state for learner {recipient} (or was replaced)")
+        if self.max_state_bytes is not None and total_bytes > self.max_state_bytes:
+            raise ProtocolError(f"Donation: a state of {total_bytes} bytes is larger than this model's state can be "
+                                f"({self.max_state_bytes} bytes)")
+        got = self.incoming.get(recipient)
+        if got is None or (got.donor, got.digest, got.total_bytes) != (donor, digest, total_bytes):
+            if offset:
+                raise PartRefused(f"Donation: a part at offset {offset} of a state whose first part never arrived "
+                                  f"(send it again from offset 0)")
+            got = self.incoming[recipient] = _Incoming(donor, digest, total_bytes)
+        if offset > got.received:
+            raise PartRefused(f"Donation: a part at offset {offset}, but only {got.received} bytes arrived so far")
+        got.data[offset : offset + len(payload)] = payload
+        got.received = max(got.received, offset + len(payload))
+        self.received_bytes += len(payload)
+        self.progress(now_s, recipient)
+        if got.received < got.total_bytes:
+            return []
+        del self.incoming[recipient]
+        if state_digest(got.data) != got.digest:
+            raise ProtocolError(f"Donation: the state for learner {recipient} does not match its digest")
+        self.delivered(recipient, donor)
+        self.donated[recipient] = (got.digest, got.data)
+        return [StateReady(recipient, donor, got.total_bytes)]
+
+    def on_peer_lost(self, now_s: float, learner: int, candidates: Mapping[int, Candidate],
+                     regions: Mapping[int, str]) -> list:
+        """``learner``'s stream ended: its own recovery ends, and donors it was are replaced."""
+        return self._taken(learner) + self._record(self.peer_lost(now_s, learner, candidates, regions))
+
+    def on_tick(self, now_s: float, candidates: Mapping[int, Candidate], regions: Mapping[int, str]) -> list:
+        return self._record(self.tick(now_s, candidates, regions)) if self.pending else []
+
+    def lookup(self, recipient: int) -> DonatedState | NoState | None:
+        """What a fetch of ``donation/M`` gets once its waiter woke: the state, why there is none
+        (``NoState``), or None when nothing is kept for it (a newer request superseded it)."""
+        state = self.donated.get(recipient)
+        if isinstance(state, tuple):
+            return DonatedState(*state)
+        return None if state is None else NoState(f"no peer state: {state}", waiting=False)
+
+    def not_yet(self, recipient: int) -> NoState:
+        """What a fetch of ``donation/M`` gets when its wait ran out: a donor still at work (ask again), or none."""
+        if recipient in self.pending:
+            got = self.incoming.get(recipient)
+            arrived = f"{got.received} of {got.total_bytes} bytes" if got else "no part yet"
+            return NoState(f"peer state still arriving ({arrived}): ask again", waiting=True)
+        return NoState("no peer state arrived in time", waiting=False)
+
+    def candidates(self, now_s: float, learners: Mapping[int, Any], quarantined: Mapping[int, tuple[float, str]],
+                   region_of: Mapping[int, str]) -> dict[int, Candidate]:
+        """Learners that can donate: alive, trained at least a step, not quarantined, not recovering
+        themselves (``learners``: the syncer core's, with ``alive`` and ``step``)."""
+        return {m: Candidate(region_of[m], info.step) for m, info in learners.items()
+                if info.alive and info.step > 0 and quarantined.get(m, (0.0, ""))[0] <= now_s
+                and m not in self.pending}
+
+    def _taken(self, recipient: int) -> list:
+        self.donated.pop(recipient, None)
+        self.incoming.pop(recipient, None)
+        return [StateTaken(recipient)]
+
+    def _record(self, actions: list) -> list:
+        """A recipient nobody can serve: that is its answer (kept, as a state would be)."""
+        for a in actions:
+            if isinstance(a, NoDonor):
+                self.donated[a.recipient] = a.why
+        return actions
 
     def busy(self, donor: int) -> int:
         return sum(1 for p in self.pending.values() if p.donor == donor)

@@ -34,13 +34,14 @@ from wan_diloco.core.protocol import (
     encode_or_refuse,
     learner_node,
 )
+from wan_diloco.core.learner import LearnerConfig
 from wan_diloco.core.pace import StepPace
 from wan_diloco.core.refusals import QUARANTINED, Refusals
+from wan_diloco.fragments import tau_bounds
 from wan_diloco.merge import MergeMethod, Workers, chunks, merge_fragment, sum_squares, token_weights
 from wan_diloco.outer import OuterConfig, OuterOptimizer
 
 
-MAX_TAU = 1000  # a learner reporting a larger overlap is refused (τ < H, and H is steps between syncs)
 MAX_CLOCK = 1 << 53  # vector-clock entries count events: no run gets near; far from int64's end
 MAX_TIMING_S = 86_400.0  # a learner's measured step or sync time past a day is nonsense (it bounds the grace)
 # A learner reports the newest snapshot it wrote a part of: never far past what this syncer cut (after a
@@ -62,6 +63,8 @@ class SyncerConfig:
     grace_safety: float = 0.8  # γ < 1: the grace never pushes a sync past τ steps
     max_grace_s: float | None = None
     tau: int = 2  # the learners' overlap, in steps (bounds the grace window); a run derives it from [learner]
+    # The learners' H: a reported τ outside fragments.tau_bounds (τ < H) is refused. Derived from [learner].
+    sync_every: int = LearnerConfig.sync_every
     merge: MergeMethod = "rda"
     max_staleness: int = 1  # accept a Δ whose base is this many versions behind
     # A Δ that misses its round joins the fragment's next merge instead of being dropped, so a
@@ -98,6 +101,8 @@ class SyncerConfig:
         require(0 < self.grace_safety < 1, "grace_safety", f"must be in (0, 1), got {self.grace_safety}")
         require(self.max_grace_s is None or self.max_grace_s >= 0, "max_grace_s", "must be >= 0")
         require(self.tau >= 0, "tau", f"must be >= 0, got {self.tau}")
+        require(isinstance(self.sync_every, int) and self.sync_every >= 1, "sync_every",
+                f"must be an integer >= 1, got {self.sync_every!r}")
         require(self.merge in ("rda", "mean"), "merge", f"must be 'rda' or 'mean', got {self.merge!r}")
         require(self.max_staleness >= 0, "max_staleness", "must be >= 0")
         require(self.liveness_timeout_s > 0, "liveness_timeout_s", "must be > 0")
@@ -267,9 +272,10 @@ class SyncerCore:
         if len(msg.c_steps) != len(self.fragments) or len(msg.c_tokens) != len(self.fragments):
             raise ProtocolError(f"metadata from learner {msg.learner}: counters for {len(msg.c_steps)} fragments, "
                                 f"expected {len(self.fragments)}", "metadata.counters")
-        if msg.tau is not None and not 0 <= msg.tau <= MAX_TAU:
-            raise ProtocolError(f"metadata from learner {msg.learner}: tau must be in [0, {MAX_TAU}], got {msg.tau}",
-                                "metadata.tau")
+        lo, hi = tau_bounds(self.cfg.sync_every, len(self.fragments))
+        if msg.tau is not None and not lo <= msg.tau <= hi:
+            raise ProtocolError(f"metadata from learner {msg.learner}: tau must be in [{lo}, {hi}] (below H = "
+                                f"{self.cfg.sync_every}), got {msg.tau}", "metadata.tau")
         self._check_metadata_counters(msg)
         self.pace.accept(msg.learner, now_s, msg.step, self.global_step)
         info = self._seen(now_s, msg.learner)
@@ -787,6 +793,23 @@ class SyncerCore:
         self.run_id, self.epoch, self.snapshot_id = str(info["run_id"]), int(info["epoch"]), int(info["snapshot"])
         self.rounds.clear()
         self.carried = [{} for _ in self.fragments]
+
+    def start(self, run_id: str, fingerprint: str = "") -> None:
+        """The driver's identity of this run: its id (a fresh start; a resume takes the snapshot's) and
+        the settings every learner must run with (``core.fingerprint``; "" compares nothing)."""
+        if run_id:
+            self.run_id = run_id
+        self.fingerprint = fingerprint
+
+    def cut_snapshot(self, snapshot: int) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+        """Snapshot ``snapshot`` is cut now: every later update carries it; (tensors, info) as ``export``."""
+        self.snapshot_id = snapshot
+        return self.export()
+
+    def next_incarnation(self, snapshot: int) -> None:
+        """Resumed from ``snapshot`` (``restore`` done): this is the next incarnation of the syncer."""
+        self.epoch += 1
+        self.resumed_from = self.snapshot_id = snapshot
 
 
 def _combine(a: FragmentUpload, b: FragmentUpload) -> FragmentUpload:

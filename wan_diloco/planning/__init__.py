@@ -22,7 +22,7 @@ from wan_diloco.planning.plan import (
     tau_for_link,
 )
 from wan_diloco.planning.recommend import Recommendation, recommend
-from wan_diloco.planning.tape import Outage, load_tape, save_tape, scale_tape
+from wan_diloco.tape import Outage, load_tape, save_tape, scale_tape
 from wan_diloco.planning.timeline import compute_utilization, min_rate_for_cu
 
 __all__ = [

@@ -1,7 +1,8 @@
 """Bandwidth-requirement calculator: Gbit/s between datacenters per compute-utilization target.
 
-Each method becomes a :class:`~wan_diloco.planning.timeline.Schedule` (which
-layers go on the wire at which step, how many bits, how long they may take);
+Each method becomes a :class:`~wan_diloco.planning.timeline.Timeline` (which
+layers go on the wire at which step, how many bits, how long they may take;
+fragments are due when the run's :class:`~wan_diloco.fragments.Schedule` says);
 :mod:`~wan_diloco.planning.timeline` turns a schedule and a link rate into a
 compute utilization (CU), and a log-space bisection finds the smallest rate
 that reaches each target. See docs/planning.md for the assumptions.
@@ -11,8 +12,10 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from wan_diloco.compression.config import BITS
 from wan_diloco.config import ConfigError, require
-from wan_diloco.planning.timeline import Schedule, Sync, compute_utilization, min_rate_for_cu
+from wan_diloco.fragments import Schedule, tau_bounds
+from wan_diloco.planning.timeline import Sync, Timeline, compute_utilization, min_rate_for_cu
 
 # The paper's table columns, in its order; `--method all` means these.
 PAPER_METHODS = ("data_parallel", "diloco", "streaming", "streaming_overlap", "streaming_overlap_4bit")
@@ -53,10 +56,14 @@ class BandwidthConfig:
         require(self.sync_every >= 1, "sync_every", f"must be >= 1, got {self.sync_every}")
         frag = self.fragments
         require(frag is None or 1 <= frag <= self.layers, "fragments", f"must be in [1, layers={self.layers}], got {frag}")
-        require(self.tau >= 0, "tau", f"must be >= 0, got {self.tau}")
-        require(self.tau < self.sync_every, "tau", f"must be < sync_every={self.sync_every}, got {self.tau}")
-        require(self.bits in (4, 8, 16, 32), "bits", f"must be 4, 8, 16 or 32, got {self.bits}")
-        require(self.grad_bits in (8, 16, 32), "grad_bits", f"must be 8, 16 or 32, got {self.grad_bits}")
+        lo, hi = tau_bounds(self.sync_every, self.n_fragments)
+        require(lo <= self.tau <= hi, "tau", f"must be in [{lo}, {hi}] (below sync_every={self.sync_every}), "
+                f"got {self.tau}")
+        require(self.bits in BITS, "bits", f"must be one of {', '.join(map(str, BITS))}, got {self.bits}")
+        # Data parallel's gradients: a codec width, but never 4 bits (no published run trains on them).
+        grad_bits = tuple(b for b in BITS if b >= 8)
+        require(self.grad_bits in grad_bits, "grad_bits",
+                f"must be one of {', '.join(map(str, grad_bits))}, got {self.grad_bits}")
         require(self.rtt_s >= 0, "rtt_s", f"must be >= 0, got {self.rtt_s}")
 
     @property
@@ -83,8 +90,8 @@ def fragment_layers(layers: int, fragments: int) -> list[tuple[int, ...]]:
     return out
 
 
-def schedule_for(cfg: BandwidthConfig, method: str, via_hub: bool = False) -> Schedule:
-    """The wire schedule of ``method`` under ``cfg``.
+def schedule_for(cfg: BandwidthConfig, method: str, via_hub: bool = False) -> Timeline:
+    """The wire timeline of ``method`` under ``cfg``.
 
     ``via_hub``: every method exchanges through a central server (parameter
     server or syncer: each site's bytes go up once and the result comes down
@@ -99,24 +106,24 @@ def schedule_for(cfg: BandwidthConfig, method: str, via_hub: bool = False) -> Sc
     common = dict(layers=cfg.layers, step_time_s=cfg.step_time_s, latency_s=cfg.rtt_s / 2, ring_phases=2 * (m - 1))
     if method == "data_parallel":
         sync = Sync(everything, params_per_layer * cfg.grad_bits * ring_volume, deadline_steps=0, hub=via_hub)
-        return Schedule(period_steps=1, syncs={0: (sync,)}, **common)
+        return Timeline(period_steps=1, syncs={0: (sync,)}, **common)
     h = cfg.sync_every
     if method == "diloco":
         sync = Sync(everything, params_per_layer * cfg.bits * ring_volume, deadline_steps=0, hub=via_hub)
-        return Schedule(period_steps=h, syncs={h - 1: (sync,)}, **common)
+        return Timeline(period_steps=h, syncs={h - 1: (sync,)}, **common)
     bits = 4 if method == "streaming_overlap_4bit" else cfg.bits
     tau = 0 if method == "streaming" else cfg.tau
     hub = via_hub or method == "decoupled"
     # A hub sends each learner's fragment up once and the merged one down once.
     volume = 1.0 if hub else ring_volume
     frags = fragment_layers(cfg.layers, cfg.n_fragments)
+    due = Schedule(h, len(frags))  # the run's rule: fragment p goes after the step the run sends it
     syncs: dict[int, tuple[Sync, ...]] = {}
     for p, layers in enumerate(frags):
-        # Fragment p is due every H steps at an offset spreading the P fragments evenly.
-        offset = ((p + 1) * h) // len(frags) - 1
         sync = Sync(layers, params_per_layer * bits * volume, deadline_steps=tau, hub=hub)
-        syncs[offset] = syncs.get(offset, ()) + (sync,)
-    return Schedule(period_steps=h, syncs=syncs, **common)
+        at = due.round_index(p)
+        syncs[at] = syncs.get(at, ()) + (sync,)
+    return Timeline(period_steps=h, syncs=syncs, **common)
 
 
 def parse_methods(spec: str) -> tuple[str, ...]:

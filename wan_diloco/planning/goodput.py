@@ -32,7 +32,7 @@ import numpy as np
 
 from wan_diloco.config import require
 from wan_diloco.planning import intervals as iv
-from wan_diloco.planning.tape import Outage
+from wan_diloco.tape import Outage
 
 SECONDS_PER_YEAR = 365.25 * 86400
 SYSTEMS = ("dp", "elastic-dp", "decoupled")

@@ -9,7 +9,8 @@ checks on every region's link:
 * **demand**: the wire bits the region's learners move per second in each
   direction stay under ``rate·(1 − margin)``;
 * **τ rule**: one fragment's round trip fits in τ steps (:func:`tau_for_link`),
-  with τ < H/P so that one fragment is in flight at a time;
+  with 1 <= τ within the run's bounds (:func:`wan_diloco.fragments.tau_bounds`:
+  τ < H) and at most ``max_tau``;
 * **CU**: the compute utilization of ``wan-diloco bandwidth``'s model
   (:func:`~wan_diloco.planning.bandwidth.schedule_for` with method
   ``"decoupled"``, then :func:`~wan_diloco.planning.timeline.compute_utilization`)
@@ -22,39 +23,23 @@ run from its links".
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
-from wan_diloco.config import ConfigError, require
-from wan_diloco.fragments import Schedule as FragmentSchedule
+from wan_diloco.compression.config import BITS
+from wan_diloco.config import require
+from wan_diloco.fragments import Schedule, tau_bounds
 from wan_diloco.planning.bandwidth import BandwidthConfig, fragment_layers, schedule_for
+# The links and what one fragment's round trip over them takes: planning.links (re-exported here).
+from wan_diloco.planning.links import (  # noqa: F401
+    REPLAN_THRESHOLD, LinkEstimate, confirmed_move, links_from_metrics, replan_reasons, round_trip_s, tau_for_link,
+)
 from wan_diloco.planning.recommend import BITS_OPTIONS, LAYERS_PER_FRAGMENT_OPTIONS, SYNC_EVERY_OPTIONS, TAU_OPTIONS
 from wan_diloco.planning.timeline import compute_utilization, min_rate_for_cu
 
 METHOD = "decoupled"
 DEFAULT_MAX_TAU = max(TAU_OPTIONS)  # τ <= 5 is the published safe range
 DEFAULT_GRACE_SAFETY = 0.8  # γ, as the syncer's own grace_safety default
-REPLAN_THRESHOLD = 0.2  # re-plan when a link's rate moves by more than 20 %
-
-
-@dataclasses.dataclass(frozen=True)
-class LinkEstimate:
-    """One region's WAN link to the syncer's region, as measured (or configured): each direction alike."""
-
-    rate_gbit_s: float
-    rtt_s: float
-
-    def __post_init__(self) -> None:
-        require(isinstance(self.rate_gbit_s, (int, float)) and math.isfinite(self.rate_gbit_s)
-                and self.rate_gbit_s > 0, "rate_gbit_s", f"must be a finite number > 0, got {self.rate_gbit_s!r}")
-        require(isinstance(self.rtt_s, (int, float)) and math.isfinite(self.rtt_s) and self.rtt_s >= 0,
-                "rtt_s", f"must be a finite number >= 0, got {self.rtt_s!r}")
-
-    def shared_by(self, learners: int) -> "LinkEstimate":
-        """The share of one of ``learners`` learners: their fragments are due at the same step, so they
-        split the rate; each still waits the whole round-trip time."""
-        return LinkEstimate(self.rate_gbit_s / learners, self.rtt_s)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,61 +77,18 @@ class ModelFacts:
         return tuple(per_layer * len(group) for group in fragment_layers(self.layers, fragments))
 
 
-def round_trip_s(fragment_bytes: float, link: LinkEstimate, quorum_s: float = 0.0, sync_s: float = 0.0) -> float:
-    """Seconds from a learner sending a fragment to the merged fragment being back with it.
-
-    The runtime sends a fragment as one message up and the merged fragment as
-    one message down, so both transfers count in full, each with its one-way
-    delay (RTT/2 up + RTT/2 down = one RTT): ``2·bytes·8/rate + rtt + quorum + sync``.
-    ``quorum_s`` is the wait for the K-th learner, ``sync_s`` the syncer's
-    merge and outer step (transfers excluded).
-    """
-    transfer_s = fragment_bytes * 8 / (link.rate_gbit_s * 1e9)
-    return 2 * transfer_s + link.rtt_s + quorum_s + sync_s
-
-
-def tau_for_link(
-    fragment_bytes: float,
-    link: LinkEstimate,
-    step_time_s: float,
-    margin: float = 0.1,
-    quorum_s: float = 0.0,
-    sync_s: float = 0.0,
-    max_tau: int | None = None,
-) -> int | None:
-    """Smallest τ >= 1 with ``round_trip_s(...) <= τ·step·(1 − margin)``; None if it needs more than ``max_tau``.
-
-    The learner sends a fragment after step t and mixes the answer in after
-    step t + τ, so τ whole steps are what the round trip may take; the margin
-    keeps room for the rate to dip. The minimum is 1 even for a round trip of
-    ~0 s: τ = 0 means the learner blocks for the answer, which Decoupled
-    DiLoCo never does.
-    """
-    require(fragment_bytes >= 0, "fragment_bytes", f"must be >= 0, got {fragment_bytes}")
-    require(step_time_s > 0, "step_time_s", f"must be > 0, got {step_time_s}")
-    require(0 <= margin < 1, "margin", f"must be in [0, 1), got {margin}")
-    require(quorum_s >= 0, "quorum_s", f"must be >= 0, got {quorum_s}")
-    require(sync_s >= 0, "sync_s", f"must be >= 0, got {sync_s}")
-    require(max_tau is None or max_tau >= 1, "max_tau", f"must be >= 1, got {max_tau}")
-    need_s = round_trip_s(fragment_bytes, link, quorum_s, sync_s)
-    usable_step_s = step_time_s * (1 - margin)
-    # The 1e-9 keeps an exact fit (need = k·usable) from rounding up to k + 1.
-    tau = max(1, math.ceil(need_s / usable_step_s - 1e-9))
-    return None if max_tau is not None and tau > max_tau else tau
-
-
 def fragment_order(sizes: Sequence[float], sync_every: int) -> tuple[int, ...]:
     """Which fragment goes on the wire in each of the P send slots of a period (slot k sends ``order[k]``).
 
-    Slots sit at offsets ⌊k·H/P⌋, so when P does not divide H the gaps to the
-    next send differ by one step. The largest fragment goes to the slot
+    Slots sit at offsets ⌊k·H/P⌋ (:class:`wan_diloco.fragments.Schedule`, which
+    applies the order when a run sets ``learner.fragment_order`` to it), so when
+    P does not divide H the gaps to the next send differ by one step. The largest fragment goes to the slot
     followed by the longest gap, and so on down: the transfers that take
     longest get the most time before the link is needed again. Fragments of
     equal size keep their index order among themselves.
     """
     n = len(sizes)
-    sched = FragmentSchedule(sync_every, n)
-    offsets = [sched.offset(k) for k in range(n)]
+    offsets = [Schedule.slot_offset(k, sync_every, n) for k in range(n)]
     gaps = [(offsets[k + 1] if k + 1 < n else sync_every + offsets[0]) - offsets[k] for k in range(n)]
     slots = sorted(range(n), key=lambda k: (-gaps[k], k))
     frags = sorted(range(n), key=lambda p: (-sizes[p], p))
@@ -287,8 +229,8 @@ def plan_run(
             f"must be a finite number > 0, got {step_time_s}")
     require(0 < target_cu < 1, "target_cu", f"must be in (0, 1), got {target_cu}")
     require(0 <= margin < 1, "margin", f"must be in [0, 1), got {margin}")
-    require(bool(bits_options) and all(b in (4, 8, 16, 32) for b in bits_options), "bits_options",
-            f"each must be 4, 8, 16 or 32, got {list(bits_options)}")
+    require(bool(bits_options) and all(b in BITS for b in bits_options), "bits_options",
+            f"each must be one of {', '.join(map(str, BITS))}, got {list(bits_options)}")
     require(bool(sync_every_options) and all(isinstance(h, int) and h >= 2 for h in sync_every_options),
             "sync_every_options", f"each must be an integer >= 2, got {list(sync_every_options)}")
     require(isinstance(max_tau, int) and max_tau >= 1, "max_tau", f"must be an integer >= 1, got {max_tau!r}")
@@ -317,8 +259,8 @@ def plan_run(
     found: list[_Candidate] = []
     for h in sorted(sync_every_options):
         for p in sorted(fragment_options):
-            # τ < H/P keeps one fragment in flight at a time (as recommend's grid); τ >= 1 (overlap).
-            cap = min(max_tau, max(1, h // p) - 1)
+            # The run's bounds, at most max_tau; τ >= 1 (overlap: the learner never blocks).
+            _, cap = tau_bounds(h, p, max_tau)
             if cap < 1:
                 continue
             sizes = model.fragment_sizes(p)
@@ -339,7 +281,7 @@ def plan_run(
                     if c.reached(target_cu):
                         break  # a larger τ only adds staleness
     require(bool(found), "sync_every_options",
-            f"no setting has τ < H/P with τ >= 1 (H in {list(sync_every_options)}, P in {list(fragment_options)})")
+            f"no setting has 1 <= τ < H (H in {list(sync_every_options)}, P in {list(fragment_options)})")
     ok = [c for c in found if c.reached(target_cu)]
     if ok:
         best, reached = min(ok, key=_quality_key), True
@@ -393,7 +335,7 @@ def _why(c: _Candidate, model, links, planned, share, need, demand, usable_s, st
         if c.tau_by_region[r] is None:
             out.append(f"{r}: one fragment's round trip takes {need[r]:.3g} s at {share[r].rate_gbit_s:.3g} Gbit/s"
                        f"{each}, more than tau x step x (1 - margin) = {usable_s:.3g} s at the largest tau allowed "
-                       f"({c.tau}, tau < H/P) at {setting}")
+                       f"({c.tau}: plan.max_tau, and tau < H) at {setting}")
         if c.cu_by_region[r] < target_cu:
             sched = schedule_for(bandwidth_config(model.params, model.layers, step_time_s, c.sync_every,
                                                   c.fragments, c.tau, c.bits, share[r].rtt_s), METHOD)
@@ -402,81 +344,4 @@ def _why(c: _Candidate, model, links, planned, share, need, demand, usable_s, st
                    f"reaching it needs {needed:.3g} Gbit/s{each}, {needed / share[r].rate_gbit_s:.1f}x the "
                    f"{share[r].rate_gbit_s:.3g} available")
             out.append(f"{r}: CU {c.cu_by_region[r]:.3f} < target {target_cu:g} at {setting}; {how}")
-    return out
-
-
-def replan_reasons(
-    planned: Mapping[str, LinkEstimate], measured: Mapping[str, LinkEstimate], threshold: float = REPLAN_THRESHOLD
-) -> list[str]:
-    """One sentence per region whose measured rate moved by more than ``threshold`` of the planned rate.
-
-    A region measured but not planned for is a reason too (its link was never
-    checked); a planned region without a measurement is not (no news). An empty
-    list means keep the plan.
-    """
-    require(threshold > 0, "threshold", f"must be > 0, got {threshold}")
-    out = []
-    for r, m in measured.items():
-        p = planned.get(r)
-        if p is None:
-            out.append(f"{r}: rate {m.rate_gbit_s:.2f} Gbit/s measured on a link the plan does not cover")
-            continue
-        change = m.rate_gbit_s / p.rate_gbit_s - 1
-        if abs(change) > threshold:
-            out.append(f"{r}: rate {m.rate_gbit_s:.3g} Gbit/s measured vs {p.rate_gbit_s:.3g} planned "
-                       f"({100 * change:+.0f} %)")
-    return out
-
-
-def confirmed_move(planned: LinkEstimate, recent: Sequence[LinkEstimate], threshold: float = REPLAN_THRESHOLD,
-                   confirm: int = 2) -> LinkEstimate | None:
-    """The link to re-plan for when the last ``confirm`` samples all moved the rate beyond ``threshold``
-    of ``planned``, the same way; else None (one noisy probe, e.g. one that met the learner's own
-    upload on the link, does not re-plan).
-
-    Of the confirming samples it returns the one closest to ``planned``: the move every one of
-    them shows, so one outlier does not overshoot.
-    """
-    require(confirm >= 1, "confirm", f"must be >= 1, got {confirm}")
-    last = list(recent)[-confirm:]
-    if len(last) < confirm:
-        return None
-    changes = [m.rate_gbit_s / planned.rate_gbit_s - 1 for m in last]
-    if all(c > threshold for c in changes) or all(c < -threshold for c in changes):
-        return min(zip(changes, last), key=lambda cm: abs(cm[0]))[1]
-    return None
-
-
-def links_from_metrics(lines: Iterable[str], source: str = "metrics") -> dict[str, LinkEstimate]:
-    """The latest link measurement per region in a run's ``metrics.jsonl`` lines.
-
-    Link events look like ``{"source": "learner-1", "event": "link", "region":
-    "eu-west", "rtt_ms": 61.2, "rate_gbit_s": 1.87, ...}``; other events are
-    skipped, later lines win. A line that is not JSON is an error naming it,
-    except the last one, which a live run may still be writing.
-    """
-    lines = list(lines)
-    out: dict[str, LinkEstimate] = {}
-    for i, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            event = json.loads(line)
-        except json.JSONDecodeError:
-            if i == len(lines):
-                break
-            raise ConfigError(f"{source} line {i}: not JSON: {line.strip()[:60]!r}") from None
-        if not isinstance(event, dict) or event.get("event") != "link":
-            continue
-        where = f"{source} line {i}"
-        region = event.get("region")
-        require(isinstance(region, str) and bool(region), f"{where}: region", f"must be a region name, got {region!r}")
-        for key in ("rate_gbit_s", "rtt_ms"):
-            v = event.get(key)
-            require(isinstance(v, (int, float)) and not isinstance(v, bool), f"{where}: {key}",
-                    f"must be a number, got {v!r}")
-        try:
-            out[region] = LinkEstimate(float(event["rate_gbit_s"]), float(event["rtt_ms"]) / 1e3)
-        except ConfigError as e:
-            raise ConfigError(f"{where}: {e}") from None
     return out

@@ -4,14 +4,16 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from wan_diloco.compression.config import BITS
 from wan_diloco.config import replace, require
+from wan_diloco.fragments import tau_bounds
 from wan_diloco.planning.bandwidth import BandwidthConfig, schedule_for
 from wan_diloco.planning.timeline import compute_utilization
 
 SYNC_EVERY_OPTIONS = (10, 25, 50, 100, 200, 500)
 LAYERS_PER_FRAGMENT_OPTIONS = (1, 2, 3, 4, 6, 8, 12)
 TAU_OPTIONS = (0, 1, 2, 3, 4, 5)  # τ <= 5 is the published safe range
-BITS_OPTIONS = (16, 8, 4)
+BITS_OPTIONS = tuple(b for b in BITS if b < 32)  # the codec's widths below fp32: (16, 8, 4)
 STREAMING_METHODS = ("decoupled", "streaming_overlap")
 
 
@@ -50,8 +52,9 @@ def recommend(
     found = []
     for h in SYNC_EVERY_OPTIONS:
         for p in fragment_counts:
+            lo, hi = tau_bounds(h, p)  # the run's rule: τ < H
             for tau in TAU_OPTIONS:
-                if tau >= max(1, h // p):  # τ < H/P keeps one fragment in flight at a time
+                if not lo <= tau <= hi:
                     continue
                 for bits in BITS_OPTIONS:
                     c = replace(cfg, sync_every=h, fragments=p, tau=tau, bits=bits)

@@ -47,8 +47,11 @@ class Sync:
 
 
 @dataclasses.dataclass(frozen=True)
-class Schedule:
-    """What is sent at which step: ``syncs_at(step)`` repeats every ``period_steps``."""
+class Timeline:
+    """What is sent at which step: ``syncs_at(step)`` repeats every ``period_steps`` (steps 0-based).
+
+    Which fragment is due when is the run's rule (:class:`wan_diloco.fragments.Schedule`); this only
+    lays its sends out against one link."""
 
     layers: int
     step_time_s: float
@@ -61,7 +64,7 @@ class Schedule:
         return self.syncs.get(step % self.period_steps, ())
 
 
-def compute_utilization(schedule: Schedule, rate_gbit_s: float, measure_periods: int = 2) -> float:
+def compute_utilization(schedule: Timeline, rate_gbit_s: float, measure_periods: int = 2) -> float:
     """Steady-state compute utilization of ``schedule`` on a link of ``rate_gbit_s``.
 
     Simulates one warm-up period and ``measure_periods`` measured periods.
@@ -119,7 +122,7 @@ def compute_utilization(schedule: Schedule, rate_gbit_s: float, measure_periods:
 
 
 def min_rate_for_cu(
-    schedule: Schedule, target_cu: float, lo_gbit_s: float = 1e-4, hi_gbit_s: float = 1e6, rel_tol: float = 0.005
+    schedule: Timeline, target_cu: float, lo_gbit_s: float = 1e-4, hi_gbit_s: float = 1e6, rel_tol: float = 0.005
 ) -> float:
     """Smallest link rate (Gbit/s) whose compute utilization reaches ``target_cu``.
 

@@ -413,7 +413,7 @@ class RunState:
         self.shards: dict[int, dict] = {}  # syncer shards 1..: what they last reported (as ``syncer`` for shard 0)
         self.finals: dict[int, dict] = {}
         self.starts: dict[int, dict] = {}
-        self.evals: list[dict] = []  # the global model's eval points (run.eval_every), in step order
+        self.evals: list[dict] = []  # the global model's eval points (run.eval_every_steps), in step order
         self.losses: dict[int, list[tuple[int, float]]] = {m: [] for m in range(cfg.run.learners)}
         self.tokens: dict[int, list[tuple[float, int]]] = {m: [] for m in range(cfg.run.learners)}  # (t, tokens)
         self.barrier: dict = {}  # the start barrier as last heard: need, joined, waiting_for, started

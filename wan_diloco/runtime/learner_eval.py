@@ -1,5 +1,5 @@
 """A networked learner's evaluations: its held-out loss, and the run's eval curve (every
-``run.eval_every`` steps one learner in turn evaluates the global model Θ as it holds it).
+``run.eval_every_steps`` steps one learner in turn evaluates the global model Θ as it holds it).
 
 Methods of ``runtime.learner.Learner`` kept in a module of their own (``self`` is the learner).
 """
@@ -13,7 +13,7 @@ from wan_diloco.runtime.events import emit
 
 
 def eval_due(step: int, every: int, learners: int, learner: int) -> bool:
-    """Every ``run.eval_every`` steps one learner in turn evaluates (``learner`` = (step / every) mod learners)."""
+    """Every ``run.eval_every_steps`` steps one learner in turn evaluates (``learner`` = (step / every) mod learners)."""
     return bool(every) and step % every == 0 and (step // every) % learners == learner
 
 
@@ -29,7 +29,7 @@ def maybe_eval(self) -> None:
     """The run's eval curve (``eval`` events): the global model as this learner holds it (its global
     view Θ, not its local parameters) when ``eval_due`` says it is this learner's turn."""
     step = self.core.step
-    if not eval_due(step, self.cfg.run.eval_every, self.cfg.run.learners, self.m):
+    if not eval_due(step, self.cfg.run.eval_every_steps, self.cfg.run.learners, self.m):
         return
     t0 = time.monotonic()
     flat = {n: v for fragment in self.core.base for n, v in fragment.items()}

@@ -10,6 +10,7 @@ import collections
 
 from wan_diloco.config import ConfigError
 from wan_diloco.core import LearnerCore
+from wan_diloco.fragments import tau_bounds
 from wan_diloco.planning import LinkEstimate, confirmed_move, replan_reasons, tau_for_link
 from wan_diloco.runtime.events import emit
 
@@ -70,7 +71,7 @@ class Replanner:
             if plan.replan_confirm > 1:
                 reasons.append(f"seen in {plan.replan_confirm} probes in a row")
         self.planned_link = link
-        cap = min(plan.max_tau, self.cfg.learner.sync_every - 1)
+        _, cap = tau_bounds(self.cfg.learner.sync_every, self.cfg.learner.num_fragments, plan.max_tau)
         # What actually goes on the wire per fragment so far (compressed), else the codec's bound.
         frag_bytes = payload_bytes / uploads if uploads else self.max_fragment_bytes
         tau = tau_for_link(frag_bytes, link, step_s, plan.margin, sync_s=0.0, max_tau=cap)

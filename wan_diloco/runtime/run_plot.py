@@ -20,7 +20,7 @@ def plot_run(losses: dict[int, list[tuple[int, float]]], evals: list[dict], star
              finals: list[tuple[int, float]], path: str | Path, title: str = "",
              tokens: dict[int, list[tuple[float, int]]] | None = None) -> None:
     """``losses``: learner -> (step, training loss) points; ``evals``: {step, eval_loss} of the global model
-    (``run.eval_every``); ``starts``/``finals``: eval losses at the start and (step, loss) at the end;
+    (``run.eval_every_steps``); ``starts``/``finals``: eval losses at the start and (step, loss) at the end;
     ``tokens``: learner -> (wall time, tokens trained) readings, drawn as throughput below."""
     import matplotlib
 

@@ -15,7 +15,8 @@ def protocol_for(spec: RunSpec) -> RunSpec:
     """
     baseline, M = spec.simulate.baseline, spec.run.learners
     if baseline == "diloco":
-        return spec.with_changes(learner={"num_fragments": 1, "tau": 0, "blocking": True, "keep_local": False},
+        return spec.with_changes(learner={"num_fragments": 1, "fragment_order": [], "tau": 0, "blocking": True,
+                                          "keep_local": False},
                                  syncer={"quorum": M, "grace": False})
     if baseline == "streaming":
         return spec.with_changes(learner={"blocking": True}, syncer={"quorum": M, "grace": False})

@@ -2,7 +2,9 @@
 
 Per-learner step time = base × speed factor × lognormal noise; per-link
 transfer time = bytes / bandwidth + RTT/2, with each link a FIFO, so τ and the
-grace window matter. Learners go down and come back by a failure tape.
+grace window matter. Learners, the syncer and its shards go down and come back by a failure tape
+(``wan_diloco.tape``; how each fault is replayed: ``sim.faults``). Each action list of a core is
+interpreted by one ``match`` that fails on an action it does not know.
 """
 from __future__ import annotations
 
@@ -20,12 +22,15 @@ from wan_diloco import train as train_lib
 from wan_diloco import tree
 from wan_diloco.assemble import Assembly
 from wan_diloco.core import (
-    FINAL_TIMER, ApplyGlobal, Broadcast, LearnerCore, Resync, SendFragment, SendMetadata, SetTimer, Snapshot,
+    FINAL_TIMER, ApplyGlobal, Broadcast, LearnerCore, Rejoin, Resync, SaveState, SendFragment, SendMetadata, SetTimer,
+    Snapshot,
 )
-from wan_diloco.core.recovery import Candidate, choose_donor
-from wan_diloco.planning.tape import Outage
+from wan_diloco.core.recovery import Donations
 from wan_diloco.sim.common import Progress, SimResult, step_time, uptime
+from wan_diloco.sim.faults import FaultReplay
 from wan_diloco.sim.shards import ShardedSyncer
+from wan_diloco.sim.snapshots import SnapshotKeeper
+from wan_diloco.tape import Fault, Outage, SyncerOutage
 from wan_diloco.spec import RunSpec, to_document
 
 
@@ -56,27 +61,44 @@ class _Learner:
     listening: bool = True  # receives global updates: up, or recovering (docs/method.md, "Recovery": they are replayed)
     stepping: bool = False
     waiting: bool = False
-    epoch: int = 0  # bumped on failure: events of a dead incarnation are ignored
+    life: int = 0  # bumped on failure and restart: events of a dead life of this learner are ignored
+    joining: bool = False  # fetching the fragments of a resumed syncer (``Rejoin``)
+    join_due: bool = False  # they arrived during a step: ``join`` after it
     useful_s: float = 0.0
     intervals: list[tuple[float, float]] = field(default_factory=list)
 
 
 
-class Simulation:
-    """One simulated run of ``spec`` (already set for its baseline: ``sim.protocol_for``)."""
+class Simulation(FaultReplay):
+    """One simulated run of ``spec`` (already set for its baseline: ``sim.protocol_for``) under the faults of
+    a tape. ``faults`` records what each fault did (learner down/up, recovered from which donor, syncer
+    resumed from which snapshot at which incarnation, learners rejoined)."""
 
-    def __init__(self, spec: RunSpec, parts: Assembly, outages: list[Outage], progress: Progress | None = None,
+    def __init__(self, spec: RunSpec, parts: Assembly, outages: list[Fault], progress: Progress | None = None,
                  on_upload: Callable | None = None):
         self.spec, self.parts, self.progress, self.on_upload = spec, parts, progress, on_upload
         self.cfg = spec.simulate
         self.M = spec.run.learners
         self.frags = parts.layout.fragments
         S = spec.syncer.shards
-        if S > 1 or self.cfg.shard_merge_gb_s:
+        merge_gb_s = spec.plan.shard_merge_gb_s if self.cfg.merge_takes_time else 0.0
+        self.sharded = S > 1 or bool(merge_gb_s)
+        if self.sharded:
             cores = [parts.syncer_core(shard=s if S > 1 else None) for s in range(S)]
-            self.syncer = ShardedSyncer(cores, parts.shard_plan, list(parts.layout.nbytes), self.cfg.shard_merge_gb_s)
+            self.syncer = ShardedSyncer(cores, parts.shard_plan, list(parts.layout.nbytes), merge_gb_s)
         else:
             self.syncer = parts.syncer_core()
+        self.syncer_up = [True] * S
+        self.syncer_life = [0] * S  # bumped when a shard dies and resumes: its timers die with it
+        # Snapshots are cut only when the tape kills the syncer: nothing else reads them here.
+        kills = any(isinstance(o, SyncerOutage) for o in outages)
+        every = spec.checkpoint.every_merges
+        patience_s = 2 * spec.syncer.liveness_timeout_s  # as the network driver's
+        self.keepers = [SnapshotKeeper(core, every, s == 0, self.M, patience_s)
+                        for s, core in enumerate(self._cores())] if kills else []
+        self.learner_parts: dict[int, tuple[int, dict]] = {}  # learner -> (snapshot, its part): its newest
+        self.donations = Donations(spec.syncer.donor_timeout_s)
+        self.faults: list[dict] = []
         rtt, bw = self.cfg.rtt_s, self.cfg.bandwidth_gbit_s
         self.learners = [
             _Learner(
@@ -94,10 +116,20 @@ class Simulation:
         self.bytes_sent = 0
         self.done = False
         self.curve: list[dict] = []
-        self.next_eval = self.cfg.eval_every
+        self.next_eval = self.cfg.curve_every_steps
+        self.late = set()  # learners that join late: down from the start, they draw no batch before
         for o in outages:
-            self._at(o.down_at, self._go_down, o.learner)
-            self._at(o.up_at, self._come_up, o.learner)
+            match o:
+                case Outage(learner=m):
+                    self._at(o.down_at, self._go_down, m)
+                    self._at(o.up_at, self._come_up, m)
+                    if o.joins_late:
+                        self.late.add(m)
+                case SyncerOutage(shard=shard):
+                    self._at(o.down_at, self._syncer_down, shard)
+                    self._at(o.up_at, self._syncer_resume, shard)
+                case _:
+                    raise TypeError(f"simulator: unknown fault {o!r}")
 
     # ---- event plumbing -------------------------------------------------------------
 
@@ -109,7 +141,8 @@ class Simulation:
         t0 = time.perf_counter()
         self._eval_point(force=True)
         for m in range(self.M):
-            self._start_step(m)
+            if m not in self.late:
+                self._start_step(m)
         while self.heap and not self.done:
             self.now, _, fn, args = heapq.heappop(self.heap)
             fn(*args)
@@ -146,7 +179,7 @@ class Simulation:
         step = self._global_step()
         if force or step >= self.next_eval:
             while self.next_eval <= step:
-                self.next_eval += self.cfg.eval_every
+                self.next_eval += self.cfg.curve_every_steps
             params = tree.unflatten(self.syncer.global_params(), self.parts.state0.params)
             point = {"step": step, "tokens": self.tokens, "time_s": self.now, "eval_loss": self.parts.evaluate(params)}
             if not self.curve or point != self.curve[-1]:
@@ -174,17 +207,19 @@ class Simulation:
         dt = step_time(self.cfg, l.speed, l.rng)
         l.core.begin_step(self.now)
         l.stepping = True
-        self._at(self.now + dt, self._end_step, m, l.epoch, batch.n_tokens, dt)
+        self._at(self.now + dt, self._end_step, m, l.life, batch.n_tokens, dt)
 
-    def _end_step(self, m: int, epoch: int, n_tokens: int, dt: float) -> None:
+    def _end_step(self, m: int, life: int, n_tokens: int, dt: float) -> None:
         l = self.learners[m]
-        if epoch != l.epoch:
+        if life != l.life:
             return  # the learner failed during this step: its work is lost
         l.stepping = False
         l.useful_s += dt
         l.intervals.append((self.now - dt, self.now))
         self.tokens += n_tokens
         self._learner_actions(m, l.core.step_done(self.now, n_tokens))
+        if l.join_due:
+            self._join_now(m)
         self._eval_point()
         if self._finished():
             self.done = True
@@ -194,72 +229,39 @@ class Simulation:
     def _learner_actions(self, m: int, actions: list) -> None:
         l = self.learners[m]
         for a in actions:
-            if isinstance(a, SendMetadata):
-                self._at(self.now + self.cfg.rtt_s / 2, self._from_learner, m, l.epoch, self.syncer.on_metadata, a.msg)
-            elif isinstance(a, Snapshot):
-                flat = tree.flatten(l.state.params)
-                theta = {n: np.asarray(flat[n]) for n in self.frags[a.fragment]}
-                self._learner_actions(m, l.core.snapshot(self.now, a.fragment, a.due_step, theta, a.final))
-            elif isinstance(a, SendFragment):
-                self.bytes_sent += a.msg.nbytes
-                if a.msg.final:  # the end-of-run sync happens after the clock stops
-                    self._syncer_event(self._upload, a.msg)
-                else:
-                    self._at(l.up_link.send(self.now, a.msg.nbytes), self._from_learner, m, l.epoch,
-                             self._upload, a.msg)
-            elif isinstance(a, ApplyGlobal):
-                flat = tree.flatten(l.state.params)
-                flat.update({n: jnp.asarray(v) for n, v in a.mixed(flat).items()})
-                l.state = train_lib.set_params(l.state, tree.unflatten(flat, l.state.params))
-            elif isinstance(a, Resync):
-                p = a.fragment
-                self.bytes_sent += sum(x.nbytes for x in self.syncer.theta[p].values())
-                self._learner_actions(m, l.core.resync(p, self.syncer.theta[p], self.syncer.version[p]))
+            match a:
+                case SendMetadata(msg=msg):
+                    self._at(self.now + self.cfg.rtt_s / 2, self._from_learner, m, l.life, self._metadata, msg)
+                case Snapshot(fragment=p, due_step=due, final=final):
+                    flat = tree.flatten(l.state.params)
+                    theta = {n: np.asarray(flat[n]) for n in self.frags[p]}
+                    self._learner_actions(m, l.core.snapshot(self.now, p, due, theta, final))
+                case SendFragment(msg=msg):
+                    self.bytes_sent += msg.nbytes
+                    if msg.final:  # the end-of-run sync happens after the clock stops
+                        self._syncer_event(self._upload, msg)
+                    else:
+                        self._at(l.up_link.send(self.now, msg.nbytes), self._from_learner, m, l.life, self._upload, msg)
+                case ApplyGlobal():
+                    flat = tree.flatten(l.state.params)
+                    flat.update({n: jnp.asarray(v) for n, v in a.mixed(flat).items()})
+                    l.state = train_lib.set_params(l.state, tree.unflatten(flat, l.state.params))
+                case Resync(fragment=p):
+                    self.bytes_sent += sum(x.nbytes for x in self.syncer.theta[p].values())
+                    self._learner_actions(m, l.core.resync(p, self.syncer.theta[p], self.syncer.version[p]))
+                case Rejoin():
+                    self._fetch_for_join(m)
+                case SaveState(snapshot=snap):
+                    self._save_part(m, snap)
+                case _:
+                    raise TypeError(f"simulator: unhandled learner action {a!r}")
 
-    def _deliver(self, m: int, epoch: int, msg) -> None:
+    def _deliver(self, m: int, life: int, msg) -> None:
         l = self.learners[m]
-        if not l.listening or epoch != l.epoch:
+        if not l.listening or life != l.life:
             return
         self._learner_actions(m, l.core.on_update(self.now, msg))
         self._resume_if_unblocked(m)
-
-    def _go_down(self, m: int) -> None:
-        l = self.learners[m]
-        if not (l.up or l.listening):
-            return
-        l.up, l.listening, l.stepping, l.waiting = False, False, False, False
-        l.epoch += 1
-        self._syncer_actions(self.syncer.on_peer_lost(self.now, m))
-
-    def _come_up(self, m: int) -> None:
-        l = self.learners[m]
-        if l.up:
-            return
-        candidates = {i: Candidate(p.core.region, p.core.step) for i, p in enumerate(self.learners)
-                      if p.up and p is not l}
-        l.epoch += 1
-        donor = choose_donor(candidates, l.core.region)
-        if donor is not None:
-            # Copy a healthy peer (core.recovery's choice); its state takes state_bytes over the link.
-            peer = self.learners[donor]
-            l.state = peer.state
-            l.core.adopt(*peer.core.export())
-            ready = self.now + self.state_bytes * 8 / (self.cfg.bandwidth_gbit_s * 1e9) + self.cfg.rtt_s
-        else:
-            for p in range(len(self.frags)):
-                self._learner_actions(m, l.core.resync(p, self.syncer.theta[p], self.syncer.version[p]))
-            ready = self.now + self.cfg.rtt_s
-        # Global updates sent while the state travels are applied in order on top of it (docs/method.md, "Recovery",
-        # step 4), so the learner starts current instead of resyncing fragment by fragment.
-        l.listening = True
-        self._at(ready, self._rejoin, m, l.epoch)
-
-    def _rejoin(self, m: int, epoch: int) -> None:
-        l = self.learners[m]
-        if epoch != l.epoch:
-            return
-        l.up = True
-        self._start_step(m)
 
     def _resume_if_unblocked(self, m: int) -> None:
         l = self.learners[m]
@@ -269,44 +271,80 @@ class Simulation:
 
     # ---- syncer ---------------------------------------------------------------------
 
-    def _from_learner(self, m: int, epoch: int, handler: Callable, msg) -> None:
+    def _from_learner(self, m: int, life: int, handler: Callable, msg) -> None:
         # A learner's failure resets its connection: what it had in flight is lost with it. Delivered
         # after the syncer was told it is down, a message would make it look alive again, and every
         # round would wait out the grace window for it until it came back.
-        if epoch == self.learners[m].epoch:
+        if life == self.learners[m].life:
             self._syncer_event(handler, msg)
 
     def _syncer_event(self, handler: Callable, msg) -> None:
+        if not self.sharded and not self.syncer_up[0]:
+            return  # the syncer is dead: what reaches it is lost (a shard's: ``ShardedSyncer``)
         self._syncer_actions(handler(self.now, msg))
+
+    # The handlers look the syncer up when the event arrives: a resumed one replaces the dead one.
+
+    def _metadata(self, now_s: float, msg) -> list:
+        actions = self.syncer.on_metadata(now_s, msg)
+        if self.keepers and self.syncer_up[0]:  # the learners' parts are in shard 0's snapshots
+            epoch = self.syncer.epoch_at(0, msg.epoch) if self.sharded else msg.epoch
+            self.keepers[0].on_metadata(now_s, msg.learner, msg.snapshot, epoch)
+        return actions
 
     def _upload(self, now_s: float, msg) -> list:
         if self.on_upload is not None:
             self.on_upload(msg)
         return self.syncer.on_fragment(now_s, msg)
 
+    def _peer_lost(self, now_s: float, m: int) -> list:
+        actions = self.syncer.on_peer_lost(now_s, m)
+        for s, keeper in enumerate(self.keepers):
+            if self.syncer_up[s]:
+                keeper.check(now_s)
+        return actions
+
+    def _timer(self, shard: int, life: int, key) -> None:
+        if life == self.syncer_life[shard]:  # a dead incarnation's timers die with it
+            self._syncer_event(lambda now_s, k: self.syncer.on_timer(now_s, k), key)
+
     def _syncer_actions(self, actions: list) -> None:
         for a in actions:
-            if isinstance(a, Broadcast) and a.msg.final:
-                for m, l in enumerate(self.learners):
-                    if l.up:
-                        self.bytes_sent += a.msg.nbytes
-                        self._learner_actions(m, l.core.on_update(self.now, a.msg))
-            elif isinstance(a, Broadcast):
-                sent_s = self.syncer.ready_at(self.now, a) if isinstance(self.syncer, ShardedSyncer) else self.now
-                for m, l in enumerate(self.learners):
-                    if l.listening:
-                        self.bytes_sent += a.msg.nbytes
-                        self._at(l.down_link.send(sent_s, a.msg.nbytes), self._deliver, m, l.epoch, a.msg)
-            elif isinstance(a, SetTimer) and a.key != FINAL_TIMER:
-                self._at(a.at_s, self._syncer_event, self.syncer.on_timer, a.key)
+            match a:
+                case Broadcast(msg=msg) if msg.final:
+                    for m, l in enumerate(self.learners):
+                        if l.up:
+                            self.bytes_sent += msg.nbytes
+                            self._learner_actions(m, l.core.on_update(self.now, msg))
+                case Broadcast(msg=msg):
+                    sent_s = self.syncer.ready_at(self.now, a) if self.sharded else self.now
+                    for m, l in enumerate(self.learners):
+                        if l.listening:
+                            self.bytes_sent += msg.nbytes
+                            self._at(l.down_link.send(sent_s, msg.nbytes), self._deliver, m, l.life, msg)
+                case SetTimer(key=key) if key == FINAL_TIMER:
+                    pass  # the end-of-run sync runs after the clock stops (``_final_sync``)
+                case SetTimer(key=key, at_s=at_s):
+                    shard = self.syncer.plan[key[0]] if self.sharded else 0
+                    self._at(at_s, self._timer, shard, self.syncer_life[shard], key)
+                case _:
+                    raise TypeError(f"simulator: unhandled syncer action {a!r}")
+        for s, keeper in enumerate(self.keepers):  # the runtime cuts after the actions of a merge
+            if actions and self.syncer_up[s]:
+                keeper.on_merged(self.now)
 
     def _final_sync(self) -> None:
         """Every live learner sends every fragment at once; the syncer merges them all (a real run's last step)."""
+        if not all(self.syncer_up):  # killed to the end: the operator resumes it, and the learners rejoin it
+            self._syncer_resume(None)
+            for m, l in enumerate(self.learners):
+                if l.up and l.core.meet(*self._identity_of_syncer()) == "new":
+                    self._join_now(m)
         up = [m for m, l in enumerate(self.learners) if l.up]
         for m in up:  # as in a real run, the syncer has heard from every learner that is up
-            self._syncer_event(self.syncer.on_metadata, self.learners[m].core.metadata())
+            self._syncer_event(self._metadata, self.learners[m].core.metadata())
         for m in up:
             self.learners[m].stepping = False  # a step cut short by the end of the run: its buffered updates still merge
             self._learner_actions(m, self.learners[m].core.finish())
         if not self.syncer.final_done:  # someone the syncer still counts as alive is recovering: do not wait
-            self._syncer_event(self.syncer.on_timer, FINAL_TIMER)
+            self._syncer_event(lambda now_s, k: self.syncer.on_timer(now_s, k), FINAL_TIMER)

@@ -304,7 +304,7 @@ def tokens_trained(record: RunRecord, until_t: float = math.inf) -> int:
 
 
 def eval_curve(record: RunRecord) -> list[tuple[int, float]]:
-    """(tokens the run had trained, eval loss of the global model) at each ``eval`` event (``run.eval_every``),
+    """(tokens the run had trained, eval loss of the global model) at each ``eval`` event (``run.eval_every_steps``),
     and at the end; empty without eval events."""
     evals = record.events_of(kind="eval")
     if not evals:
@@ -389,7 +389,7 @@ def analyze(record: RunRecord, baseline: RunRecord | None = None, min_window_s: 
     - ``final_eval_loss``: mean final eval loss of the learners' last processes; ``fault_free_eval_loss``
       the fault-free run's (same config and step budget) eval loss at the tokens the faulty run trained
       (it trains fewer, ``notes.tokens``, ``tokens_trained``), read off its eval curve (``eval_curve``,
-      ``loss_at_tokens``: needs ``run.eval_every``; without one, its final loss at equal steps,
+      ``loss_at_tokens``: needs ``run.eval_every_steps``; without one, its final loss at equal steps,
       ``notes.compared_at``); ``loss_ratio`` the first over the second.
     - ``syncer_resumes``: syncer processes started with a resumed snapshot.
     - ``snapshot_interval_s``: mean time between the syncer's complete-snapshot events.

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from wan_diloco.config import ConfigError
-from wan_diloco.planning.tape import Outage, merge_outages
+from wan_diloco.tape import Outage, SyncerOutage, merge_outages
 from wan_diloco.spec import RunSpec
 
 
@@ -140,13 +140,19 @@ def round_robin(learners: int, every_s: float, until_s: float, syncer_at_s: floa
 
 
 def from_tape(outages: Iterable[Outage], scale: float, learners: int, horizon_s: float | None = None) -> list[Fault]:
-    """Learner kills from a failure tape: tape seconds x ``scale`` are seconds of this run, tape learner L
-    is run learner L mod ``learners`` (outages that then overlap are merged), an outage's length is the
-    restart delay. Outages starting at or after ``horizon_s`` are left out."""
+    """Learner and syncer kills from a failure tape: tape seconds x ``scale`` are seconds of this run, tape
+    learner L is run learner L mod ``learners`` (outages that then overlap are merged), an outage's length
+    is the restart delay. Outages starting at or after ``horizon_s`` are left out. A shard's outage is
+    refused: the harness kills the whole syncer."""
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (math.isfinite(scale) and scale > 0):
         raise ConfigError(f"tape scale: must be a finite number > 0, got {scale!r}")
-    mapped = merge_outages(Outage(o.learner % learners, o.down_at * scale, o.up_at * scale) for o in outages)
-    return [Fault(round(o.down_at, 3), "kill_learner", learner_name(o.learner), round(o.duration_s, 3))
+    outages = list(outages)
+    if any(isinstance(o, SyncerOutage) and o.shard is not None for o in outages):
+        raise ConfigError("tape: kill_syncer of one shard: the chaos harness kills the whole syncer only")
+    mapped = merge_outages(Outage(o.learner % learners, o.down_at * scale, o.up_at * scale) if isinstance(o, Outage)
+                           else SyncerOutage(o.down_at * scale, o.up_at * scale) for o in outages)
+    return [Fault(round(o.down_at, 3), o.kind, learner_name(o.learner) if isinstance(o, Outage) else "syncer",
+                  round(o.duration_s, 3))
             for o in mapped if horizon_s is None or o.down_at < horizon_s]
 
 

@@ -4,7 +4,7 @@ import pytest
 from wan_diloco.clock import VectorClock
 from wan_diloco.core import GlobalUpdate, ProtocolError
 from wan_diloco.runtime.serde import BulkFragment
-from wan_diloco.runtime.shard_view import ShardView
+from wan_diloco.core.shards import ShardView
 
 PLAN = [0, 1, 0, 1]  # fragment -> shard
 

@@ -1,0 +1,144 @@
+"""The simulator replays every fault of a failure tape through the same core code as the runtime: a syncer
+killed and resumed from its snapshot, a shard killed and resumed while the other merges on, a learner
+recovered from a peer with the peer's optimizer, a learner that joins late; deterministically.
+
+Micro runs: 3 learners, a step every 0.5 virtual s, H = 8, P = 4 (a merge about every second), a snapshot
+every 4 merges."""
+import numpy as np
+import pytest
+
+from wan_diloco import model, sim
+from wan_diloco.assemble import Assembly
+from wan_diloco.config import ConfigError
+from wan_diloco.tape import Outage, SyncerOutage
+
+from .micro import micro
+
+
+@pytest.fixture(autouse=True)
+def micro_preset(monkeypatch):
+    monkeypatch.setitem(model.PRESETS, "micro", model.ModelConfig(d_model=32, n_layers=2, n_heads=2, d_ff=64, seq_len=32))
+
+
+def spec(every_merges=4, **kw):
+    return micro(steps=32, eval_every=32, **kw).with_changes(checkpoint={"every_merges": every_merges})
+
+
+def run(cfg, tape):
+    s = sim.Simulation(sim.protocol_for(cfg), Assembly(cfg), list(tape))
+    return s, s.run()
+
+
+def events(s, name, **match):
+    return [f for f in s.faults if f["event"] == name and all(f.get(k) == v for k, v in match.items())]
+
+
+def merges(s, cores=None):
+    cores = cores if cores is not None else (s.syncer.cores if s.sharded else [s.syncer])
+    return sorted((t, p, c) for core in cores for t, p, _, c in core.stats.history)
+
+
+def assert_every_copy_is_the_syncers(s):
+    for l in s.learners:
+        for p, frag in enumerate(s.syncer.theta):
+            for n, a in frag.items():
+                np.testing.assert_array_equal(l.core.base[p][n], a)
+
+
+def test_a_killed_syncer_resumes_from_its_newest_complete_snapshot_and_the_learners_rejoin():
+    s, r = run(spec(), [SyncerOutage(9.0, 11.0)])
+    (resumed,) = events(s, "syncer_resumed")
+    snap = resumed["snapshot"]
+    assert resumed["epoch"] == 2 and snap >= 1 and s.syncer.resumed_from == snap
+    keeper = s.keepers[0]
+    # The newest snapshot complete at the kill (cut every 4 merges, complete once every learner wrote its part).
+    assert snap == max(k for k, t in keeper.complete_s.items() if t <= 9.0)
+    assert resumed["versions"] == keeper.syncer_parts[snap][1]["versions"] == keeper.manifests[snap]["versions"]
+    assert keeper.parts_written >= 3  # the learners wrote their parts (SaveState) and the syncer heard of it
+    for m in range(3):  # every learner met the new incarnation and took its model up through LearnerCore.join
+        (joined,) = events(s, "rejoined", learner=m)
+        assert joined["epoch"] == 2 and joined["resumed_from"] == snap and joined["at_s"] > 11.0
+        assert s.learners[m].core.epoch == 2
+    after = [c for t, _, c in merges(s) if t > 11.0]
+    assert after and {m for c in after for m in c} == {0, 1, 2}  # all three train on into the resumed syncer
+    assert r.final_eval_loss < r.initial_eval_loss
+    assert_every_copy_is_the_syncers(s)
+
+
+def test_nothing_merges_while_the_syncer_is_dead():
+    heard = []
+    s = sim.Simulation(spec(), Assembly(spec()), [SyncerOutage(9.0, 11.0)])
+    upload = s._upload
+    s._upload = lambda now_s, msg: (heard.append(now_s), upload(now_s, msg))[1]
+    s.run()
+    assert heard and not [t for t in heard if 9.0 <= t < 11.0]
+    assert not [t for t, _, _ in merges(s) if 9.0 <= t < 11.0]
+
+
+def test_a_learner_recovers_from_a_peer_with_the_peers_optimizer_through_donations():
+    s, _ = run(spec(), [Outage(1, 5.0, 7.0)])
+    (rec,) = events(s, "recovered", learner=1)
+    assert rec["donor"] in (0, 2) and rec["at_s"] == 7.0
+    assert rec["opt_digest"] == rec["donor_opt_digest"]  # the donor's inner optimizer, bit for bit
+    assert s.donations.served == 1 and not s.donations.pending
+    assert any(1 in c for t, _, c in merges(s) if t > 7.0)
+
+
+def test_a_late_learner_draws_nothing_before_it_joins_and_contributes_after():
+    s, _ = run(spec(), [Outage(2, 0.0, 4.0)])
+    (rec,) = events(s, "recovered", learner=2)
+    assert rec["at_s"] == 4.0
+    before = [c for t, _, c in merges(s) if t < 4.0]
+    assert before and all(2 not in c for c in before)
+    assert any(2 in c for t, _, c in merges(s) if t > 4.0)
+    assert s.learners[2].intervals[0][0] >= 4.0  # its first step began after it joined
+
+
+def test_a_killed_shard_resumes_from_its_own_snapshot_while_the_other_keeps_merging():
+    # Shards own 2 fragments each: a snapshot every 2 of its own merges.
+    s, _ = run(spec(shards=2, every_merges=2), [SyncerOutage(8.0, 11.0, shard=1)])
+    (resumed,) = events(s, "syncer_resumed")
+    assert resumed["shard"] == 1 and resumed["epoch"] == 2
+    shard0, shard1 = s.syncer.cores
+    assert shard0.epoch == 1 and shard1.epoch == 2 and shard1.resumed_from == resumed["snapshot"]
+    assert [t for t, _, _ in merges(s, [shard0]) if 8.0 < t < 11.0]  # shard 0 went on
+    assert not [t for t, _, _ in merges(s, [shard1]) if 8.0 <= t < 11.0]
+    assert [t for t, _, _ in merges(s, [shard1]) if t > 11.0]  # and shard 1 merges again after its resume
+    assert {f["learner"] for f in events(s, "rejoined", epoch=2)} == {0, 1, 2}  # one syncer to them: E = 2
+    assert_every_copy_is_the_syncers(s)
+
+
+# Shard 1 cuts a snapshot of its own between its two kills (a resume from the same snapshot twice would
+# bring its incarnation number back: see the report of #24).
+ALL_FAULTS = [Outage(2, 0.0, 3.0), Outage(1, 4.0, 5.5), SyncerOutage(6.0, 7.5, shard=1), SyncerOutage(12.0, 13.0)]
+
+
+def test_a_tape_with_every_fault_replays_bit_identically():
+    a, ra = run(spec(shards=2, every_merges=2), ALL_FAULTS)
+    b, rb = run(spec(shards=2, every_merges=2), ALL_FAULTS)
+    kinds = {f["event"] for f in a.faults}
+    assert {"recovered", "syncer_resumed", "rejoined", "learner_down", "learner_up"} <= kinds
+    assert [f["shard"] for f in events(a, "syncer_resumed")] == [1, 0, 1]
+    assert a.syncer.epoch == 4  # shard 1 resumed twice, shard 0 once
+    assert a.faults == b.faults
+    assert merges(a) == merges(b)
+    assert ra.params.keys() == rb.params.keys() and all((ra.params[n] == rb.params[n]).all() for n in ra.params)
+    assert ra.to_json() == {**rb.to_json(), "wall_s": ra.wall_s}
+
+
+@pytest.mark.parametrize("tape, cfg, field", [
+    ([SyncerOutage(1.0, 2.0, shard=2)], {"shards": 2}, "failures"),
+    ([SyncerOutage(1.0, 2.0)], {"baseline": "dp"}, "failures"),
+])
+def test_a_tape_the_run_cannot_replay_names_the_field(tape, cfg, field):
+    with pytest.raises(ConfigError, match=field):
+        sim.check_tape(spec(**cfg), tape)
+    with pytest.raises(ConfigError, match="checkpoint.every_merges"):
+        sim.check_tape(micro().with_changes(checkpoint={"every_merges": 0}), [SyncerOutage(1.0, 2.0)])
+
+
+def test_a_syncer_killed_before_any_snapshot_was_complete_fails_the_run_as_a_real_resume_would():
+    from wan_diloco.core.snapshots import ResumeError
+
+    with pytest.raises(ResumeError, match="no snapshot to resume from"):
+        run(spec(), [SyncerOutage(1.0, 2.0)])  # the first cut comes after 4 merges, about 4 s in

@@ -1,0 +1,140 @@
+"""Syncer shards, sans-IO: which shard serves what, and S shards seen by a learner as one syncer
+(docs/architecture.md, "Syncer shards").
+
+``ShardPlan`` answers the lookups every driver needs (the runtime's syncer and
+network thread, the simulator): the shard that owns fragment p, the shard that
+serves a named object (``core.protocol.ObjectRequest``; peer recovery and data
+positions are shard 0's), the fragments of a shard.
+
+``ShardView`` is the learner's side:
+
+Each shard has its own incarnation number (epoch): it resumes from its own
+snapshots, alone. The learner's core follows one incarnation, so its network
+side translates: the learner sees the combined epoch E = 1 + Σ_s (e_s − 1),
+which grows by one whenever any shard resumes (the learner then rejoins), and
+each message it sends carries, for the shard it goes to, that shard's epoch as
+of the E it was stamped with. Messages of an earlier incarnation of a shard map
+to an earlier E and are dropped as stale, as from a single syncer.
+
+Snapshots are shard 0's: learners write their parts into its snapshots only,
+so the snapshot ids riding on the other shards' updates (their own numbering)
+are replaced by the newest one shard 0 announced. Pure and sans-IO: the
+``NetThread`` calls it on its loop thread.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+from wan_diloco import shards as shards_lib
+from wan_diloco.core.protocol import ObjectRequest, ProtocolError
+
+
+class ShardPlan:
+    """Fragment -> owning shard (``wan_diloco.shards.owners``' plan), and who serves which request."""
+
+    def __init__(self, plan: Sequence[int]):
+        self.plan = list(plan)
+        if not self.plan or min(self.plan) < 0:
+            raise ValueError(f"a shard plan names a shard >= 0 for each fragment, got {self.plan!r}")
+        self.shards = max(self.plan) + 1
+
+    @classmethod
+    def balanced(cls, nbytes: Sequence[int], shards: int) -> "ShardPlan":
+        """The plan every learner and shard computes alike from the fragments' bytes."""
+        return cls(shards_lib.owners(nbytes, shards))
+
+    def shard_of(self, fragment: int) -> int:
+        """The shard that merges and serves ``fragment``; ProtocolError if there is no such fragment."""
+        if not (isinstance(fragment, int) and 0 <= fragment < len(self.plan)):
+            raise ProtocolError(f"fragment {fragment} out of range 0..{len(self.plan) - 1}", "fragment")
+        return self.plan[fragment]
+
+    def owned(self, shard: int) -> list[int]:
+        return shards_lib.owned(self.plan, shard)
+
+    def serves(self, request: ObjectRequest) -> int:
+        """The shard a named object is fetched from: a fragment's owner; shard 0 for peer recovery
+        (``donation/M``) and data positions (``position/M``), which it alone keeps."""
+        if request.kind in ObjectRequest.FRAGMENT_KINDS:
+            return self.shard_of(request.index)
+        return 0
+
+    def serves_name(self, name: str) -> int:
+        """``serves`` for a name as the learner's fetch has it (one that does not parse: shard 0, which
+        refuses it with the reason)."""
+        try:
+            return self.serves(ObjectRequest.parse(name, len(self.plan), 1 << 30))
+        except ProtocolError:
+            return 0
+
+
+class ShardView:
+    """What the learner is told about S shards, and what each shard is told about the learner."""
+
+    def __init__(self, plan: Sequence[int]):
+        self.plan = list(plan)
+        self.S = max(self.plan) + 1
+        self.epochs = [0] * self.S  # 0: not heard from yet (taken as its first incarnation)
+        self.resumed = [0] * self.S  # the snapshot each shard's current incarnation resumed from
+        self.snapshot = 0  # the newest snapshot shard 0 cut
+        self.last_changed = 0  # the shard whose incarnation changed last
+        self.history: dict[int, tuple[int, ...]] = {}  # E -> the shards' epochs it stood for
+        self.processes = [""] * self.S  # each shard's process id, from its Identity ("" : not heard from)
+
+    def shard_of(self, fragment: int) -> int:
+        if not 0 <= fragment < len(self.plan):
+            raise ProtocolError(f"fragment {fragment} out of range 0..{len(self.plan) - 1}")
+        return self.plan[fragment]
+
+    @property
+    def epoch(self) -> int:
+        """E: grows by one each time a shard resumes."""
+        return 1 + sum(max(e, 1) - 1 for e in self.epochs)
+
+    @property
+    def resumed_from(self) -> int:
+        """Shard 0's snapshot when it resumed (the learners' parts are in it), else the last shard's to."""
+        return self.resumed[0] or self.resumed[self.last_changed]
+
+    def seen(self, shard: int, epoch: int, resumed_from: int) -> tuple[int, int]:
+        """A message of ``shard``'s incarnation ``epoch`` arrived: (E, resumed_from) to show the learner.
+        A newer incarnation moves E on; an older one maps to an E as many incarnations back (stale)."""
+        if not epoch:  # a message that names no incarnation
+            return 0, 0
+        if epoch > self.epochs[shard]:
+            if self.epochs[shard]:
+                self.last_changed = shard
+            self.epochs[shard], self.resumed[shard] = epoch, resumed_from
+        E = self.epoch
+        self.history.setdefault(E, tuple(self.epochs))
+        if epoch < self.epochs[shard]:
+            return max(1, E - (self.epochs[shard] - epoch)), resumed_from
+        return E, self.resumed_from
+
+    def process_ids(self, shard: int, process: str) -> str:
+        """Shard ``shard``'s Identity named its process: every shard's, comma-separated (``LearnerCore.meet``)."""
+        if process:
+            self.processes[shard] = process
+        return ",".join(self.processes)
+
+    def outgoing(self, shard: int, epoch: int) -> int:
+        """The epoch of ``shard`` a message stamped with E = ``epoch`` carries there (0 stays 0)."""
+        if not epoch:
+            return 0
+        known = self.history.get(epoch)
+        if known is None:  # stamped before this view heard of it: the newest known for that shard
+            return max(self.epochs[shard], 1)
+        return max(known[shard], 1)
+
+    def update(self, shard: int, u):
+        """A GlobalUpdate (or a BulkFragment, without snapshot) from ``shard``, in the learner's terms."""
+        if self.plan[u.fragment] != shard:
+            raise ProtocolError(f"fragment {u.fragment} came from syncer shard {shard}; its owner is shard "
+                                f"{self.plan[u.fragment]}")
+        E, resumed = self.seen(shard, u.epoch, u.resumed_from)
+        if not hasattr(u, "snapshot"):
+            return u._replace(epoch=E, resumed_from=resumed)
+        if shard == 0:
+            self.snapshot = max(self.snapshot, u.snapshot)
+        return dataclasses.replace(u, epoch=E, resumed_from=resumed, snapshot=self.snapshot)

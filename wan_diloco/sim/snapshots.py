@@ -1,0 +1,81 @@
+"""Snapshots in the simulator: the core's snapshot coordinator (``core.snapshots``) with its files kept in
+memory (docs/operations.md, "Snapshots and resume").
+
+The decisions are the network driver's, made by the same code: cut every
+``checkpoint.every_merges`` merges; a cut waits for the syncer's part and for
+the part of every live learner that trained (a learner that dies, or stays
+silent for twice the liveness timeout, is no longer waited for); resume from
+the newest complete snapshot as the next incarnation. Writing a part or a
+manifest takes no virtual time and never fails here.
+"""
+from __future__ import annotations
+
+from wan_diloco.core import SyncerCore
+from wan_diloco.core.barrier import StartBarrier
+from wan_diloco.core.positions import Positions
+from wan_diloco.core.snapshots import Found, SnapshotComplete, SnapshotCoordinator, WriteManifest, WriteSyncerPart
+
+
+class SnapshotKeeper:
+    """One syncer core's (a shard's) snapshots and their parts, in memory. ``learner_parts``: learners write
+    parts into these (the whole syncer's, or shard 0's of a sharded one); a shard's others hold its own part
+    alone."""
+
+    def __init__(self, core: SyncerCore, every_merges: int, learner_parts: bool, learners: int, patience_s: float):
+        self.every_merges, self.learner_parts, self.learners, self.patience_s = (
+            every_merges, learner_parts, learners, patience_s)
+        self.syncer_parts: dict[int, tuple[dict, dict]] = {}  # snapshot -> the syncer's part (tensors, info)
+        self.manifests: dict[int, dict] = {}
+        self.complete_s: dict[int, float] = {}  # snapshot -> when it was complete (virtual s), oldest first
+        self.parts_written = 0  # learner parts the syncer heard of
+        self.coordinator = self._coordinator(core, first_id=1)
+
+    def _coordinator(self, core: SyncerCore, first_id: int) -> SnapshotCoordinator:
+        barrier = StartBarrier(self.learners, self.learners, 1.0)  # its state only rides along in the parts
+        return SnapshotCoordinator(core, barrier, Positions(self.learners), every_merges=self.every_merges,
+                                   patience_s=self.patience_s, learners=self.learners,
+                                   learner_parts=self.learner_parts, first_id=first_id)
+
+    def _act(self, now_s: float, actions: list) -> None:
+        while actions:
+            a = actions.pop(0)
+            match a:
+                case WriteSyncerPart(snapshot=snap, tensors=tensors, info=info):
+                    self.syncer_parts[snap] = (tensors, info)
+                    actions += self.coordinator.on_part_written(now_s, snap, True)
+                case WriteManifest(snapshot=snap, manifest=manifest):
+                    self.manifests[snap] = manifest
+                    actions += self.coordinator.on_manifest_written(now_s, snap, True)
+                case SnapshotComplete(snapshot=snap):
+                    self.complete_s[snap] = now_s  # kept across incarnations, as the manifests on disk
+                case _:
+                    raise TypeError(f"simulator: unhandled snapshot action {a!r}")
+
+    def on_merged(self, now_s: float) -> None:
+        self._act(now_s, self.coordinator.on_merged(now_s, now_s))
+
+    def on_metadata(self, now_s: float, learner: int, snapshot: int, epoch: int) -> None:
+        """A learner's metadata reports the newest snapshot it wrote its part of."""
+        if snapshot and self.coordinator.pending and epoch == self.coordinator.core.epoch:
+            self.parts_written += 1
+        self._act(now_s, self.coordinator.on_metadata(now_s, learner, snapshot, epoch))
+
+    def check(self, now_s: float) -> None:
+        self._act(now_s, self.coordinator.check(now_s))
+
+    @property
+    def complete(self) -> list[int]:
+        return list(self.complete_s)
+
+    def resume(self, now_s: float, fresh: SyncerCore) -> int:
+        """``fresh`` (a new core of this run) takes up the newest complete snapshot as the next incarnation;
+        returns its id. ``core.snapshots.ResumeError`` if none is complete, as a real ``--resume``."""
+        coordinator = self._coordinator(fresh, first_id=self.coordinator.next_id)  # ids are never reused
+        found = None
+        if self.complete_s:
+            snap = max(self.complete_s)
+            tensors, info = self.syncer_parts[snap]
+            found = Found(snap, tensors, info, self.manifests[snap])
+        coordinator.resume(now_s, now_s, found, "the simulator's memory", "", self.patience_s)
+        self.coordinator = coordinator
+        return found.snapshot
