@@ -6,7 +6,10 @@ import queue
 import grpc
 
 from wan_diloco.core import Resync
+from wan_diloco.core.final_sync import FinalSync
+from wan_diloco.core.peer import Donor
 from wan_diloco.runtime.learner import Learner
+from wan_diloco.runtime.learner_final import final_fragment
 from wan_diloco.transport import TransportError
 
 
@@ -28,7 +31,7 @@ class FakeNet:
 
 def test_failed_fragment_fetch_is_reported_and_asked_again(capsys):
     lrn = object.__new__(Learner)  # only the drain/resync bookkeeping is exercised
-    lrn.m, lrn.net, lrn.donating = 1, FakeNet(), {}
+    lrn.m, lrn.net, lrn.donor = 1, FakeNet(), Donor(1)
     failed = concurrent.futures.Future()
     failed.set_exception(TransportError("Bulk", grpc.StatusCode.CANCELLED, "CANCELLED"))
     waiting = concurrent.futures.Future()
@@ -46,14 +49,13 @@ def test_failed_fragment_fetch_is_reported_and_asked_again(capsys):
 
 
 def test_final_fragment_fetch_is_retried(capsys):
-    lrn = object.__new__(Learner)
-    lrn.m, lrn.net = 0, FakeNet()
+    net = FakeNet()
     failed = concurrent.futures.Future()
     failed.set_exception(TransportError("Bulk", grpc.StatusCode.CANCELLED, "CANCELLED"))
     good = concurrent.futures.Future()
     good.set_result((1, 7, 300, {}))
-    lrn.net.fetch_fragment = lambda name: (lrn.net.fetched.append(name), good)[1]
+    net.fetch_fragment = lambda name: (net.fetched.append(name), good)[1]
 
-    assert lrn._final_fragment(1, failed, budget_s=1.0) == (1, 7, 300, {})
-    assert lrn.net.fetched == ["final/1"]
+    assert final_fragment(net, FinalSync(0, 2), 1, ("final/1", failed), budget_s=1.0) == (1, 7, 300, {})
+    assert net.fetched == ["final/1"]
     assert "final fragment 1" in capsys.readouterr().out

@@ -88,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
 
         multihost.initialize(mcfg)  # before anything touches a JAX device
     from wan_diloco.assemble import preflight
-    from wan_diloco.runtime.learner import run_learner, run_multihost
+    from wan_diloco.runtime.learner_main import run_learner, run_multihost
 
     preflight(cfg, learner=args.id)  # ConfigError: one line from cli.main, exit code 2, before connecting
 

@@ -1,5 +1,8 @@
 """Sans-IO learner protocol (docs/method.md, "Learner loop"): counters, fragment sends, merges.
 
+(Over 400 lines: one state machine whose methods all move the same counters and versions; the pieces
+around it that need none of its internals live beside it: restore, peer, rejoin, final_sync.)
+
 The driver owns the model and the clock. It calls ``begin_step``/``step_done``
 around each inner step, answers ``Snapshot`` actions with the fragment's
 current parameters, and applies ``ApplyGlobal`` actions to its parameters.
@@ -279,6 +282,14 @@ class LearnerCore:
         self.step = max(self.step, global_step)
         self.clock = self.clock.tick(self.node)
         return [ApplyGlobal(p, self.base[p], 0.0) for p in range(self.cfg.num_fragments)]
+
+    def follow_run(self, run_id: str) -> None:
+        """This learner belongs to run ``run_id`` (``run.run_id``): a syncer serving another is refused at the join."""
+        self.run_id = run_id
+
+    def advance(self, step: int) -> None:
+        """Take up a step known from elsewhere (a snapshot part, a peer's state) if it is ahead."""
+        self.step = max(self.step, step)
 
     def saved(self, snapshot: int) -> None:
         """The driver wrote this learner's part of ``snapshot`` durably; metadata reports it from now on."""

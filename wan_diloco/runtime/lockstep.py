@@ -223,6 +223,36 @@ def broken(who: str, why: str) -> None:
 
 
 
+def step_together(ls: Lockstep, step_fn: Callable, state: Any, tokens: Any, op: int) -> tuple[Any, Any]:
+    """The leader's side of one step of every process: the header (with the batch and what the leader
+    changed in ``state``), then the step on each process's rows; (the state to go on with, metrics).
+    ``OP_COMPILE`` keeps the old state (the step before the join)."""
+    with ls.turn():
+        state = ls.lead(op, state, tokens)
+        new, metrics = jax.block_until_ready(step_fn(state, ls.feed(tokens)))
+        if op == OP_COMPILE:
+            return state, metrics
+        ls.stepped(new)
+        return new, metrics
+
+
+def evaluate_together(ls: Lockstep, evaluate_params: Callable, state: Any) -> tuple[Any, float]:
+    """The leader's side of the held-out loss of the parameters every process holds (an evaluation is a
+    collective): (the state as shared, the loss)."""
+    with ls.turn():
+        state = ls.lead(OP_EVAL, state)
+        return state, float(evaluate_params(state.params))
+
+
+def evaluate_global_together(ls: Lockstep, evaluate_params: Callable, state: Any, global_params: Any) -> tuple[Any, float]:
+    """The leader's side of evaluating its global view Θ: Θ is the leader's alone, so it travels to the
+    followers, then every process evaluates. (the state as shared, the loss)."""
+    with ls.turn():
+        state = ls.lead(OP_EVAL_PARAMS, state)
+        params = ls.share_params(global_params, state.params)
+        return state, float(evaluate_params(params))
+
+
 def run_follower(parts: Assembly, lockstep: Lockstep) -> int:
     """Process entry point of a follower (process 1.. of a multi-process learner): no network, no protocol
     state; it does what each header of the leader says, with the same jitted computations in the same

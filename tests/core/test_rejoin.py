@@ -1,0 +1,45 @@
+"""core.rejoin: a learner and the syncer incarnation it follows; the take-up of the global step."""
+import numpy as np
+import pytest
+
+from wan_diloco.core import ApplyGlobal, IncarnationError, LearnerConfig, LearnerCore, Rejoin
+from wan_diloco.core.rejoin import Resynced, TakeUpStep, on_fetched, on_identity, same_incarnation, take_up_step
+
+from .helpers import CODEC, FRAGS, PARAMS
+
+
+def joined(epoch=2, resumed_from=4):
+    lc = LearnerCore(LearnerConfig(sync_every=4, num_fragments=2, tau=1), 0, FRAGS, PARAMS, CODEC)
+    lc.join("run-a", epoch, resumed_from, [(PARAMS, 3), (PARAMS, 3)], 20)
+    return lc
+
+
+def test_a_syncer_resumed_as_a_new_incarnation_is_rejoined_and_the_same_one_is_followed():
+    lc = joined()
+    assert on_identity(lc, 0.0, "run-a", 2, 4, "p1") == []
+    assert on_identity(lc, 0.0, "run-a", 3, 6, "p2") == [Rejoin(3, 6)]
+    with pytest.raises(IncarnationError, match="another run|serves run"):
+        on_identity(lc, 0.0, "run-b", 3, 6)
+
+
+def test_a_fragment_fetched_after_a_gap_is_installed_if_newer_and_the_step_taken_up():
+    lc = joined()
+    values = {n: np.full_like(a, 7.0) for n, a in PARAMS.items()}
+    out = on_fetched(lc, 0.0, "run-a", 2, 4, 1, values, 5, 30)
+    assert isinstance(out[0], ApplyGlobal) and out[1:] == [Resynced(1, 5), TakeUpStep()]
+    assert lc.version == [3, 5] and lc.step == 30
+    assert on_fetched(lc, 0.0, "run-a", 2, 4, 1, values, 5, 30) == [TakeUpStep()]  # not newer: nothing to install
+    assert on_fetched(lc, 0.0, "run-a", 1, 0, 1, values, 9, 40) == [TakeUpStep()]  # an older incarnation's
+    assert on_fetched(lc, 0.0, "run-a", 3, 8, 1, values, 9, 40) == [Rejoin(3, 8)]  # the syncer came back meanwhile
+    assert lc.version == [3, 5]
+
+
+def test_a_join_retries_while_the_fetched_fragments_disagree_on_the_incarnation():
+    assert same_incarnation([("run-a", 2), ("run-a", 2)])
+    assert not same_incarnation([("run-a", 2), ("run-a", 3)])
+
+
+def test_the_global_step_is_taken_up_where_the_learner_is_behind_only():
+    assert take_up_step(300, 0, 0) == (300, 300)  # a fresh optimizer would warm up again
+    assert take_up_step(300, 300, 350) == (None, None)  # a donor's optimizer ahead of the global step stays
+    assert take_up_step(300, 310, 120) == (None, 300)
