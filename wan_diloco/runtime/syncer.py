@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import secrets
 import time
 import typing
@@ -215,20 +214,6 @@ class SyncerService(StatusPage, FinalWrite, SnapshotFiles):
         self.rejected += 1
         return Rejected(str(e), grpc.StatusCode.INVALID_ARGUMENT)
 
-    def _refuse(self, e: ProtocolError, frame=None) -> Rejected:
-        """A learner message refused: counted by field (on /metrics and /status), logged rate-limited
-        by the core. ``frame``: one that did not decode, counted here against its sender's credential."""
-        field = e.field or _decoded_field(str(e))
-        if frame is not None:
-            try:
-                m = serde.learner_id(frame.sender, self.M)
-            except ProtocolError:
-                m = None
-            self.core.refused(self.now(), m, ProtocolError(str(e), field))
-        self.refused_total.labels(field).inc()
-        self._log_notices()
-        return self._reject(e)
-
     # ---- Handler --------------------------------------------------------------------
 
     async def on_metadata(self, frame) -> Ack:
@@ -357,11 +342,3 @@ class SyncerService(StatusPage, FinalWrite, SnapshotFiles):
             raise Rejected(got.why, grpc.StatusCode.NOT_FOUND)
         return BulkSource(len(got.data), [memoryview(got.data)], etag=got.digest)
 
-
-def _decoded_field(text: str) -> str:
-    """The field of a frame that did not decode, from serde's "Metadata.step: ..." (else "frame")."""
-    found = re.match(r"(Metadata|FragmentUpload|Donation)\.(\w+)", text)
-    if found is None:
-        return "frame"
-    kind = {"Metadata": "metadata", "FragmentUpload": "upload", "Donation": "donation"}[found.group(1)]
-    return f"{kind}.{found.group(2)}"

@@ -9,11 +9,15 @@ from __future__ import annotations
 
 import collections
 import logging
+import re
 import shutil
 from pathlib import Path
 
 from wan_diloco.checkpoint import describe_os_error
+from wan_diloco.core import ProtocolError
+from wan_diloco.runtime import serde
 from wan_diloco.runtime.events import emit
+from wan_diloco.transport import Rejected
 
 log = logging.getLogger("wan_diloco.runtime.syncer")
 LOSS_POINTS = 256  # per learner on /status: the whole run's curve, thinned as it grows (``LossCurve``)
@@ -21,7 +25,7 @@ EVENTS = 200  # learners joined, lost, rejoined and warnings on /status (merges 
 
 
 class StatusPage:
-    """Mixed into ``SyncerService``: reads its core pieces, owns the reporting state."""
+    """Mixed into ``SyncerService``: reads its core pieces, owns the reporting state (and counts refusals)."""
 
     def _init_status(self) -> None:
         self.progress: dict[int, dict] = {}  # learner -> its latest loss and tokens/s (``_on_progress``)
@@ -33,6 +37,20 @@ class StatusPage:
         self.write_error: str | None = None  # the latest failure's; None again after a write succeeds
         self.last_write_error: str | None = None
         self.params_error: str | None = None  # the final parameters could not be written: the run failed
+
+    def _refuse(self, e: ProtocolError, frame=None) -> Rejected:
+        """A learner message refused: counted by field (on /metrics and /status), logged rate-limited
+        by the core. ``frame``: one that did not decode, counted here against its sender's credential."""
+        field = e.field or _decoded_field(str(e))
+        if frame is not None:
+            try:
+                m = serde.learner_id(frame.sender, self.M)
+            except ProtocolError:
+                m = None
+            self.core.refused(self.now(), m, ProtocolError(str(e), field))
+        self.refused_total.labels(field).inc()
+        self._log_notices()
+        return self._reject(e)
 
     def summary(self) -> dict:
         st = self.core.stats
@@ -173,6 +191,15 @@ class StatusPage:
                                ).set(self.write_failures)
             self.metrics.gauge("checkpoint_ok", "1 while the latest checkpoint write succeeded").set(
                 0 if self.write_error is not None or self.params_error is not None else 1)
+
+
+def _decoded_field(text: str) -> str:
+    """The field of a frame that did not decode, from serde's "Metadata.step: ..." (else "frame")."""
+    found = re.match(r"(Metadata|FragmentUpload|Donation)\.(\w+)", text)
+    if found is None:
+        return "frame"
+    kind = {"Metadata": "metadata", "FragmentUpload": "upload", "Donation": "donation"}[found.group(1)]
+    return f"{kind}.{found.group(2)}"
 
 
 def _free_bytes(where: str | None) -> int | None:
