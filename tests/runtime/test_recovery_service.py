@@ -48,7 +48,7 @@ def test_a_donor_lost_mid_transfer_is_replaced_and_the_state_reaches_the_recipie
         assert b"".join(bytes(p) for p in source.pieces) == state and source.etag == serde.bytes_digest(state)
         with pytest.raises(Rejected, match="was not asked"):  # the lost donor's late answer
             await service.on_fragment(next(serde.donation_frames(0, 2, (0, 0), b"late")))
-        return service.donations.replaced, service.donations.served, service.recovery_bytes
+        return service.donations.replaced, service.donations.served, service.donations.received_bytes
 
     assert run(asyncio.wait_for(main(), 60)) == (1, 1, len(b"the state of learner 1"))
 
@@ -107,7 +107,7 @@ def test_a_state_in_parts_survives_its_donor_dying_half_way_and_stays_until_it_i
             source = await service.bulk(BulkRequest("learner-2", "donation/2", {}))
             assert b"".join(bytes(p) for p in source.pieces) == new and source.etag == serde.bytes_digest(new)
         await service.on_metadata(metadata(2, 31))  # it took the state up: the copy goes
-        assert 2 not in service.donated
+        assert 2 not in service.donations.donated
         # A donor whose parts do not add up to their digest is refused and nothing is handed on.
         await service.on_metadata(metadata(2, 0, recovering=True))
         bad = list(serde.donation_frames(1, 2, (0, 0), new, part_bytes=4096))
@@ -116,8 +116,8 @@ def test_a_state_in_parts_survives_its_donor_dying_half_way_and_stays_until_it_i
             await part(1, bad, i)
         with pytest.raises(Rejected, match="does not match its digest"):
             await part(1, bad, 2)
-        assert 2 not in service.donated and service.donations.donor_of(2) == 1
-        huge = serde.donation_to_frame(1, serde.Donation(2, (0, 0), 0, service.max_state_bytes + 1, "0" * 16), b"x")
+        assert 2 not in service.donations.donated and service.donations.donor_of(2) == 1
+        huge = serde.donation_to_frame(1, serde.Donation(2, (0, 0), 0, service.donations.max_state_bytes + 1, "0" * 16), b"x")
         with pytest.raises(Rejected, match="larger than this model's state can be"):
             await service.on_fragment(huge)
         return service.donations.replaced, service.donations.served

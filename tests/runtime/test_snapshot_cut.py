@@ -33,8 +33,8 @@ def test_a_learner_that_never_trained_is_not_in_the_cut_and_a_resume_says_what_i
         await service.on_metadata(metadata(1, 11, data='{"batches":11}'))
         # Learner 2 joined but is still in its first step (a slow compile): nothing of its own to keep.
         snap = service.snapshot_now()
-        assert service.snap_pending[snap]["learners"] == {0, 1}
-        while not service.snap_pending[snap]["syncer"]:
+        assert service.snapshots.pending[snap].learners == {0, 1}
+        while not service.snapshots.pending[snap].syncer:
             await asyncio.sleep(0.05)
         return snap
 
@@ -45,5 +45,5 @@ def test_a_learner_that_never_trained_is_not_in_the_cut_and_a_resume_says_what_i
     assert resumed.resumed["snapshot"] == snap and not resumed.resumed["complete"]
     note = resumed.resumed["notes"][-1]
     assert "no part of learner-1, learner-2" in note and "recover from a peer" in note and "learner-0" in note
-    assert resumed.positions == {0: '{"batches":12}', 1: '{"batches":11}'}  # learner 1 takes up its own
+    assert resumed.positions.by_learner == {0: '{"batches":12}', 1: '{"batches":11}'}  # learner 1 takes up its own
     assert resumed.barrier.started  # the run had started: nobody waits for the others again

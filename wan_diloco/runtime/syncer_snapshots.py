@@ -1,0 +1,72 @@
+"""The syncer's snapshot files: what ``core.snapshots.SnapshotCoordinator`` decides, written and read.
+
+``SnapshotFiles`` is mixed into ``runtime.syncer.SyncerService``: it writes the
+syncer's part off the event loop and the manifest, drops old snapshots, and at
+``--resume`` reads what the ``SnapshotStore`` finds (the newest snapshot whose
+part verifies, an earlier one when it does not) for the coordinator to take up.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from wan_diloco.checkpoint import CheckpointError
+from wan_diloco.core.snapshots import Found, ResumeError, SnapshotComplete, WriteManifest, WriteSyncerPart
+from wan_diloco.runtime.events import emit
+
+log = logging.getLogger("wan_diloco.runtime.syncer")
+
+
+class SnapshotFiles:
+    """Mixed into ``SyncerService``: the IO of its snapshots."""
+
+    def _resume(self) -> None:
+        if self.store is None:
+            raise ResumeError("--resume needs checkpoint.dir (where the snapshots are)")
+        # Unsharded: an incomplete snapshot whose learner parts are partly there will do (its other learners
+        # recover from peers that have theirs). A shard's store holds only its own part: complete ones only.
+        got = (self.store.resumable("syncer", "syncer", self.M) if self.S == 1 else
+               self.store.newest("syncer", "syncer"))
+        found = None
+        if got is not None:
+            snap, tensors, info, manifest = got
+            incomplete = manifest is None and self.S == 1
+            found = Found(snap, tensors, info, manifest, tuple(self.store.skipped),
+                          tuple(self.store.missing(snap, self.M)) if incomplete else None,
+                          tuple(n for n in self.store.parts_present(snap) if n.startswith("learner-")))
+        resumed = self.snapshots.resume(self.now(), time.time(), found, str(self.store.root), self.cfg.run.run_id,
+                                        self.cfg.syncer.liveness_timeout_s, tuple(self.store.skipped))
+        for note in resumed["notes"]:
+            log.warning("--resume: %s", note)
+
+    def snapshot_now(self) -> int | None:
+        """Cut a snapshot now (its parts are written in the background); returns its id, or None when
+        there is nowhere to write or the run is ending."""
+        actions = self.snapshots.cut(self.now(), time.time())
+        self._act(actions)
+        return actions[0].snapshot if actions else None
+
+    async def _write_syncer_part(self, a: WriteSyncerPart) -> None:
+        try:
+            nbytes = await asyncio.to_thread(self.store.save_part, a.snapshot, "syncer", a.tensors, a.info, "syncer")
+        except (OSError, CheckpointError) as e:
+            self._write_failed(f"snapshot {a.snapshot}: could not write the syncer's part", e)
+            self._act(self.snapshots.on_part_written(self.now(), a.snapshot, ok=False))
+            return
+        self.write_error = None
+        self._act(self.snapshots.on_part_written(self.now(), a.snapshot, ok=True, nbytes=nbytes))
+
+    def _write_manifest(self, a: WriteManifest) -> None:
+        try:
+            self.store.mark_complete(a.snapshot, a.manifest)
+        except OSError as e:
+            self._write_failed(f"snapshot {a.snapshot}: could not write its manifest", e)
+            self.snapshots.on_manifest_written(self.now(), a.snapshot, ok=False)
+            return
+        self._act(self.snapshots.on_manifest_written(self.now(), a.snapshot, ok=True))
+
+    def _snapshot_complete(self, a: SnapshotComplete) -> None:
+        removed = self.store.gc(self.cfg.checkpoint.keep)
+        emit({"event": "snapshot", "role": "syncer", "snapshot": a.snapshot, "parts": list(a.parts),
+              "syncer_bytes": a.syncer_bytes, "seconds": a.seconds, "removed": removed})
