@@ -205,17 +205,7 @@ def test_drivers_use_no_private_core_names(name):
     assert not (found := private_core_uses(name, ALL[name].read_text())), f"{name} reaches into the core: {found}"
 
 
-# Write core attributes today; H3 (runtime/syncer*.py) and H4 (runtime/learner*.py) move these into core events.
-CORE_WRITERS = {
-    "wan_diloco.runtime.learner": "#24: runtime/learner.py sets core.run_id (l. 133) and core.step (323, 370) "
-                                  "until the drivers are split",
-    "wan_diloco.runtime.syncer": "#24: runtime/syncer.py sets core.fingerprint (l. 97), run_id (153), epoch (176), "
-                                 "resumed_from and snapshot_id (177, 218) until the drivers are split",
-}
-
-
-@pytest.mark.parametrize("name", [pytest.param(m, marks=pytest.mark.xfail(strict=True, reason=CORE_WRITERS[m]))
-                                  if m in CORE_WRITERS else m for m in DRIVERS])
+@pytest.mark.parametrize("name", DRIVERS)
 def test_drivers_write_no_core_attributes(name):
     assert not (found := core_writes(ALL[name].read_text())), f"{name} writes core state: {found}"
 
@@ -228,11 +218,13 @@ MARKER = re.compile(r"over ~?400 lines:", re.IGNORECASE)
 
 # Over the limit on this branch with no reason given; each is being split (or must say why) under #24.
 LONG = {
-    "wan_diloco.runtime.learner": 866, "wan_diloco.runtime.syncer": 862, "wan_diloco.core.syncer": 857,
-    "wan_diloco.runtime.launch": 759, "wan_diloco.transport.server": 543, "wan_diloco.regions.emulator": 486,
-    "wan_diloco.runtime.chaos.driver": 477, "wan_diloco.runtime.serde": 458,
-    "wan_diloco.runtime.chaos.report": 456, "wan_diloco.data": 447,
-    "wan_diloco.core.learner": 437,
+    "wan_diloco.core.syncer": 857,
+    "wan_diloco.runtime.launch": 759,
+    "wan_diloco.transport.server": 543,
+    "wan_diloco.regions.emulator": 486,
+    "wan_diloco.runtime.chaos.driver": 477,
+    "wan_diloco.runtime.chaos.report": 456,
+    "wan_diloco.data": 447,
 }
 
 
