@@ -3,23 +3,16 @@ ends with the exit status of runtime.exits' table."""
 import ast
 import inspect
 import textwrap
-import typing
 
 import grpc
 import pytest
 
-from wan_diloco.core import IncarnationError, protocol
-from wan_diloco.core import peer, rejoin, reports, restore
+from wan_diloco.core import IncarnationError, actions
 from wan_diloco.runtime import exits
 from wan_diloco.runtime.learner import Learner
 from wan_diloco.transport import TransportError
 
-# What the learner-side core returns: LearnerCore's actions, and those of the pieces beside it.
-LEARNER_ACTIONS = {
-    protocol.ApplyGlobal, protocol.Snapshot, protocol.SendFragment, protocol.SendMetadata, protocol.Resync,
-    protocol.Rejoin, protocol.SaveState, *typing.get_args(restore.ResumeAction), peer.SendState,
-    rejoin.Resynced, rejoin.TakeUpStep, reports.Report,
-}
+LEARNER_ACTIONS = actions.LEARNER_ACTIONS  # what the learner-side core returns (core.actions)
 
 
 def handled_classes() -> set[str]:

@@ -1,7 +1,8 @@
 """Sans-IO learner and syncer state machines: events in, actions out, no sockets or clocks.
 
-``protocol`` is the project's only message schema; the drivers (``sim``,
-``runtime``) turn its messages into events or transport frames.
+``messages`` is the project's only message table (re-exported by ``protocol``, with the actions);
+``actions`` closes the set of actions each side returns. The drivers (``sim``, ``runtime``) turn
+messages into events or transport frames and carry actions out with one exhaustive match.
 """
 from wan_diloco.core.learner import LearnerConfig, LearnerCore
 from wan_diloco.core.protocol import (

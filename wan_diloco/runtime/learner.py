@@ -43,6 +43,7 @@ from wan_diloco.core import (
 from wan_diloco.core import rejoin as rj
 from wan_diloco.core.barrier import BarrierView
 from wan_diloco.core.peer import Donor, SendState, position_field
+from wan_diloco.core.messages import Barrier, Donate, Identity
 from wan_diloco.core.protocol import ObjectRequest
 from wan_diloco.core.reports import Report
 from wan_diloco.core.restore import InstallPart, LoadPart, RecoverFromPeer, Resume, TakeUpPosition
@@ -52,12 +53,13 @@ from wan_diloco.runtime import serde
 from wan_diloco.runtime.events import emit
 from wan_diloco.runtime import learner_eval, learner_start
 from wan_diloco.runtime.exits import StartTimeout, Stopped, SyncerLost
+from wan_diloco.runtime.inbox import Arrived, ChannelsWidened, Donated, Refused, Saved, StreamLost
 from wan_diloco.runtime.learner_final import final_sync
-from wan_diloco.runtime.learner_state import PartWritten, StateSent, named_digest
+from wan_diloco.runtime.learner_state import named_digest
 from wan_diloco.runtime.netthread import NetThread
 from wan_diloco.runtime.replan import Replanner
 from wan_diloco.spec import RunSpec
-from wan_diloco.transport import MessageError, TransportError
+from wan_diloco.transport import LinkSample, MessageError, TransportError
 
 # Names other modules import from here.
 __all__ = ["Learner", "StartTimeout", "Stopped", "SyncerLost", "named_digest"]
@@ -193,33 +195,35 @@ class Learner:
         """Merge what arrived; with ``block_s`` wait that long for the first item."""
         while True:
             try:
-                kind, item = self.net.take(block_s)
+                item = self.net.next(block_s)
             except queue.Empty:
                 break
             block_s = 0.0
-            match kind, item:
-                case "update", (arrived_s, update):
+            match item:
+                case Arrived(arrived_s, update):
                     self._handle(self.core.on_update(arrived_s, update))
-                case _, serde.Identity():  # a (re)connected update stream: is it still the syncer we follow?
+                case Identity():  # a (re)connected update stream: is it still the syncer we follow?
                     self._handle(rj.on_identity(self.core, time.monotonic(), item.run_id, item.epoch,
                                                 item.resumed_from, item.process))
-                case _, serde.Barrier():
+                case Barrier():
                     self.barrier.on_status(item.started, item.need, item.joined, item.waiting_for)
-                case _, serde.Donate():
+                case Donate():
                     self._handle(self.donor.on_donate(time.monotonic(), item.recipient, item.versions))
-                case "link", sample:
-                    self.replanner.on_link(sample, self.core, self.payload_bytes, self.uploads)
-                case "channels", dict():
+                case LinkSample():
+                    self.replanner.on_link(item, self.core, self.payload_bytes, self.uploads)
+                case ChannelsWidened():
                     emit({"event": "transport", "role": "learner", "learner": self.m, "region": self.region,
-                          "step": self.core.step, **item})
-                case _, StateSent(r, fut):
+                          "step": self.core.step, **dataclasses.asdict(item)})
+                case Donated(r, fut):
                     ls_io.on_state_sent(self, r, fut)
-                case _, PartWritten(snap, fut):
+                case Saved(snap, fut):
                     ls_io.on_part_written(self, snap, fut)
-                case "refused", why:  # the syncer runs other settings: retrying cannot help
-                    raise SyncerLost(str(why))
+                case Refused(reason):  # the syncer runs other settings: retrying cannot help
+                    raise SyncerLost(reason)
+                case StreamLost(reason):
+                    raise SyncerLost(f"learner {self.m}: {reason}")
                 case _:
-                    raise SyncerLost(f"learner {self.m}: {item}")
+                    typing.assert_never(item)
         silent = self.net.silent_s()
         limit_s = silent and self.cfg.transport.retry_budget_s + self.cfg.transport.call_timeout_s
         if silent is not None and silent[0] > limit_s:

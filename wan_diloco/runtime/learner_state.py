@@ -9,7 +9,6 @@ from __future__ import annotations
 import concurrent.futures
 import hashlib
 import time
-from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
@@ -24,23 +23,8 @@ from wan_diloco.core.restore import InstallPart, LoadPart
 from wan_diloco.runtime import serde
 from wan_diloco.runtime.events import emit
 from wan_diloco.runtime.exits import Stopped
+from wan_diloco.runtime.inbox import Donated, Saved
 from wan_diloco.transport import MessageError, TransportError
-
-
-@dataclass(frozen=True)
-class PartWritten:
-    """Inbox item: the writer thread finished (``fut``) this learner's part of snapshot ``snapshot``."""
-
-    snapshot: int
-    fut: concurrent.futures.Future
-
-
-@dataclass(frozen=True)
-class StateSent:
-    """Inbox item: the writer thread finished (``fut``) sending this learner's state to ``recipient``."""
-
-    recipient: int
-    fut: concurrent.futures.Future
 
 
 def named_digest(tensors: dict, prefix: str) -> str:
@@ -73,7 +57,7 @@ def save_part(lrn, snap: int) -> None:
     info.update(snapshot=snap, tokens=lrn.tokens, data=lrn.batches.position())
     lrn.snapshot_stall_s = max(lrn.snapshot_stall_s, time.monotonic() - t0)
     fut = lrn.writer.submit(lrn.store.save_part, snap, f"learner-{lrn.m}", tensors, info, "learner")
-    fut.add_done_callback(lambda f: lrn.net.inbox.put(("saved", PartWritten(snap, f))))
+    fut.add_done_callback(lambda f: lrn.net.inbox.put(Saved(snap, f)))
 
 
 def send_state(lrn, recipient: int, versions: tuple[int, ...]) -> None:
@@ -90,7 +74,7 @@ def send_state(lrn, recipient: int, versions: tuple[int, ...]) -> None:
         return len(data), named_digest(tensors, "opt/")
 
     fut = lrn.writer.submit(send)
-    fut.add_done_callback(lambda f: lrn.net.inbox.put(("donated", StateSent(recipient, f))))
+    fut.add_done_callback(lambda f: lrn.net.inbox.put(Donated(recipient, f)))
 
 
 def parts_of(lrn) -> tuple[int, ...] | None:

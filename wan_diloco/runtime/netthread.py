@@ -27,12 +27,12 @@ from wan_diloco.compression import FragmentCodec
 from wan_diloco import shards
 from wan_diloco.core import FragmentUpload, Metadata, ProtocolError
 from wan_diloco.core.fingerprint import SETTINGS_DIFFER
-from wan_diloco.core.messages import MAX_LEARNERS, Barrier, Donate, Identity, ObjectRequest
+from wan_diloco.core.messages import MAX_LEARNERS, Identity, ObjectRequest
 from wan_diloco.runtime.inbox import Arrived, ChannelsWidened, InboxItem, Refused, StreamLost  # noqa: F401
 from wan_diloco.runtime import serde
 from wan_diloco.runtime.shard_view import ShardView
 from wan_diloco.transport import (
-    BulkRequest, Frame, LinkSample, MessageError, ProbePolicy, SyncerClient, TransportConfig, TransportError,
+    BulkRequest, Frame, MessageError, ProbePolicy, SyncerClient, TransportConfig, TransportError,
     TransportMetrics, channels_for_link, host_socket_buffer_bytes, new_event_loop,
 )
 
@@ -129,7 +129,7 @@ class NetThread:
                 self.contact()
                 try:
                     control = serde.control_from_frame(frame)
-                    if self.view is not None and isinstance(control, serde.Identity):
+                    if self.view is not None and isinstance(control, Identity):
                         E, resumed = self.view.seen(shard, control.epoch, control.resumed_from)
                         control = dataclasses.replace(control, epoch=E, resumed_from=resumed,
                                                       process=self.view.process_ids(shard, control.process))
@@ -160,39 +160,13 @@ class NetThread:
         """Payload bytes of the updates in the inbox."""
         return self._queued_bytes
 
-    def next(self, block_s: float = 0.0) -> InboxItem | object:
-        """The next inbox item (waiting up to ``block_s``; queue.Empty if none), making room for updates:
-        an ``InboxItem``, or whatever the training thread put there itself."""
+    def next(self, block_s: float = 0.0) -> InboxItem:
+        """The next inbox item (waiting up to ``block_s``; queue.Empty if none), making room for updates."""
         item = self.inbox.get(timeout=block_s) if block_s else self.inbox.get_nowait()
         if isinstance(item, Arrived):
             with self._queued_lock:
                 self._queued_bytes -= item.update.nbytes
         return item
-
-    def take(self, block_s: float = 0.0) -> tuple[str, object]:
-        """``next`` as the (kind, item) pair of before the inbox was typed, for a caller not yet moved to
-        ``next`` (to go once runtime.learner matches on the classes); an item the training thread put
-        itself comes back as it was put."""
-        item = self.next(block_s)
-        match item:
-            case Arrived(arrived_s, update):
-                return "update", (arrived_s, update)
-            case Identity():
-                return "identity", item
-            case Barrier():
-                return "barrier", item
-            case Donate():
-                return "donate", item
-            case LinkSample():
-                return "link", item
-            case ChannelsWidened():
-                return "channels", dataclasses.asdict(item)
-            case Refused(reason):
-                return "refused", reason
-            case StreamLost(reason):
-                return "error", reason
-            case _:
-                return item
 
     def start_probing(self) -> None:
         """Start measuring the link (after the join: a probe must not delay it)."""

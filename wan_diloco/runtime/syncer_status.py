@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import re
 import shutil
 from pathlib import Path
 
@@ -41,7 +40,7 @@ class StatusPage:
     def _refuse(self, e: ProtocolError, frame=None) -> Rejected:
         """A learner message refused: counted by field (on /metrics and /status), logged rate-limited
         by the core. ``frame``: one that did not decode, counted here against its sender's credential."""
-        field = e.field or _decoded_field(str(e))
+        field = getattr(e, "field", "") or "frame"  # serde names the field of what did not decode
         if frame is not None:
             try:
                 m = serde.learner_id(frame.sender, self.M)
@@ -191,15 +190,6 @@ class StatusPage:
                                ).set(self.write_failures)
             self.metrics.gauge("checkpoint_ok", "1 while the latest checkpoint write succeeded").set(
                 0 if self.write_error is not None or self.params_error is not None else 1)
-
-
-def _decoded_field(text: str) -> str:
-    """The field of a frame that did not decode, from serde's "Metadata.step: ..." (else "frame")."""
-    found = re.match(r"(Metadata|FragmentUpload|Donation)\.(\w+)", text)
-    if found is None:
-        return "frame"
-    kind = {"Metadata": "metadata", "FragmentUpload": "upload", "Donation": "donation"}[found.group(1)]
-    return f"{kind}.{found.group(2)}"
 
 
 def _free_bytes(where: str | None) -> int | None:
