@@ -73,8 +73,9 @@ class ShardView:
     """What the learner is told about S shards, and what each shard is told about the learner."""
 
     def __init__(self, plan: Sequence[int]):
-        self.plan = list(plan)
-        self.S = max(self.plan) + 1
+        self.routes = ShardPlan(plan)  # the one routing rule, as the syncer's
+        self.plan = self.routes.plan
+        self.S = self.routes.shards
         self.epochs = [0] * self.S  # 0: not heard from yet (taken as its first incarnation)
         self.resumed = [0] * self.S  # the snapshot each shard's current incarnation resumed from
         self.snapshot = 0  # the newest snapshot shard 0 cut
@@ -83,9 +84,7 @@ class ShardView:
         self.processes = [""] * self.S  # each shard's process id, from its Identity ("" : not heard from)
 
     def shard_of(self, fragment: int) -> int:
-        if not 0 <= fragment < len(self.plan):
-            raise ProtocolError(f"fragment {fragment} out of range 0..{len(self.plan) - 1}")
-        return self.plan[fragment]
+        return self.routes.shard_of(fragment)
 
     @property
     def epoch(self) -> int:

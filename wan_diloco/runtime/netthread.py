@@ -295,10 +295,7 @@ class NetThread:
         shard 0 (peer recovery) for the rest. ProtocolError (nothing sent) for a name no syncer serves."""
         if isinstance(request, str):  # the syncer checks the learner bound; here only the form matters
             request = ObjectRequest.parse(request, len(self.codec.layout.fragments), MAX_LEARNERS)
-        shard = 0
-        if self.view is not None and request.kind in ObjectRequest.FRAGMENT_KINDS:
-            shard = self.view.shard_of(request.index)
-        return request.name, shard
+        return request.name, 0 if self.view is None else self.view.routes.serves(request)
 
     def fetch_fragment(self, request: ObjectRequest | str) -> concurrent.futures.Future:
         """Bulk-fetch ``fragment/P`` or ``final/P`` (an ``ObjectRequest`` or its name).

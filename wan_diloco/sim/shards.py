@@ -40,13 +40,13 @@ class ShardedSyncer:
         return [self._out(s, a) for s, c in self._live() for a in c.on_metadata(now_s, self._in(s, msg))]
 
     def on_fragment(self, now_s: float, msg) -> list:
-        s = self.plan[msg.fragment]
+        s = self.view.routes.shard_of(msg.fragment)
         return [self._out(s, a) for a in self.cores[s].on_fragment(now_s, self._in(s, msg))] if self.up[s] else []
 
     def on_timer(self, now_s: float, key) -> list:
         if key == FINAL_TIMER:
             return [self._out(s, a) for s, c in self._live() for a in c.on_timer(now_s, key)]
-        s = self.plan[key[0]]
+        s = self.view.routes.shard_of(key[0])
         return [self._out(s, a) for a in self.cores[s].on_timer(now_s, key)] if self.up[s] else []
 
     def on_peer_lost(self, now_s: float, learner: int) -> list:
@@ -96,7 +96,7 @@ class ShardedSyncer:
         if not isinstance(action, Broadcast) or not self.merge_gb_s:
             return now_s
         p = action.msg.fragment
-        s = self.plan[p]
+        s = self.view.routes.shard_of(p)
         work_s = len(action.msg.contributors) * self.fragment_bytes[p] / (self.merge_gb_s * 1e9)
         start_s = max(now_s, self.busy_until[s])
         self.queued_s += start_s - now_s
