@@ -18,7 +18,7 @@ class FakeNet:
         self.inbox: queue.Queue = queue.Queue()
         self.fetched: list[str] = []
 
-    def take(self, block_s=0.0):
+    def next(self, block_s=0.0):
         return self.inbox.get(timeout=block_s) if block_s else self.inbox.get_nowait()
 
     def silent_s(self):
