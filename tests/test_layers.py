@@ -222,7 +222,6 @@ LONG = {
     "wan_diloco.runtime.launch": 759,
     "wan_diloco.regions.emulator": 486,
     "wan_diloco.runtime.chaos.driver": 477,
-    "wan_diloco.runtime.chaos.report": 456,
     "wan_diloco.data": 447,
 }
 
