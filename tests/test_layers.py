@@ -221,7 +221,6 @@ LONG = {
     "wan_diloco.core.syncer": 857,
     "wan_diloco.runtime.launch": 759,
     "wan_diloco.regions.emulator": 486,
-    "wan_diloco.runtime.chaos.driver": 477,
     "wan_diloco.data": 447,
 }
 
