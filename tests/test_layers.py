@@ -220,7 +220,6 @@ MARKER = re.compile(r"over ~?400 lines:", re.IGNORECASE)
 LONG = {
     "wan_diloco.core.syncer": 857,
     "wan_diloco.runtime.launch": 759,
-    "wan_diloco.regions.emulator": 486,
     "wan_diloco.data": 447,
 }
 
