@@ -14,7 +14,7 @@ PKG = Path(__file__).resolve().parents[1] / "wan_diloco"
 # (the "parts" and the two drivers are independent); the foundation layers may.
 LAYERS: list[tuple[set[str], bool]] = [  # (units, may units of this layer import each other)
     ({"config", "tree", "clock"}, True),
-    ({"model", "data", "data_sources", "train"}, True),
+    ({"model", "data", "data_sources", "data_batches", "train"}, True),
     ({"fragments", "merge", "outer", "feedback", "shards", "tape"}, True),
     ({"core", "compression", "transport", "regions", "checkpoint"}, False),
     ({"planning"}, False),  # models the run: the schedule (fragments) and the codec's bit widths
@@ -219,11 +219,6 @@ MARKER = re.compile(r"over ~?400 lines:", re.IGNORECASE)
 # Over the limit on this branch with no reason given; each is being split (or must say why) under #24.
 LONG = {
     "wan_diloco.core.syncer": 857,
-    "wan_diloco.transport.server": 543,
-    "wan_diloco.regions.emulator": 486,
-    "wan_diloco.runtime.chaos.driver": 477,
-    "wan_diloco.runtime.chaos.report": 456,
-    "wan_diloco.data": 447,
 }
 
 

@@ -11,7 +11,7 @@ from wan_diloco import spec as rt
 from wan_diloco.checkpoint.format import FAULT_ENV
 from wan_diloco.config import ConfigError
 from wan_diloco.runtime import chaos
-from wan_diloco.runtime.chaos.driver import _ChaosCluster, disk_flag_path
+from wan_diloco.runtime.chaos.processes import ChaosCluster, disk_flag_path
 
 from .conftest import micro_config
 
@@ -59,10 +59,10 @@ def test_both_faults_need_snapshots(tmp_path):
 def test_the_disk_full_hook_reaches_the_syncers_only_and_only_when_asked(tmp_path):
     cfg = rt.load(micro_config(tmp_path, learners=2))
     flag = disk_flag_path(tmp_path)
-    hooked = _ChaosCluster(cfg, tmp_path / "c.toml", tmp_path, token="t" * 24, syncer_env={FAULT_ENV: str(flag)})
+    hooked = ChaosCluster(cfg, tmp_path / "c.toml", tmp_path, token="t" * 24, syncer_env={FAULT_ENV: str(flag)})
     assert hooked._env_of("syncer")[FAULT_ENV] == str(flag)
     assert FAULT_ENV not in hooked._env_of("learner-0") and FAULT_ENV not in hooked._env_of("learner-1")
-    plain = _ChaosCluster(cfg, tmp_path / "c.toml", tmp_path, token="t" * 24)
+    plain = ChaosCluster(cfg, tmp_path / "c.toml", tmp_path, token="t" * 24)
     assert FAULT_ENV not in plain._env_of("syncer")
 
 

@@ -25,7 +25,6 @@ links with the TUN forwarder, but only the destination's link with netem.
 """
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import logging
 import os
@@ -34,10 +33,13 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 from typing import Literal, Sequence
 
+from wan_diloco.regions.namespaces import (  # noqa: F401  (re-exported: the emulator's public names)
+    FORWARDER_MODULE, EmulatorError, die_with_parent, forwarder_pids, kill_pids, list_namespaces, router_name,
+    run_checked, teardown_leftovers, unavailable_reason,
+)
 from wan_diloco.regions.topology import LinkConfig, RegionsConfig
 
 log = logging.getLogger(__name__)
@@ -58,121 +60,11 @@ def mtu_for(topology: RegionsConfig) -> int:
     return int(min(MTU, max(MIN_MTU, fastest * 1e9 / 8 / PACKETS_PER_S)))
 CC_AVAILABLE = Path("/proc/sys/net/ipv4/tcp_available_congestion_control")
 CC_ALLOWED = Path("/proc/sys/net/ipv4/tcp_allowed_congestion_control")
-FORWARDER_MODULE = "wan_diloco.regions.forwarder"
 ROUTER_TABLE = "100"
 CLASSIFY_PRIO = 1  # u32 filters that pick a region's class
 ROUTER_RULE_PRIO = "1000"  # ip rules that steer into the TUN; cut() blackholes at 2i+1, 2i+2 (< 1000)
-PR_SET_PDEATHSIG = 1
 
 Backend = Literal["auto", "netem", "tun"]
-
-
-class EmulatorError(RuntimeError):
-    """The emulated network could not be built or used."""
-
-
-def _run(argv: Sequence[str], check: bool = True) -> subprocess.CompletedProcess:
-    res = subprocess.run(list(argv), capture_output=True, text=True)
-    if check and res.returncode != 0:
-        raise EmulatorError(f"`{' '.join(argv)}` failed ({res.returncode}): {res.stderr.strip() or res.stdout.strip()}")
-    return res
-
-
-def _die_with_parent() -> None:
-    # Runs in the child before exec: SIGTERM it when the emulator process dies,
-    # so a crashed or SIGKILLed emulator leaves no forwarder behind. (Linux
-    # sends it when the *thread* that started the child exits, so enter the
-    # Emulator from a thread that outlives it, normally the main thread.)
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-
-
-def unavailable_reason() -> str | None:
-    """Why the emulator cannot run here (not root, no iproute2, no ``ip netns``), or None."""
-    if os.geteuid() != 0:
-        return "needs root (network namespaces and tc)"
-    if shutil.which("ip") is None or shutil.which("tc") is None:
-        return "needs iproute2 (`ip`, `tc`)"
-    if subprocess.run(["ip", "netns", "list"], capture_output=True).returncode != 0:
-        return "`ip netns` is not available here"
-    return None
-
-
-def router_name(prefix: str) -> str:
-    """Name of the router namespace (double dash: region names never start with '-')."""
-    return f"{prefix}--router"
-
-
-def list_namespaces(prefix: str) -> list[str]:
-    """Namespaces whose names start with ``prefix-``."""
-    res = _run(["ip", "netns", "list"], check=False)
-    names = [line.split()[0] for line in res.stdout.splitlines() if line.strip()]
-    return [n for n in names if n.startswith(prefix + "-")]
-
-
-def forwarder_pids(prefix: str) -> list[int]:
-    """Pids of forwarder processes started with ``--tag prefix``."""
-    out = []
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            argv = (d / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if FORWARDER_MODULE.encode() in argv and b"--tag" in argv:
-            i = argv.index(b"--tag")
-            if i + 1 < len(argv) and argv[i + 1] == prefix.encode():
-                out.append(int(d.name))
-    return out
-
-
-def _kill(pids: Sequence[int], grace_s: float = 2.0) -> None:
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
-    deadline = time.monotonic() + grace_s
-    alive = list(pids)
-    while alive and time.monotonic() < deadline:
-        alive = [p for p in alive if Path(f"/proc/{p}").exists() and _state(p) != "Z"]
-        time.sleep(0.02)
-    for pid in alive:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
-def _state(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return "X"
-
-
-def teardown_leftovers(prefix: str = "wdl") -> list[str]:
-    """Remove namespaces and processes a crashed run with ``prefix`` left behind.
-
-    Kills every process inside those namespaces and every forwarder tagged with
-    ``prefix``, then deletes the namespaces (which removes their veth and TUN
-    devices). Returns what was removed, for printing.
-    """
-    removed: list[str] = []
-    namespaces = list_namespaces(prefix)
-    pids = set(forwarder_pids(prefix))
-    for ns in namespaces:
-        res = _run(["ip", "netns", "pids", ns], check=False)
-        pids.update(int(p) for p in res.stdout.split() if p.isdigit())
-    pids.discard(os.getpid())
-    if pids:
-        _kill(sorted(pids))
-        removed += [f"process {p}" for p in sorted(pids)]
-    for ns in namespaces:
-        _run(["ip", "netns", "del", ns], check=False)
-        removed.append(f"namespace {ns}")
-    return removed
 
 
 class Emulator:
@@ -228,7 +120,7 @@ class Emulator:
 
     def popen(self, region: str, argv: Sequence[str], **kwargs) -> subprocess.Popen:
         """Start ``argv`` inside ``region``'s namespace; it is killed on teardown if still running."""
-        kwargs.setdefault("preexec_fn", _die_with_parent)
+        kwargs.setdefault("preexec_fn", die_with_parent)
         proc = subprocess.Popen(["ip", "netns", "exec", self.namespace(region), *argv], **kwargs)
         self._procs.append(proc)
         return proc
@@ -275,7 +167,7 @@ class Emulator:
                 procs = [p for p in self._procs if p.poll() is None]
                 if self._forwarder is not None and self._forwarder.poll() is None:
                     procs.append(self._forwarder)
-                _kill([p.pid for p in procs])
+                kill_pids([p.pid for p in procs])
                 for p in procs:
                     try:
                         p.wait(timeout=2)
@@ -307,7 +199,7 @@ class Emulator:
 
     # ---- building -------------------------------------------------------
     def _ns(self, ns: str, *argv: str, check: bool = True) -> subprocess.CompletedProcess:
-        return _run(["ip", "netns", "exec", ns, *argv], check=check)
+        return run_checked(["ip", "netns", "exec", ns, *argv], check=check)
 
     def _allow_cc(self, cc: str) -> None:
         """Let namespaces select ``cc``: a namespace other than the host's may only pick a congestion
@@ -339,16 +231,16 @@ class Emulator:
         cc = topo.congestion_control
         if cc:
             self._allow_cc(cc)
-        _run(["ip", "netns", "add", self.router])
+        run_checked(["ip", "netns", "add", self.router])
         r = self.router
         for k, v in (("net.ipv4.ip_forward", "1"), ("net.ipv4.conf.all.rp_filter", "0"),
                      ("net.ipv4.conf.default.rp_filter", "0"), ("net.ipv6.conf.all.disable_ipv6", "1"),
                      ("net.ipv6.conf.default.disable_ipv6", "1")):
             self._ns(r, "sysctl", "-qw", f"{k}={v}")
-        _run(["ip", "-n", r, "link", "set", "lo", "up"])
+        run_checked(["ip", "-n", r, "link", "set", "lo", "up"])
         for name in topo.names:
             i, ns = self.index[name], self.namespace(name)
-            _run(["ip", "netns", "add", ns])
+            run_checked(["ip", "netns", "add", ns])
             # Slow start after idle off: what a host tuned for long fat links runs with
             # (docs/operations.md), so a sync after a quiet spell starts at full window.
             mem = f"4096 {min(131072, topo.tcp_buffer_max_bytes)} {topo.tcp_buffer_max_bytes}"
@@ -358,14 +250,14 @@ class Emulator:
                          ("net.ipv6.conf.all.disable_ipv6", "1"), ("net.ipv6.conf.default.disable_ipv6", "1")):
                 self._ns(ns, "sysctl", "-qw", f"{k}={v}")
             # Created straight inside the two namespaces: nothing ever exists in the host's.
-            _run(["ip", "-n", r, "link", "add", f"v{i}", "mtu", str(self.mtu), "type", "veth",
+            run_checked(["ip", "-n", r, "link", "add", f"v{i}", "mtu", str(self.mtu), "type", "veth",
                   "peer", "name", "eth0", "netns", ns])
-            _run(["ip", "-n", ns, "link", "set", "eth0", "mtu", str(self.mtu)])
-            _run(["ip", "-n", r, "addr", "add", f"{SUBNET}.{i}.1/30", "dev", f"v{i}"])
-            _run(["ip", "-n", ns, "addr", "add", f"{SUBNET}.{i}.2/30", "dev", "eth0"])
+            run_checked(["ip", "-n", ns, "link", "set", "eth0", "mtu", str(self.mtu)])
+            run_checked(["ip", "-n", r, "addr", "add", f"{SUBNET}.{i}.1/30", "dev", f"v{i}"])
+            run_checked(["ip", "-n", ns, "addr", "add", f"{SUBNET}.{i}.2/30", "dev", "eth0"])
             for dev_ns, dev in ((r, f"v{i}"), (ns, "eth0"), (ns, "lo")):
-                _run(["ip", "-n", dev_ns, "link", "set", dev, "up"])
-            _run(["ip", "-n", ns, "route", "add", "default", "via", f"{SUBNET}.{i}.1"])
+                run_checked(["ip", "-n", dev_ns, "link", "set", dev, "up"])
+            run_checked(["ip", "-n", ns, "route", "add", "default", "via", f"{SUBNET}.{i}.1"])
             self._ns(r, "sysctl", "-qw", f"net.ipv4.conf.v{i}.rp_filter=0")
         want = self.requested_backend
         if want in ("auto", "netem") and self._shape(netem=True):
@@ -382,22 +274,22 @@ class Emulator:
         topo, r = self.topology, self.router
         syncer_dev = f"v{self.index[topo.syncer_region]}"
         for name in topo.names:
-            _run(["tc", "-n", r, "qdisc", "del", "dev", f"v{self.index[name]}", "root"], check=False)
+            run_checked(["tc", "-n", r, "qdisc", "del", "dev", f"v{self.index[name]}", "root"], check=False)
         # Syncer's side: one class per remote region, picked by source address;
         # everything else (e.g. the syncer region's own loopback-like traffic) is unshaped.
-        _run(["tc", "-n", r, "qdisc", "add", "dev", syncer_dev, "root", "handle", "1:", "htb", "default", "1"])
-        _run(["tc", "-n", r, "class", "add", "dev", syncer_dev, "parent", "1:", "classid", "1:1",
+        run_checked(["tc", "-n", r, "qdisc", "add", "dev", syncer_dev, "root", "handle", "1:", "htb", "default", "1"])
+        run_checked(["tc", "-n", r, "class", "add", "dev", syncer_dev, "parent", "1:", "classid", "1:1",
               "htb", "rate", "100gbit", "quantum", "200000"])
         for name in topo.remote:
             i, link = self.index[name], topo.link_of(name)
             dev = f"v{i}"
             # Towards the region: its own veth.
-            _run(["tc", "-n", r, "qdisc", "add", "dev", dev, "root", "handle", "1:", "htb", "default", "10"])
+            run_checked(["tc", "-n", r, "qdisc", "add", "dev", dev, "root", "handle", "1:", "htb", "default", "10"])
             self._leaf(dev, "1:10", "10:", link, netem)
             # From the region towards the syncer's region: a class on the syncer's veth.
             cls = f"1:{10 + i:x}"
             ok = self._leaf(syncer_dev, cls, f"{10 + i:x}:", link, netem)
-            _run(["tc", "-n", r, "filter", "add", "dev", syncer_dev, "parent", "1:", "protocol", "ip",
+            run_checked(["tc", "-n", r, "filter", "add", "dev", syncer_dev, "parent", "1:", "protocol", "ip",
                   "prio", str(CLASSIFY_PRIO), "u32", "match", "ip", "src", f"{SUBNET}.{i}.0/30", "flowid", cls])
             if not ok:
                 return False
@@ -410,7 +302,7 @@ class Emulator:
         # Burst and quantum must cover a frame, or htb stalls on big MTUs; beyond
         # that, a burst of 2 ms at line rate (no more: a slow link must stay slow).
         burst = max(4 * self.mtu, int(rate_bytes_s * 0.002))
-        _run(["tc", "-n", r, "class", verb, "dev", dev, "parent", "1:", "classid", classid, "htb",
+        run_checked(["tc", "-n", r, "class", verb, "dev", dev, "parent", "1:", "classid", classid, "htb",
               "rate", rate, "ceil", rate, "burst", str(burst), "cburst", str(burst),
               "quantum", str(max(self.mtu + 536, 1600))])
         # Queue one bandwidth-delay product (at least a few frames): enough to
@@ -423,13 +315,13 @@ class Emulator:
                 argv += [f"{link.jitter_ms:g}ms"]
             if link.loss_pct:
                 argv += ["loss", f"{link.loss_pct:g}%"]
-            res = _run(argv, check=False)
+            res = run_checked(argv, check=False)
             if res.returncode != 0:
                 if "unknown" in res.stderr.lower() or "no such file" in res.stderr.lower():
                     return False
                 raise EmulatorError(f"`{' '.join(argv)}` failed: {res.stderr.strip()}")
             return True
-        _run(["tc", "-n", r, "qdisc", verb, "dev", dev, "parent", classid, "handle", handle,
+        run_checked(["tc", "-n", r, "qdisc", verb, "dev", dev, "parent", classid, "handle", handle,
               "bfifo", "limit", str(bdp)])
         return True
 
@@ -450,19 +342,19 @@ class Emulator:
         verb = "add" if down else "del"
         # Policy rules ahead of everything else the router does (TUN steering sits at ROUTER_RULE_PRIO).
         for prio, direction in ((2 * i + 1, "from"), (2 * i + 2, "to")):
-            _run(["ip", "-n", r, "rule", verb, direction, f"{SUBNET}.{i}.0/30", "blackhole", "priority", str(prio)],
+            run_checked(["ip", "-n", r, "rule", verb, direction, f"{SUBNET}.{i}.0/30", "blackhole", "priority", str(prio)],
                  check=down)
 
     def _start_tun(self) -> None:
         r, topo = self.router, self.topology
-        _run(["ip", "-n", r, "tuntap", "add", "dev", self.tun, "mode", "tun"])
-        _run(["ip", "-n", r, "link", "set", self.tun, "mtu", str(self.mtu), "up"])
+        run_checked(["ip", "-n", r, "tuntap", "add", "dev", self.tun, "mode", "tun"])
+        run_checked(["ip", "-n", r, "link", "set", self.tun, "mtu", str(self.mtu), "up"])
         self._ns(r, "sysctl", "-qw", f"net.ipv4.conf.{self.tun}.rp_filter=0")
         # Everything arriving from a region goes through the TUN; what the
         # forwarder writes back arrives on the TUN and takes the main table.
-        _run(["ip", "-n", r, "route", "add", "default", "dev", self.tun, "table", ROUTER_TABLE])
+        run_checked(["ip", "-n", r, "route", "add", "default", "dev", self.tun, "table", ROUTER_TABLE])
         for name in topo.names:
-            _run(["ip", "-n", r, "rule", "add", "iif", f"v{self.index[name]}", "lookup", ROUTER_TABLE,
+            run_checked(["ip", "-n", r, "rule", "add", "iif", f"v{self.index[name]}", "lookup", ROUTER_TABLE,
                   "priority", ROUTER_RULE_PRIO])
         argv = [sys.executable, "-m", FORWARDER_MODULE, "--tun", self.tun, "--tag", self.prefix]
         for name in topo.remote:
@@ -474,7 +366,7 @@ class Emulator:
                                                           env.get("PYTHONPATH", "")]))
         self._forwarder = subprocess.Popen(["ip", "netns", "exec", r, *argv], stdout=subprocess.PIPE,
                                            stderr=subprocess.PIPE, text=True, env=env,
-                                           preexec_fn=_die_with_parent)
+                                           preexec_fn=die_with_parent)
         line = self._forwarder.stdout.readline()
         if line.strip() != "ready":
             err = self._forwarder.stderr.read() if self._forwarder.poll() is not None else ""

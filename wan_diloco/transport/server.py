@@ -7,10 +7,8 @@ reading anything, validates every message, maps problems to clear status codes
 (UNAUTHENTICATED, INVALID_ARGUMENT, RESOURCE_EXHAUSTED, FAILED_PRECONDITION,
 ALREADY_EXISTS, DEADLINE_EXCEEDED) and keeps serving other calls.
 
-Who calls is who its credential says: with per-sender tokens the token must be
-the declared sender's own, with mutual TLS (``identity_from_cert``) the declared
-sender must be the client certificate's name; anything else is refused before a
-byte is read and counted (``identity_refused_total{reason}``).
+Who calls is checked before a byte is read (``callers.py``); what the application
+plugs in is ``handler.py`` (both re-exported here).
 
 Uploads hold one of ``max_concurrent_uploads`` reassembly slots; one sender (its
 authenticated identity) may have ``max_uploads_per_sender`` open, and an upload
@@ -21,89 +19,34 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import time
-from typing import AsyncIterator, Callable, Iterable, Protocol, Union
-from urllib.parse import quote, unquote
+from typing import Callable
 
 import grpc
 
+from .bulk_serve import bulk_messages
+from .callers import IDENTITY_REASONS, MAX_PEER_LINKS, SENDER_HEADER, Callers, abort_call, sender_metadata, uploader
 from .config import TransportConfig
 from .framing import BufferPool, MessageReader, Prepared, encode_chunks
+from .handler import BulkSource, Handler, Rejected
 from .messages import (
-    MAX_NAME_CHARS, Ack, BulkChunk, BulkRequest, Frame, Message, MessageError, OversizedError, Payload, Subscribe,
-    decode_message, encode_message,
+    Ack, BulkRequest, Frame, Message, MessageError, OversizedError, Payload, Subscribe, decode_message,
+    encode_message,
 )
 from .metrics import TransportMetrics
 from .probe import MAX_CONCURRENT_PROBES, MAX_PROBE_BYTES, PROBE_MESSAGE_MIN_BYTES, finite_positive
-from .security import (
-    certificate_identity, certificate_name, check_token, derive_token, require_secure_or_loopback,
-    server_credentials, token_matches, why_not_listening,
-)
+from .security import certificate_identity, check_token, require_secure_or_loopback, server_credentials, why_not_listening
+
+# Re-exported: callers and applications import these from here.
+__all__ = ["BulkSource", "Handler", "IDENTITY_REASONS", "MAX_PEER_LINKS", "Rejected", "SENDER_HEADER", "SERVICE",
+           "METHODS", "SLOTS_BUSY_WARN_S", "TransportServer", "sender_metadata"]
 
 log = logging.getLogger(__name__)
 
 SERVICE = "wan_diloco.Syncer"
 METHODS = ("Metadata", "Upload", "Subscribe", "Bulk", "Probe")
-MAX_PEER_LINKS = 4096
-SENDER_HEADER = "x-wdl-sender"  # call metadata: who calls, before any byte is read (limits, per-sender tokens)
 SLOTS_BUSY_WARN_S = 5.0  # every upload slot held this long: one warning per episode
-# Why a call's identity was refused (the label of identity_refused_total: a fixed set, never caller text).
-IDENTITY_REASONS = ("no_sender", "token", "certificate", "message")
-
-
-def sender_metadata(sender: str) -> tuple[str, str]:
-    """Upload call metadata naming ``sender`` (quoted: metadata values are printable ASCII)."""
-    return SENDER_HEADER, quote(sender[:MAX_NAME_CHARS], safe="")
-
-
-class Rejected(Exception):
-    """Raised by a Handler to refuse a well-formed request (e.g. a stale base version)."""
-
-    def __init__(self, detail: str, code: grpc.StatusCode = grpc.StatusCode.FAILED_PRECONDITION):
-        super().__init__(detail)
-        self.code = code
-
-
-@dataclasses.dataclass(frozen=True)
-class BulkSource:
-    """A bulk object to stream: its exact size and its bytes in any pieces.
-
-    ``etag`` names this version of the object and must change whenever its bytes
-    do (a version number, a digest): a client whose transfer broke resumes from
-    the first missing byte only while the etag is the same. Empty: not resumable,
-    a broken transfer starts again from zero. The pieces are always the whole
-    object; the server skips what a resuming client already has.
-    """
-
-    total_bytes: int
-    pieces: Union[AsyncIterator[Payload], Iterable[Payload]]
-    etag: str = ""
-
-
-class Handler(Protocol):
-    """What the application (the syncer) plugs in behind the server.
-
-    Frames arrive with their payload as a read-only view of a transport buffer:
-    copy what must outlive the call. Raise ``Rejected`` to refuse a well-formed
-    request, ``MessageError`` for a malformed one (INVALID_ARGUMENT).
-    """
-
-    async def on_metadata(self, frame: Frame) -> Ack | None:
-        """A Frame from the unary Metadata RPC (small: one gRPC message)."""
-
-    async def on_fragment(self, frame: Frame) -> Ack | None:
-        """A Frame from the Upload RPC, called once all its chunks arrived and
-        decoded. May see a retry of an upload whose reply was lost, so it should
-        be idempotent."""
-
-    def subscribe(self, msg: Subscribe) -> AsyncIterator[Frame | Prepared]:
-        """Frames to stream to ``msg.sender`` until it ends (see ``UpdateHub.stream``)."""
-
-    async def bulk(self, request: BulkRequest) -> BulkSource:
-        """The named object to stream back in chunks, whole even when ``request.offset`` > 0
-        (the server checks the etag and skips the bytes before the offset)."""
 
 
 class TransportServer:
@@ -123,17 +66,14 @@ class TransportServer:
         token, ``derive_token(token, sender)``; a message from anyone else on it is refused. Without,
         the run's token or the declared sender's own is accepted. With mutual TLS and
         ``tls.identity_from_cert`` the caller is its certificate's name, whatever the token."""
-        self.handler, self.token = handler, check_token(token)
-        self.per_sender_tokens = per_sender_tokens
-        self._buckets: dict[str, tuple[float, float]] = {}  # sender -> (tokens, at): per-sender call rate
+        self.handler, token = handler, check_token(token)
         self.config = config or TransportConfig()
         self.config.validate()
         require_secure_or_loopback(address, self.config.tls, self.config.allow_insecure_remote)
-        self.cert_identity = certificate_identity(self.config.tls)
         self.address, self.name = address, name
         self.metrics = metrics or TransportMetrics()
-        for reason in IDENTITY_REASONS:  # every series on /metrics from the start, at 0: alerts see a rise
-            self.metrics.identity_refusals.labels(reason)
+        self.callers = Callers(token, per_sender_tokens, certificate_identity(self.config.tls),
+                               self.config.max_calls_per_s_per_sender, self.metrics)
         self.port = 0
         self._server: grpc.aio.Server | None = None
         self._upload_slots = asyncio.Semaphore(self.config.max_concurrent_uploads)
@@ -198,68 +138,7 @@ class TransportServer:
     # ---- plumbing ----------------------------------------------------------
 
     async def _fail(self, context: grpc.aio.ServicerContext, rpc: str, code: grpc.StatusCode, detail: str):
-        self.metrics.error(rpc, code.name)
-        await context.abort(code, f"{rpc}: {detail}")
-
-    async def _refuse_identity(self, context, rpc: str, code: grpc.StatusCode, reason: str, detail: str):
-        self.metrics.identity_refused(reason)
-        await self._fail(context, rpc, code, detail)
-
-    async def _auth(self, context: grpc.aio.ServicerContext, rpc: str) -> str | None:
-        """Check the call's credentials before anything is read; returns who it is (for ``_bind`` and the
-        per-sender limits): the named sender under per-sender tokens, the certificate's name under
-        certificate identity, else None (one shared token: anyone may be anyone)."""
-        metadata, claimed = context.invocation_metadata(), self._claimed_sender(context)
-        own = claimed is not None and token_matches(metadata, derive_token(self.token, claimed))
-        if self.per_sender_tokens:
-            if claimed is None:
-                await self._refuse_identity(context, rpc, grpc.StatusCode.UNAUTHENTICATED, "no_sender",
-                                            f"per-sender credentials: the call names no sender ({SENDER_HEADER})")
-            if not own:
-                await self._refuse_identity(context, rpc, grpc.StatusCode.UNAUTHENTICATED, "token",
-                                            f"missing or wrong bearer token for sender {claimed[:40]!r}")
-        elif not (own or token_matches(metadata, self.token)):
-            await self._fail(context, rpc, grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
-        if not self.cert_identity:
-            return claimed if self.per_sender_tokens else None
-        name = certificate_name(context.auth_context())
-        if name is None:
-            await self._refuse_identity(context, rpc, grpc.StatusCode.UNAUTHENTICATED, "certificate",
-                                        "the client certificate names no one (one common name expected)")
-        if claimed is not None and claimed != name:
-            await self._refuse_identity(context, rpc, grpc.StatusCode.PERMISSION_DENIED, "certificate",
-                                        f"the call says it is from {claimed[:40]!r}, its certificate is "
-                                        f"{name[:40]!r}'s")
-        return name
-
-    @staticmethod
-    def _claimed_sender(context) -> str | None:
-        for key, value in context.invocation_metadata() or ():
-            if key == SENDER_HEADER:
-                return unquote(value if isinstance(value, str) else bytes(value).decode("ascii", "replace"))
-        return None
-
-    async def _rate(self, context, rpc: str, who: str | None) -> None:
-        """A token bucket per sender (``max_calls_per_s_per_sender``, bursts of twice that): one token
-        holder cannot keep the event loop busy with small calls. ``who``: the authenticated identity."""
-        rate = self.config.max_calls_per_s_per_sender
-        who, now = who or self._uploader(context), time.monotonic()
-        tokens, at = self._buckets.get(who, (2 * rate, now))
-        tokens = min(2 * rate, tokens + (now - at) * rate)
-        if tokens < 1:
-            self._buckets[who] = (tokens, now)
-            await self._fail(context, rpc, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                             f"{who[:40]} calls more than {rate:g} times a second (max_calls_per_s_per_sender)")
-        if who not in self._buckets and len(self._buckets) >= MAX_PEER_LINKS:
-            self._buckets.pop(next(iter(self._buckets)))  # bounded: oldest first
-        self._buckets[who] = (tokens - 1, now)
-
-    def _bind(self, who: str | None, sender: str) -> None:
-        """A message must come from the sender the call's credentials are (per-sender token, certificate)."""
-        if who is not None and sender != who:
-            self.metrics.identity_refused("message")
-            raise Rejected(f"the call's credentials are {who[:40]!r}'s, the message says it is from {sender[:40]!r}",
-                           grpc.StatusCode.PERMISSION_DENIED)
+        await abort_call(self.metrics, context, rpc, code, detail)
 
     def _decode(self, data: Payload, expected: type, limit: int) -> Message:
         msg = decode_message(data, max_bytes=limit)
@@ -288,27 +167,16 @@ class TransportServer:
     # ---- RPCs --------------------------------------------------------------
 
     async def _metadata(self, request: bytes, context) -> bytes:
-        who = await self._auth(context, "Metadata")
-        await self._rate(context, "Metadata", who)
+        who = await self.callers.auth(context, "Metadata")
+        await self.callers.rate(context, "Metadata", who)
         try:
             msg = self._decode(request, Frame, self.config.grpc_message_bytes)
-            self._bind(who, msg.sender)
+            self.callers.bind(who, msg.sender)
             self.metrics.received("Metadata", len(request))
             return self._ack("Metadata", await self.handler.on_metadata(msg))
         except BaseException as e:
             await self._guard(context, "Metadata", e)
 
-    @classmethod
-    def _uploader(cls, context) -> str:
-        """Who a call counts against without an authenticated identity (one shared token): the sender it
-        names, else the peer's host."""
-        claimed = cls._claimed_sender(context)
-        if claimed is not None:
-            return claimed
-        peer = context.peer() or "unknown"
-        # "ipv4:10.0.0.1:5555" -> "10.0.0.1": all connections of a host count together.
-        _, _, address = peer.partition(":")
-        return "peer " + (address.rpartition(":")[0] or address or peer)
 
     @contextlib.asynccontextmanager
     async def _upload_slot(self):
@@ -340,8 +208,8 @@ class TransportServer:
             self.on_warning(what)
 
     async def _upload(self, request_iterator, context) -> bytes:
-        bound = await self._auth(context, "Upload")  # before a slot or a byte: a stranger takes neither
-        who, limit = bound or self._uploader(context), self.config.max_uploads_per_sender
+        bound = await self.callers.auth(context, "Upload")  # before a slot or a byte: a stranger takes neither
+        who, limit = bound or uploader(context), self.config.max_uploads_per_sender
         if self._uploads_by.get(who, 0) >= limit:
             await self._fail(context, "Upload", grpc.StatusCode.RESOURCE_EXHAUSTED,
                              f"{who} has {limit} uploads open already, the limit (max_uploads_per_sender); "
@@ -375,7 +243,7 @@ class TransportServer:
             msg = done[0]
             if not isinstance(msg, Frame):
                 raise MessageError(f"expected Frame, got {type(msg).__name__}")
-            self._bind(bound, msg.sender)
+            self.callers.bind(bound, msg.sender)
             self.metrics.received("Upload", nbytes, 1)
             return self._ack("Upload", await self.handler.on_fragment(msg))
         except BaseException as e:
@@ -411,10 +279,10 @@ class TransportServer:
                 del self._subscribers[msg.sender]
 
     async def _subscribe(self, request: bytes, context):
-        who = await self._auth(context, "Subscribe")
+        who = await self.callers.auth(context, "Subscribe")
         try:
             msg = self._decode(request, Subscribe, self.config.grpc_message_bytes)
-            self._bind(who, msg.sender)
+            self.callers.bind(who, msg.sender)
             self._claim_subscription(msg)  # before the handler: it would end the other stream
         except BaseException as e:
             await self._guard(context, "Subscribe", e)
@@ -445,45 +313,25 @@ class TransportServer:
             self._release_subscription(msg)
 
     async def _bulk(self, request: bytes, context):
-        who = await self._auth(context, "Bulk")
-        await self._rate(context, "Bulk", who)
+        who = await self.callers.auth(context, "Bulk")
+        await self.callers.rate(context, "Bulk", who)
         try:
             req = self._decode(request, BulkRequest, self.config.grpc_message_bytes)
-            self._bind(who, req.sender)
+            self.callers.bind(who, req.sender)
             self.metrics.received("Bulk", len(request))
             source = await self.handler.bulk(req)
-            total, etag = source.total_bytes, source.etag
-            if req.offset:
-                _check_resume(req, source)
-            # offset: bytes of the source consumed (skipped or sent); index: chunks sent in this call
-            index = offset = 0
-            async for piece in _aiter(source.pieces):
-                view = memoryview(piece).cast("B")
-                if offset < req.offset:  # what a resuming client has already: dropped without a copy
-                    skip = min(req.offset - offset, len(view))
-                    view, offset = view[skip:], offset + skip
-                for i in range(0, len(view), self.config.chunk_bytes):
-                    part = view[i : i + self.config.chunk_bytes]
-                    if offset + len(part) > total:
-                        raise RuntimeError(f"bulk source {req.name!r} gave more than {total} bytes")
-                    data = encode_message(BulkChunk(self.name, req.name, index, offset, total, part, etag))
-                    index, offset = index + 1, offset + len(part)
-                    self.metrics.sent("Bulk", len(data))
-                    yield data
-            if offset != total:
-                raise RuntimeError(f"bulk source {req.name!r} gave {offset} of {total} bytes")
-            if index == 0:  # an empty object (or remainder) still needs one chunk to announce size and etag
-                yield encode_message(BulkChunk(self.name, req.name, 0, offset, total, b"", etag))
+            async for data in bulk_messages(self.name, req, source, self.config.chunk_bytes, self.metrics):
+                yield data
         except BaseException as e:
             await self._guard(context, "Bulk", e)
 
     async def _probe(self, request: bytes, context):
         """Stream ``meta["bytes"]`` zero bytes back: the sender times it (``probe.py``)."""
-        who = await self._auth(context, "Probe")
-        await self._rate(context, "Probe", who)
+        who = await self.callers.auth(context, "Probe")
+        await self.callers.rate(context, "Probe", who)
         try:
             msg = self._decode(request, Frame, self.config.grpc_message_bytes)
-            self._bind(who, msg.sender)
+            self.callers.bind(who, msg.sender)
             nbytes = msg.meta.get("bytes")
             if isinstance(nbytes, bool) or not isinstance(nbytes, int) or not 0 <= nbytes <= MAX_PROBE_BYTES:
                 raise MessageError(f"probe meta.bytes must be an integer in [0, {MAX_PROBE_BYTES}], got {nbytes!r}")
@@ -519,25 +367,3 @@ class TransportServer:
             sender).set(rtt_ms)
         self.metrics.gauge("link_rate_gbit_s", "Download rate each peer measured from us, Gbit/s", ["peer"]).labels(
             sender).set(rate)
-
-
-def _check_resume(req: BulkRequest, source: BulkSource) -> None:
-    """Refuse to resume at ``req.offset`` unless the source is the version the client began with."""
-    if not source.etag:
-        raise Rejected(f"bulk {req.name!r} is not resumable (its source has no etag): "
-                       "fetch it again from offset 0")
-    if req.etag != source.etag:
-        raise Rejected(f"bulk {req.name!r} changed since the transfer began (etag {req.etag[:80]!r}, "
-                       f"now {source.etag[:80]!r}): fetch it again from offset 0")
-    if req.offset > source.total_bytes:
-        raise Rejected(f"bulk {req.name!r}: offset {req.offset} is past its end ({source.total_bytes} bytes)",
-                       grpc.StatusCode.INVALID_ARGUMENT)
-
-
-async def _aiter(pieces):
-    if hasattr(pieces, "__aiter__"):
-        async for p in pieces:
-            yield p
-    else:
-        for p in pieces:
-            yield p

@@ -33,7 +33,8 @@ Everything the run did is kept in a ``RunRecord`` (every process's events,
 when each process lived, when each fault fired) which ``analyze`` turns into
 the report; see its docstring for how each figure is defined.
 """
-from wan_diloco.runtime.chaos.driver import ChaosOptions, config_summary, run_chaos, run_with_baseline, write_report
+from wan_diloco.runtime.chaos.baseline import config_summary, run_with_baseline, write_report
+from wan_diloco.runtime.chaos.driver import ChaosOptions, run_chaos
 from wan_diloco.runtime.chaos.plot import plot_timeline
 from wan_diloco.runtime.chaos.record import RunRecord
 from wan_diloco.runtime.chaos.report import analyze, rolled_back_steps, targets, tokens_trained

@@ -1,4 +1,4 @@
-"""The chaos driver: a ``Cluster`` run to its end while faults fire at their times."""
+"""The chaos driver: a ``Cluster`` (``processes.py``) run to its end while faults fire at their times."""
 from __future__ import annotations
 
 import contextlib
@@ -10,19 +10,17 @@ import os
 import queue
 import secrets
 import signal
-import threading
 import time
 from pathlib import Path
 from typing import Callable
 
 from wan_diloco.checkpoint import SnapshotStore
 from wan_diloco.checkpoint.format import FAULT_ENV
-from wan_diloco.runtime.launch import Cluster, emulated_spec, is_syncer, last_line, run_spec, write_config
+from wan_diloco.runtime.launch import Cluster, emulated_spec, last_line, run_spec, write_config
 from wan_diloco.spec import TOKEN_ENV, RunSpec
+from wan_diloco.runtime.chaos.processes import ChaosCluster, Spawner, disk_flag_path
 from wan_diloco.runtime.chaos.record import RunRecord
 from wan_diloco.runtime.chaos.schedule import Fault, Note, check_schedule, learner_index
-from wan_diloco.runtime.chaos.report import analyze
-from wan_diloco.runtime.chaos.plot import plot_timeline
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,53 +36,10 @@ class ChaosOptions:
     end_grace_s: float = 20.0
 
 
-class _Spawner:
-    """One thread, alive as long as the cluster, for starts that block (a syncer restart waits until it
-    listens) while the driver goes on. Not a thread per restart: ``Cluster`` children get SIGTERM when
-    the thread that forked them exits (PR_SET_PDEATHSIG), so a short-lived thread would stop its syncer."""
-
-    def __init__(self) -> None:
-        self.jobs: queue.Queue = queue.Queue()
-        self.thread = threading.Thread(target=self._work, name="chaos-spawner", daemon=True)
-
-    def __enter__(self) -> "_Spawner":
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.jobs.put(None)
-        self.thread.join(200)  # a start in flight fails fast once the cluster stopped its process
-
-    def submit(self, job: Callable[[], None]) -> None:
-        self.jobs.put(job)
-
-    def _work(self) -> None:
-        while (job := self.jobs.get()) is not None:
-            job()
-
-
-class _ChaosCluster(Cluster):
-    """A ``Cluster`` whose syncer processes get ``syncer_env`` too: the disk_full fault's test hook reaches
-    the syncers of a chaos run that schedules it, and no other process of any run."""
-
-    def __init__(self, *args, syncer_env: dict | None = None, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.syncer_env = dict(syncer_env or {})
-
-    def _env_of(self, name: str) -> dict:
-        env = super()._env_of(name)
-        return {**env, **self.syncer_env} if is_syncer(name) else env
-
-
-def disk_flag_path(run_dir: str | Path) -> Path:
-    """While this file exists the syncers of a chaos run with a disk_full fault cannot write (ENOSPC)."""
-    return Path(run_dir) / "disk-full.flag"
-
-
 class _Driver:
     """Runs one Cluster through a fault schedule (see the module docstring)."""
 
-    def __init__(self, cluster: Cluster, spawner: "_Spawner", cfg: RunSpec, faults: list[Fault], metrics, note: Note,
+    def __init__(self, cluster: Cluster, spawner: Spawner, cfg: RunSpec, faults: list[Fault], metrics, note: Note,
                  emu=None):
         self.cluster, self.spawner, self.cfg, self.faults = cluster, spawner, cfg, faults
         self.metrics, self.note, self.emu = metrics, note, emu
@@ -432,46 +387,13 @@ def run_chaos(cfg: RunSpec, faults: list[Fault], run_dir: str | Path, options: C
                 cfg.regions.syncer_region if name == "syncer" else cfg.region(learner_index(name)))
         write_config(rdir / "config.toml", cfg)
         metrics = stack.enter_context(open(rdir / "metrics.jsonl", "w"))
-        spawner = stack.enter_context(_Spawner())  # entered before the cluster: it ends after the children
+        spawner = stack.enter_context(Spawner())  # entered before the cluster: it ends after the children
         # The disk_full hook only for a schedule that has the fault, and only for its syncers.
         flag = disk_flag_path(rdir)
         flag.unlink(missing_ok=True)
         syncer_env = {FAULT_ENV: str(flag)} if any(f.kind == "disk_full" for f in faults) else None
-        cluster = stack.enter_context(_ChaosCluster(cfg, rdir / "config.toml", rdir, token=token, wrap=wrap,
+        cluster = stack.enter_context(ChaosCluster(cfg, rdir / "config.toml", rdir, token=token, wrap=wrap,
                                                     syncer_env=syncer_env))
         record = _Driver(cluster, spawner, cfg, faults, metrics, note, emu).run(options)
     (rdir / "chaos_record.json").write_text(record.to_json())
     return record
-
-
-def write_report(report: dict, path: str | Path) -> None:
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    p.write_text(json.dumps(report, indent=1) + "\n")
-
-
-def config_summary(cfg: RunSpec) -> dict:
-    """The settings a chaos report is read against."""
-    return {"learners": cfg.run.learners, "steps": cfg.run.steps, "min_step_s": cfg.run.min_step_s,
-            "preset": cfg.preset, "model": dataclasses.asdict(cfg.model),
-            "sync_every": cfg.learner.sync_every, "num_fragments": cfg.learner.num_fragments, "tau": cfg.learner.tau,
-            "quorum": cfg.syncer.quorum, "every_merges": cfg.checkpoint.every_merges,
-            "liveness_timeout_s": cfg.syncer.liveness_timeout_s, "retry_budget_s": cfg.transport.retry_budget_s}
-
-
-def run_with_baseline(cfg: RunSpec, faults: list[Fault], run_dir: str | Path, options: ChaosOptions = ChaosOptions(),
-                      baseline: bool = True, note: Note = lambda s: None,
-                      png: str | Path | None = None) -> tuple[dict, RunRecord, RunRecord | None]:
-    """The chaos run in ``RUN_DIR/chaos`` and (``baseline``) the same config without faults in
-    ``RUN_DIR/baseline``; returns (report, chaos record, baseline record), and draws ``png``."""
-    rdir = Path(run_dir)
-    note(f"chaos run: {len(faults)} faults, {cfg.run.learners} learners, {cfg.run.steps} steps -> {rdir / 'chaos'}")
-    record = run_chaos(cfg, faults, rdir / "chaos", options, note)
-    base = None
-    if baseline:
-        note(f"fault-free run of the same config -> {rdir / 'baseline'}")
-        base = run_chaos(cfg, [], rdir / "baseline", options, note)
-    report = {**analyze(record, base), "config": config_summary(cfg)}
-    if png is not None:
-        plot_timeline(record, png, base)
-    return report, record, base
