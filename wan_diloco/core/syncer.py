@@ -5,6 +5,11 @@ fragment. Events come in with their time; actions (broadcasts, timers) go out.
 The end-of-run sync is an event too: uploads flagged ``final`` are held until
 every live learner has sent all its fragments (or ``final_timeout_s`` after the
 first), then every fragment is merged from all of them at once.
+
+This module holds the events, liveness, refusals and identity; the rest has a module each:
+``syncer_config`` (the settings), ``syncer_guards`` (the checks that refuse a message),
+``syncer_rounds`` (rounds, their close, the final sync: ``SyncerRounds``, this core's base class) and
+``syncer_state`` (the records and the snapshot form).
 """
 from __future__ import annotations
 
@@ -20,26 +25,23 @@ from wan_diloco.core import syncer_guards as guards
 from wan_diloco.core.protocol import (
     FINAL_TIMER,
     SYNCER,
-    Broadcast,
     Codec,
     Ema,
     FragmentUpload,
-    GlobalUpdate,
     Metadata,
     ProtocolError,
-    SetTimer,
     Tensors,
     learner_node,
 )
 from wan_diloco.core.pace import StepPace
 from wan_diloco.core.refusals import Refusals
-# The settings, the checks' limits and a round's pieces have modules of their own; importable from here as before.
+# The settings, the checks' limits and the stats have modules of their own; importable from here as before.
 from wan_diloco.core.syncer_config import SyncerConfig  # noqa: F401
 from wan_diloco.core.syncer_guards import (  # noqa: F401
     CLOCK_ADVANCE, MAX_CLOCK, MAX_TIMING_S, OTHER_CLOCK_SLACK, SNAPSHOT_LEEWAY,
 )
+from wan_diloco.core.syncer_rounds import Round, SyncerRounds
 from wan_diloco.core.syncer_state import LearnerInfo, SyncerStats, read_snapshot, snapshot_tensors  # noqa: F401
-from wan_diloco.core.syncer_rounds import Round, combine, final_rounds, finals_complete, fold_carried, merged_delta, outer_step
 from wan_diloco.merge import Workers, sum_squares
 from wan_diloco.outer import OuterOptimizer
 
@@ -53,7 +55,7 @@ def _untimed(stage: str) -> AbstractContextManager[None]:
     return nullcontext()
 
 
-class SyncerCore:
+class SyncerCore(SyncerRounds):
     def __init__(
         self,
         cfg: SyncerConfig,
@@ -242,34 +244,6 @@ class SyncerCore:
 
     # ---- estimates ------------------------------------------------------------------
 
-    def tau_now(self) -> int:
-        """The overlap the grace must respect: the smallest any live learner reported (learners that
-        re-plan τ from their links may differ; waiting past the smallest would make its learners
-        merge late), else the configured one."""
-        taus = [l.tau for l in self.learners.values() if l.alive and l.tau is not None]
-        return min(taus) if taus else self.cfg.tau
-
-    def grace_window_s(self) -> float:
-        """ξ_grace = γ·max(0, τ·ξ_step − (ξ_quorum + ξ_sync)), all measured online (τ: ``tau_now``)."""
-        if not self.cfg.grace:
-            return 0.0
-        steps = [l.step_s for l in self.learners.values() if l.alive and l.step_s is not None]
-        if not steps:
-            return 0.0
-        syncs = [l.sync_s for l in self.learners.values() if l.alive and l.sync_s is not None]
-        step_s = float(np.mean(steps))
-        sync_s = float(np.mean(syncs)) if syncs else 0.0
-        slack = self.tau_now() * step_s - ((self.quorum_wait_s.value or 0.0) + sync_s)
-        grace = self.cfg.grace_safety * max(0.0, slack)
-        return grace if self.cfg.max_grace_s is None else min(grace, self.cfg.max_grace_s)
-
-    def quorum(self) -> int:
-        """K for the next round: a learner known to be down cannot be waited for (>= 1)."""
-        return max(1, min(self.cfg.quorum, len(self.alive())))
-
-    def final_participants(self) -> set[int]:
-        return {m for (m, _) in self.finals}
-
     def owns(self, p: int) -> bool:
         """Whether fragment ``p`` is this core's (a syncer shard's) to merge."""
         return p in self.outer.states
@@ -350,18 +324,6 @@ class SyncerCore:
             self.quarantine(now_s, learner, f"{self.cfg.max_refusals} messages refused within "
                                             f"{self.cfg.quarantine_s:g} s (the latest: {e.field or 'other'})")
 
-    def _late(self, msgs) -> None:
-        """Δs whose round closed without them: carried into the fragment's next merge, or dropped."""
-        for msg in msgs:
-            if self.cfg.carry_late:
-                self._carry(msg)
-            else:
-                self.stats.late_dropped += 1
-
-    def _carry(self, msg: FragmentUpload) -> None:
-        held = self.carried[msg.fragment]
-        held[msg.learner] = msg if msg.learner not in held else combine(held[msg.learner], msg)
-
     def _lose(self, learner: int, now_s: float) -> None:
         info = self.learners.setdefault(learner, LearnerInfo(last_seen_s=now_s))
         info.alive = False
@@ -376,108 +338,6 @@ class SyncerCore:
         info.alive = True
         info.heard = True
         return info
-
-    def _recheck(self, now_s: float) -> list:
-        actions: list = []
-        for key in sorted(self.rounds):
-            if key in self.rounds:
-                actions += self._maybe_close(now_s, key)
-        if self.final_started and self._finals_complete():  # the last learner it waited for went away
-            actions += self._final_sync(now_s)
-        return actions
-
-    def _maybe_close(self, now_s: float, key: tuple[int, int]) -> list:
-        rnd = self.rounds[key]
-        if len(rnd.contributions) < self.quorum():
-            return []
-        if rnd.quorum_s is None:
-            rnd.quorum_s = now_s
-            self.quorum_wait_s.add(now_s - rnd.opened_s)
-            rnd.grace_s = self.grace_window_s()
-            rnd.deadline_s = now_s + rnd.grace_s
-        waiting = [m for m in self.alive() if m not in rnd.contributions]
-        if not waiting or now_s >= rnd.deadline_s:
-            with self.timing("close"):
-                return self._close(now_s, key)
-        if not rnd.timer_set:
-            rnd.timer_set = True
-            return [SetTimer(key, rnd.deadline_s)]
-        return []
-
-    def _close(self, now_s: float, key: tuple[int, int], final: bool = False) -> list:
-        p, due = key
-        rnd = self.rounds.pop(key)
-        # Older open rounds of this fragment are now late: their Θ has moved on.
-        for old in [k for k in self.rounds if k[0] == p and k[1] < due]:
-            self._late(self.rounds.pop(old).contributions.values())
-        carried, stale = fold_carried(rnd, self.carried[p], self.version[p] - self.cfg.max_staleness)
-        self.stats.late_carried += carried
-        self.stats.stale_dropped += stale
-        self.carried[p] = {}
-        learners = sorted(rnd.contributions)
-        ups = [rnd.contributions[m] for m in learners]
-        delta = merged_delta(ups, self.cfg.merge, self.is_embedding, self.workers, self.timing)
-        try:
-            enc, new, theta_sq = outer_step(self.outer, self.codec, p, self.theta[p], delta, self.workers, self.timing)
-        except ProtocolError as e:
-            # Θ_p and its momentum stay as they were; the learners keep their Δs' steps in θ and send again.
-            self.stats.refused_rounds += 1
-            self.notices.append(f"merge of fragment {p} (due step {due}, learners {learners}) refused: {e}")
-            return []
-        with self.timing("outer_step"):
-            self.outer.commit(p, delta, self.workers)
-        self.theta[p], self.theta_sq[p] = new, theta_sq
-        from_version = self.version[p]
-        self.version[p] += 1
-        self.last_closed_due[p] = max(self.last_closed_due[p], due)
-        self.clock = self.clock.tick(SYNCER)
-        self.syncer_ticks += 1
-        self.stats.fragment_syncs[p] += 1
-        for m in learners:
-            self.merged_at[(m, p)] = self.version[p]
-        self.stats.quorum_sizes.append(len(ups))
-        self.stats.grace_s.append(rnd.grace_s)
-        self.stats.history.append((now_s, p, due, tuple(learners)))
-        self.stats.bytes_out += enc.nbytes
-        msg = GlobalUpdate(
-            fragment=p, from_version=from_version, to_version=self.version[p], due_step=due,
-            global_step=self.global_step, clock=self.clock, update=enc.values, nbytes=enc.nbytes,
-            contributors=tuple(learners), held_s={m: now_s - t for m, t in rnd.received_s.items()},
-            payload=enc.payload, final=final, run_id=self.run_id, epoch=self.epoch, resumed_from=self.resumed_from,
-            snapshot=self.snapshot_id,
-        )
-        return [Broadcast(msg)]
-
-    # ---- end of run ---------------------------------------------------------------
-
-    def _final_upload(self, now_s: float, msg: FragmentUpload) -> list:
-        if self.final_done:
-            return []  # too late: the learner takes the final fragments like everyone else
-        self.finals[(msg.learner, msg.fragment)] = msg  # a retry overwrites
-        actions: list = []
-        if not self.final_started:
-            self.final_started = True
-            actions.append(SetTimer(FINAL_TIMER, now_s + self.cfg.final_timeout_s))
-        if self._finals_complete():
-            actions += self._final_sync(now_s)
-        return actions
-
-    def _finals_complete(self) -> bool:
-        return finals_complete(self.finals, self.owned, self.alive())
-
-    def _final_sync(self, now_s: float) -> list:
-        """Merge every fragment from all final uploads at once, quorum and grace aside."""
-        if self.final_done:
-            return []
-        self.final_done = True
-        for key in list(self.rounds):  # open rounds end unmerged: their learners sent finals instead
-            self.rounds.pop(key)
-        actions: list = []
-        for key, rnd in final_rounds(self.finals, self.owned, now_s):
-            self.rounds[key] = rnd
-            with self.timing("close"):
-                actions += self._close(now_s, key, final=True)
-        return actions
 
     def global_params(self) -> dict[str, np.ndarray]:
         return {n: a for frag in self.theta for n, a in frag.items()}
