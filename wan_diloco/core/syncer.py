@@ -242,7 +242,7 @@ class SyncerCore(SyncerRounds):
                 self._lose(m, now_s)
         return self._recheck(now_s)
 
-    # ---- estimates ------------------------------------------------------------------
+    # ---- liveness -------------------------------------------------------------------
 
     def owns(self, p: int) -> bool:
         """Whether fragment ``p`` is this core's (a syncer shard's) to merge."""
