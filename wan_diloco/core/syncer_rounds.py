@@ -1,10 +1,11 @@
 """A syncer's rounds: what one holds, when it closes (quorum, then the grace window), late Δs folded
 into the next, the merge and outer step that close it, and the end-of-run sync. ``SyncerRounds`` keeps
-the books (versions, clock, stats) around the functions of plain values below.
+the books (versions, clock, stats) around the functions of plain values ahead of it.
 """
 from __future__ import annotations
 
 import math
+from collections import deque
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping, Sequence
@@ -155,7 +156,7 @@ class SyncerRounds:
     clock: VectorClock
     syncer_ticks: int
     stats: SyncerStats
-    notices: Any  # deque[str]
+    notices: deque[str]
     finals: dict[tuple[int, int], FragmentUpload]
     final_started: bool
     final_done: bool
