@@ -216,12 +216,6 @@ def test_drivers_write_no_core_attributes(name):
 MAX_LINES = 400
 MARKER = re.compile(r"over ~?400 lines:", re.IGNORECASE)
 
-# Over the limit on this branch with no reason given; each is being split (or must say why) under #24.
-LONG = {
-    "wan_diloco.core.syncer": 857,
-}
-
-
 def says_why_it_is_long(text: str) -> bool:
     tree = ast.parse(text)
     first = next((n for n in tree.body if not (isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant))),
@@ -239,9 +233,7 @@ def test_the_length_check_reads_the_marker():
     assert not says_why_it_is_long('"""A module."""\nx = 1\n')
 
 
-@pytest.mark.parametrize("name", [
-    pytest.param(m, marks=pytest.mark.xfail(strict=True, reason=f"#24: {m} has {LONG[m]} lines until it is split"))
-    if m in LONG else m for m in sorted(ALL)])
+@pytest.mark.parametrize("name", sorted(ALL))
 def test_modules_are_small_or_say_why(name):
     text = ALL[name].read_text()
     lines = len(text.splitlines())
