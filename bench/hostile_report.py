@@ -36,8 +36,8 @@ def parse_metrics(text: str) -> dict[str, list[tuple[dict, float]]]:
 
 
 def refusals(text: str) -> dict:
-    """What /metrics counts as refused: ``refused_total`` by field when the syncer has it (H2), the
-    transport's errors by (rpc, code) always, and identity refusals where counted (H3)."""
+    """What /metrics counts as refused: ``refused_total`` by field when the syncer has it, the
+    transport's errors by (rpc, code) always, and identity refusals where counted."""
     samples = parse_metrics(text)
     by_field = None
     for name in ("wan_diloco_refused_total", "refused_total"):
@@ -55,7 +55,7 @@ _QUARANTINED = re.compile(r"learner (\d+) (?:is )?quarantined")
 
 
 def quarantined_of(status: dict) -> set[int]:
-    """Learners /status shows quarantined: their state (H2), or an event saying so."""
+    """Learners /status shows quarantined: their state, or an event saying so."""
     out = {int(m) for m, info in (status.get("learners") or {}).items()
            if isinstance(info, dict) and info.get("state") == "quarantined"}
     for e in status.get("events") or []:
@@ -130,7 +130,7 @@ def analyze(hostile: dict, clean: dict | None, rows: list[dict], tokens_per_step
     if by_field is None:
         by_field = dict(Counter(r["field"] for r in refused_rows))
         source = "attacker rows (no refused_total on /metrics)"
-    if seen["refused_total"] is not None:  # H2: core refusals by field; every refused row is at least one count
+    if seen["refused_total"] is not None:  # core refusals by field; every refused row is at least one count
         core = sum(seen["refused_total"].values()) + (seen["identity_refused_total"] or 0)
         if core + sum(seen["transport_errors"].values()) < len(refused_rows):
             undercounted["refused_total"] = {"attacker_saw": len(refused_rows), "metrics": core}
@@ -169,10 +169,10 @@ def analyze(hostile: dict, clean: dict | None, rows: list[dict], tokens_per_step
         "honest_state_touched": {str(k): v for k, v in touched.items()},
         "metrics": refusals(hostile["metrics_after_attack"] or hostile["metrics"] or ""),
         "rejected": (hostile["status"] or {}).get("rejected"),
-        "status_refused": (hostile["status"] or {}).get("refused"),  # H2's {field: count}, where the syncer has it
+        "status_refused": (hostile["status"] or {}).get("refused"),  # {field: count}, where the syncer has it
         "learner_states": {m: info.get("state") for m, info in ((hostile["status"] or {}).get("learners") or {}).items()
                            if isinstance(info, dict)},
-        # Refusals the syncer charged to each learner, where /status shows them (a per-learner count of H2's).
+        # Refusals the syncer charged to each learner, where /status shows them (a per-learner count).
         "refused_by_learner": {m: info.get("refused") for m, info in ((hostile["status"] or {}).get("learners")
                                                                        or {}).items()
                                if isinstance(info, dict) and info.get("refused") is not None},
