@@ -30,6 +30,10 @@ def finished(cluster, timeout_s=120):
              timeout_s=timeout_s)
 
 
+# ~85 s of real processes. The protocol (resume from the newest complete snapshot at the next epoch, the
+# running learners rejoin) is replayed by tests/sim/test_faults.py; the resume from files on disk stays in
+# the default run below, and a real stop and resume in test_stop_resume.py and `bench.chaos --quick`.
+@pytest.mark.slow
 def test_a_killed_syncer_resumes_from_its_snapshot_and_the_running_learners_rejoin(tmp_path):
     path = config(tmp_path)
     cfg = rt.load(path)
