@@ -12,7 +12,6 @@ def test_fragments_go_to_their_owner_recovery_and_positions_to_shard_zero():
     assert plan.shards == 2 and plan.owned(1) == [1, 3] and plan.shard_of(3) == 1
     assert plan.serves(ObjectRequest("final", 1)) == 1 and plan.serves(ObjectRequest("fragment", 2)) == 0
     assert plan.serves(ObjectRequest("donation", 7)) == 0 and plan.serves(ObjectRequest("position", 1)) == 0
-    assert plan.serves_name("fragment/3") == 1 and plan.serves_name("junk") == 0
     with pytest.raises(ProtocolError, match="fragment 4 out of range 0..3"):
         plan.shard_of(4)
 

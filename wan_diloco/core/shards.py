@@ -60,14 +60,6 @@ class ShardPlan:
             return self.shard_of(request.index)
         return 0
 
-    def serves_name(self, name: str) -> int:
-        """``serves`` for a name as the learner's fetch has it (one that does not parse: shard 0, which
-        refuses it with the reason)."""
-        try:
-            return self.serves(ObjectRequest.parse(name, len(self.plan), 1 << 30))
-        except ProtocolError:
-            return 0
-
 
 class ShardView:
     """What the learner is told about S shards, and what each shard is told about the learner."""

@@ -30,16 +30,15 @@ the same model config, and the codec checks a payload against it.
 """
 from __future__ import annotations
 
-import dataclasses
 import re
 import typing
 from typing import Any, Mapping, Union
 
 import numpy as np
-import xxhash
 
 from wan_diloco import transport
 from wan_diloco.core import fingerprint
+from wan_diloco.core.recovery import state_digest
 from wan_diloco.core.messages import (  # noqa: F401 - the table's names, importable from serde as before
     KIND_OF, MAX_INT, MAX_LEARNERS, MAX_STR_CHARS, PROTOCOL_VERSION, SYNCER, Barrier, BulkFragment, BulkHeader,
     Donate, Donation, FragmentUpload, GlobalUpdate, Identity, Metadata, ProtocolError, learner_node,
@@ -221,10 +220,9 @@ def donation_frames(donor: int, recipient: int, versions: tuple[int, ...], state
         yield donation_to_frame(donor, msg, view[offset : offset + part_bytes])
 
 
-def bytes_digest(state) -> str:
-    """XXH3-64 (hex) of bytes: what a donated state is checked against once all its parts arrived, and
-    the version tag (etag) of a bulk object, so a broken fetch resumes only into the same bytes."""
-    return xxhash.xxh3_64_hexdigest(state)
+# XXH3-64 (hex) of bytes: a donated state's check once all its parts arrived, and a bulk object's etag
+# (a broken fetch resumes only into the same bytes). One digest, the core's.
+bytes_digest = state_digest
 
 
 def max_state_bytes(model_bytes: int) -> int:
