@@ -79,7 +79,7 @@ def test_launch_on_a_full_checkpoint_disk_exits_non_zero_naming_the_lost_final_p
     monkeypatch.setenv(FAULT_ENV, str(flag))
     cfg = _config(tmp_path, retry_s=1, steps=24, every_merges=2)
     code, summary = launch(cfg, "", str(tmp_path / "run"))
-    assert code == 1
+    assert code == 1, summary
     assert summary["error"].startswith(f"final parameters not written: could not write the final parameters to "
                                        f"{tmp_path / 'ckpt' / 'params.safetensors'}: [Errno 28] No space left")
     events = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -121,7 +121,7 @@ def test_failing_writes_are_a_red_row_of_the_live_table_with_the_free_space():
 def test_the_launchers_own_file_failing_is_one_line_and_stops_the_run(tmp_path):
     (tmp_path / "run" / "metrics.jsonl").mkdir(parents=True)  # what the launcher writes every event to
     code, summary = launch(_config(tmp_path, retry_s=1), "", str(tmp_path / "run"))
-    assert code == 1
+    assert code == 1, summary
     assert summary["error"] == (f"the launcher failed on {tmp_path / 'run' / 'metrics.jsonl'}: [Errno 21] Is a "
                                 f"directory; every process was stopped")
 

@@ -125,13 +125,22 @@ def _supervise(cfg: RunSpec, rdir: Path, watch: Callable[[RunState], None] | Non
                 cluster.start_syncers(resume=resume)
             except RuntimeError as e:
                 raise RunFailed(str(e)) from None
+            read_out: set[str] = set()  # children whose every event has been taken (their "exit" came)
+
             def take(name: str, e: dict) -> None:
+                if e.get("event") == "exit":
+                    read_out.add(name)
                 mf.write(json.dumps({"source": name, **e}) + "\n")
                 mon.fold(name, e)
                 if tb is not None:
                     tb.write(name, e)
                 if watch is not None:
                     watch(mon)
+
+            def ended(c: Child) -> int | None:
+                # Exited only once its last event is taken: an exit code alone can come before the final
+                # report is read, and the verdict would then miss a lost result.
+                return c.code_after_output() if c.name in read_out else None
 
             for m in range(cfg.run.learners):
                 if stop["sig"]:
@@ -153,17 +162,16 @@ def _supervise(cfg: RunSpec, rdir: Path, watch: Callable[[RunState], None] | Non
                 finished = {0: mon.syncer_final, **mon.shard_finals}
                 for c in syncers:
                     lost = (finished.get(shard_of(c.name)) or {}).get("params_error")
-                    if c.exit_code is not None and lost:  # the run's result: not a success, and not a crash
+                    if ended(c) is not None and lost:  # the run's result: not a success, and not a crash
                         raise RunFailed(f"final parameters not written: {lost}")
-                    if c.exit_code is not None and (c.exit_code != 0 or finished.get(shard_of(c.name)) is None):
+                    if ended(c) is not None and (ended(c) != 0 or finished.get(shard_of(c.name)) is None):
                         raise RunFailed(f"the syncer died: {died(c)}" if c.name == "syncer" else
                                         f"syncer shard {shard_of(c.name)} died: {died(c)}")
-                if all(c.exit_code is not None for c in syncers):
+                if all(ended(c) is not None for c in syncers):
                     # Followers too: they exit once their leader told them (their logs end complete).
-                    if all(c.exit_code is not None for n, c in cluster.children.items() if not is_syncer(n)) \
-                            and cluster.events.empty():
+                    if all(ended(c) is not None for n, c in cluster.children.items() if not is_syncer(n)):
                         break
-                elif all(c.exit_code is not None and c.exit_code != 0 for c in learners):
+                elif all(ended(c) is not None and ended(c) != 0 for c in learners):
                     raise RunFailed("every learner died:\n" + "\n".join(died(c, lines=3) for c in learners))
         failed = {c.name: (c.exit_code, str(c.log_path)) for n, c in cluster.children.items()
                   if not is_syncer(n) and not learner_process(n)[1] and c.exit_code != 0}

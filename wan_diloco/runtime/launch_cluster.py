@@ -57,6 +57,14 @@ class Child:
     def exit_code(self) -> int | None:
         return self.proc.poll()
 
+    def code_after_output(self) -> int | None:
+        """The exit code of a child whose output has ended: it closes stdout as it exits, so the code
+        is a moment away (None if it somehow lives on without stdout)."""
+        try:
+            return self.proc.wait(timeout=1.0)
+        except subprocess.TimeoutExpired:
+            return self.proc.poll()
+
 
 PARENT_ENV = "WAN_DILOCO_PARENT_PID"
 
