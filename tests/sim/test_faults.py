@@ -60,6 +60,21 @@ def test_a_killed_syncer_resumes_from_its_newest_complete_snapshot_and_the_learn
     assert_every_copy_is_the_syncers(s)
 
 
+def test_a_syncer_killed_twice_without_a_complete_snapshot_between_gets_a_new_incarnation_each_time():
+    tape = [SyncerOutage(9.0, 11.0), SyncerOutage(11.5, 12.5)]  # the next cut completes about 4 merges after 11 s
+    s, r = run(spec(), tape)
+    first, second = events(s, "syncer_resumed")
+    assert first["snapshot"] == second["snapshot"]  # nothing complete in between: the same snapshot twice
+    assert (first["epoch"], second["epoch"]) == (2, 3)  # not 2 twice: the dead incarnation's messages are stale
+    for m in range(3):  # the learners rejoined both incarnations
+        assert [j["epoch"] for j in events(s, "rejoined", learner=m)] == [2, 3]
+        assert s.learners[m].core.epoch == 3
+    assert_every_copy_is_the_syncers(s)
+    again, r2 = run(spec(), tape)
+    assert again.faults == s.faults and merges(again) == merges(s)
+    assert all((r.params[n] == r2.params[n]).all() for n in r.params)
+
+
 def test_nothing_merges_while_the_syncer_is_dead():
     heard = []
     s = sim.Simulation(spec(), Assembly(spec()), [SyncerOutage(9.0, 11.0)])
