@@ -14,7 +14,7 @@ from wan_diloco.runtime.syncer import ResumeError, SyncerService
 from wan_diloco.transport import TransportMetrics
 
 from .conftest import TOKEN, micro_config
-from .test_kill_rejoin import wait_for
+from .helpers import wait_for
 
 
 def config(tmp_path, steps=400):
