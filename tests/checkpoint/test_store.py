@@ -100,3 +100,17 @@ def test_a_resume_takes_an_incomplete_snapshot_that_holds_a_learner_part_and_nam
     _snapshot(only, 4, 4.0, complete=False)
     assert only.resumable("syncer", "syncer", 2)[0] == 4
     assert SnapshotStore(tmp_path / "none").resumable("syncer", "syncer", 2) is None
+
+
+def test_the_incarnation_record_reads_back_and_a_damaged_one_is_named(tmp_path):
+    st = SnapshotStore(tmp_path)
+    assert st.incarnation_seen() == 0  # no resume yet
+    st.record_incarnation(3, "r")
+    assert st.incarnation_seen() == 3 and SnapshotStore(tmp_path).incarnation_seen() == 3
+    assert st.ids() == [] and st.fork_refusal() is None  # not a snapshot
+    path = tmp_path / "INCARNATION.json"
+    for body, why in [(b'{"epoch": 3', "unreadable"), (b'{"epoch": 0}', "epoch = 0"), (b'[3]', "epoch = None"),
+                      (b'{"epoch": "3"}', "epoch = '3'")]:
+        path.write_bytes(body)
+        with pytest.raises(CheckpointError, match=f"INCARNATION.json: .*{why}"):
+            st.incarnation_seen()

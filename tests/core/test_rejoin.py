@@ -3,7 +3,10 @@ import numpy as np
 import pytest
 
 from wan_diloco.core import ApplyGlobal, IncarnationError, LearnerConfig, LearnerCore, Rejoin
-from wan_diloco.core.rejoin import Resynced, TakeUpStep, on_fetched, on_identity, same_incarnation, take_up_step
+from wan_diloco.core.rejoin import (
+    Resynced, TakeUpStep, on_fetched, on_identity, rejoin_report, same_incarnation, take_up_step,
+)
+from wan_diloco.core.shards import OTHER_SHARD_RESUMED
 
 from .helpers import CODEC, FRAGS, PARAMS
 
@@ -20,6 +23,17 @@ def test_a_syncer_resumed_as_a_new_incarnation_is_rejoined_and_the_same_one_is_f
     assert on_identity(lc, 0.0, "run-a", 3, 6, "p2") == [Rejoin(3, 6)]
     with pytest.raises(IncarnationError, match="another run|serves run"):
         on_identity(lc, 0.0, "run-b", 3, 6)
+
+
+def test_a_resume_of_a_shard_other_than_zero_is_rejoined_and_skips_no_snapshot_of_the_learners_parts():
+    lc = joined(epoch=2, resumed_from=4)
+    lc.snapshot_seen = 5  # shard 0 announced its snapshot 5
+    assert on_identity(lc, 0.0, "run-a", 3, OTHER_SHARD_RESUMED) == [Rejoin(3, OTHER_SHARD_RESUMED)]
+    lc.join("run-a", 3, OTHER_SHARD_RESUMED, [(PARAMS, 3), (PARAMS, 3)], 20)
+    assert lc.epoch == 3 and lc.snapshot_seen == 5  # it writes its part of shard 0's snapshot 6 when cut
+    why = rejoin_report(0, 20, 3, OTHER_SHARD_RESUMED).event["why"]
+    assert why == "a syncer shard other than 0 resumed (incarnation 3): the learner's own state stays"
+    assert "from snapshot 4 as incarnation 2" in rejoin_report(0, 20, 2, 4).event["why"]
 
 
 def test_a_fragment_fetched_after_a_gap_is_installed_if_newer_and_the_step_taken_up():

@@ -33,6 +33,14 @@ def test_resume_with_nothing_to_resume_says_why_and_goes_on_as_a_join():
     assert others(no_store) == [TakeUpPosition(), RecoverFromPeer(20.0)]  # its peers take up their parts: wait
 
 
+def test_only_another_shard_resumed_last_so_no_part_of_its_own_is_taken_up():
+    from wan_diloco.core.shards import OTHER_SHARD_RESUMED
+
+    got = resume().on_joined(0.0, "run-a", OTHER_SHARD_RESUMED, 50, (2, 4))
+    assert "shard 0, which keeps the learners' parts, did not resume last" in reports(got)[0]["what"]
+    assert others(got) == [TakeUpPosition(), RecoverFromPeer(0.0)]  # its peers keep their state: no wait
+
+
 def test_its_own_part_is_taken_up_with_its_counters():
     r = resume()
     assert r.on_joined(0.0, "run-a", 4, 32, (2, 4)) == [LoadPart(4, fallback=False)]

@@ -4,7 +4,7 @@ import pytest
 from wan_diloco.clock import VectorClock
 from wan_diloco.core import GlobalUpdate, ProtocolError
 from wan_diloco.runtime.serde import BulkFragment
-from wan_diloco.core.shards import ShardView
+from wan_diloco.core.shards import OTHER_SHARD_RESUMED, ShardView
 
 PLAN = [0, 1, 0, 1]  # fragment -> shard
 
@@ -24,11 +24,11 @@ def test_fresh_shards_look_like_one_syncer_of_incarnation_one():
 def test_a_resumed_shard_moves_the_combined_epoch_and_messages_map_back_per_shard():
     v = ShardView(PLAN)
     v.seen(0, 1, 0), v.seen(1, 1, 0)
-    assert v.seen(1, 2, 7) == (2, 7)  # shard 1 resumed from its snapshot 7: the learner rejoins
+    assert v.seen(1, 2, 7) == (2, OTHER_SHARD_RESUMED)  # shard 1 resumed from its snapshot 7: the learner rejoins
     assert v.outgoing(0, 2) == 1 and v.outgoing(1, 2) == 2  # shard 0 kept its incarnation
     assert v.outgoing(1, 1) == 1  # stamped before the resume: shard 1 drops it as stale
     assert v.seen(1, 1, 0)[0] == 1  # an update of shard 1's old incarnation is stale for the learner
-    assert v.seen(0, 1, 0) == (2, 7)  # shard 0's updates are of the current E
+    assert v.seen(0, 1, 0) == (2, OTHER_SHARD_RESUMED)  # shard 0's updates are of the current E
     assert v.seen(0, 2, 9) == (3, 9)  # then shard 0 resumes too: its snapshot holds the learners' parts
     assert v.outgoing(0, 3) == 2 and v.outgoing(1, 3) == 2
 
@@ -41,7 +41,7 @@ def test_updates_carry_shard_zeros_snapshots_only_and_must_come_from_their_owner
     with pytest.raises(ProtocolError, match="fragment 1 came from syncer shard 0; its owner is shard 1"):
         v.update(0, update(1, 1))
     bulk = BulkFragment(3, 5, 4, {}, "r", 2, 4)
-    assert v.update(1, bulk) == bulk._replace(epoch=2, resumed_from=4)
+    assert v.update(1, bulk) == bulk._replace(epoch=2, resumed_from=OTHER_SHARD_RESUMED)  # not shard 1's 4
     with pytest.raises(ProtocolError, match="fragment 4 out of range"):
         v.shard_of(4)
 
@@ -50,3 +50,20 @@ def test_messages_without_an_incarnation_pass_unchanged():
     v = ShardView(PLAN)
     assert v.seen(1, 0, 0) == (0, 0) and v.outgoing(1, 0) == 0
     assert v.update(0, update(0, 0)).epoch == 0
+
+
+def test_a_learner_is_told_a_snapshot_of_its_own_parts_only_when_shard_zero_resumed_last():
+    v = ShardView(PLAN)
+    v.seen(0, 1, 0), v.seen(1, 1, 0)
+    # Shard 1 resumes from its snapshot 12 while shard 0 has cut 3: 12 is not a snapshot of the learners' parts
+    # (taken for one, the learner would skip writing its parts of shard 0's snapshots 4..12).
+    v.update(0, update(0, 1, snapshot=3))
+    E, resumed = v.seen(1, 2, 12)
+    assert (E, resumed) == (2, OTHER_SHARD_RESUMED) and resumed < 3 and resumed  # below every id, yet "resumed"
+    assert v.update(1, update(1, 2, snapshot=12, resumed_from=12)).resumed_from == OTHER_SHARD_RESUMED
+    assert v.seen(0, 2, 3) == (3, 3)  # shard 0 resumes from its 3: the learners' parts of 3 are its state
+    # Shard 1 resumes again: shard 0 lost nothing since its resume, so nobody goes back to its snapshot 3.
+    assert v.seen(1, 3, 14) == (4, OTHER_SHARD_RESUMED)
+    assert v.seen(0, 3, 5) == (5, 5)
+    starting = ShardView(PLAN)  # a learner started after both resumed hears each for the first time: no change
+    assert starting.seen(1, 3, 14) == (3, OTHER_SHARD_RESUMED) and starting.seen(0, 3, 5) == (5, 5)

@@ -110,6 +110,15 @@ def test_resume_is_the_next_incarnation_with_the_barrier_and_positions_of_the_sn
     assert again.cut(1.0, 0.0)[0].snapshot == w.snapshot + 1
 
 
+def test_two_resumes_from_one_snapshot_are_two_incarnations():
+    core, _, _, coord = make()
+    [w] = coord.cut(0.0, 0.0)  # cut in incarnation 1
+    for seen, epoch in [(0, 2), (2, 3), (3, 4), (1, 2)]:  # the store's record, else the snapshot's epoch, + 1
+        theirs, _, _, again = make()
+        got = again.resume(0.0, 0.0, Found(w.snapshot, w.tensors, w.info, {}, epoch_seen=seen), "/ckpt", "", 30.0)
+        assert theirs.epoch == got["epoch"] == epoch and theirs.resumed_from == w.snapshot
+
+
 def test_resume_refuses_nothing_found_another_run_or_a_snapshot_that_does_not_fit():
     _, _, _, coord = make()
     with pytest.raises(ResumeError, match="in /ckpt: snapshot 3: unreadable"):

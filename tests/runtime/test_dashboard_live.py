@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
-import json
 import re
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -20,7 +18,7 @@ from wan_diloco.runtime.launch import Cluster
 from wan_diloco.transport import run
 
 from .conftest import micro_config
-from .test_kill_rejoin import wait_for
+from .helpers import status, wait_for
 
 # The browser helpers live with the page's other tests; tests/ is no package, so load them by path.
 _spec = importlib.util.spec_from_file_location(
@@ -30,13 +28,6 @@ _spec.loader.exec_module(browser)
 chromium = browser.chromium  # the fixture: skips cleanly where Chromium is not installed
 
 BUDGET_MS = 5000  # virtual time: two or three polls
-
-
-def status_of(cluster: Cluster) -> dict:
-    request = urllib.request.Request(f"http://127.0.0.1:{cluster.status_port}/status",
-                                     headers={"Authorization": f"Bearer {cluster.token}"})
-    with urllib.request.urlopen(request, timeout=10) as r:
-        return json.loads(r.read())
 
 
 def open_page(browser_path: str, cluster: Cluster, workdir: Path) -> str:
@@ -69,7 +60,7 @@ def merged_everywhere(cluster: Cluster, timeout_s: float = 300) -> dict:
     seen = {}
 
     def ready():
-        st = seen["last"] = status_of(cluster)
+        st = seen["last"] = status(cluster)
         # Rejoined, too: on a loaded machine a learner still compiling can be lost before its first step.
         came = {e["learner"] for e in st["events"] if e["kind"] in ("joined", "rejoined")}
         return all(v >= 1 for v in st["versions"]) and len(st["loss_history"]) == 2 and came == {0, 1} \
@@ -121,13 +112,13 @@ def test_the_dashboard_of_a_real_one_shard_run_shows_it_live(chromium, tmp_path)
     cluster, _ = start_run(tmp_path, shards=1)
     with cluster:
         cluster.start_syncers()
-        assert status_of(cluster)["shards"] == 1  # what broke the page: a number, not a list of shards
+        assert status(cluster)["shards"] == 1  # what broke the page: a number, not a list of shards
         assert_waiting(open_page(chromium, cluster, tmp_path / "before"))
         for m in range(2):
             cluster.start_learner(m)
         before = merged_everywhere(cluster)
         dom = open_page(chromium, cluster, tmp_path / "live")
-        after = status_of(cluster)
+        after = status(cluster)
         assert_live(dom, before, after)
         assert [cells(dom, "fragment", str(p))[4] for p in range(len(after["versions"]))] == ["0", "0"]
         assert browser.element(dom, r'<b id="shards"[^>]*>') == "1"
@@ -143,7 +134,7 @@ def test_the_dashboard_of_a_real_two_shard_run_shows_both_shards_and_one_that_is
             cluster.start_learner(m)
         before = merged_everywhere(cluster)
         dom = open_page(chromium, cluster, tmp_path / "live")
-        after = status_of(cluster)
+        after = status(cluster)
         assert_live(dom, before, after)
         owners = {p: str(r["shard"]) for r in after["shards"] for p in r["owned"]}
         assert sorted(set(owners.values())) == ["0", "1"]
@@ -151,7 +142,7 @@ def test_the_dashboard_of_a_real_two_shard_run_shows_both_shards_and_one_that_is
         assert browser.element(dom, r'<b id="shards"[^>]*>') == "2"
 
         cluster.kill("syncer-1")  # shard 0's page names it down, and the rest of the page stays whole
-        wait_for("shard 1 unreachable", lambda: not status_of(cluster)["shards"][1]["reachable"], timeout_s=30)
+        wait_for("shard 1 unreachable", lambda: not status(cluster)["shards"][1]["reachable"], timeout_s=30)
         dom = open_page(chromium, cluster, tmp_path / "down")
         assert browser.element(dom, r'<b id="shards"[^>]*>') == "2 (1 down)"
         for p, shard in owners.items():

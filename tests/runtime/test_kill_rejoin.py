@@ -1,9 +1,6 @@
 """SIGKILL a learner mid-run: the others keep stepping, the syncer keeps merging (K = 1); restarted, it
 rejoins from the syncer's global parameters and a healthy peer's state, contributes again, and ends
 bit-identical."""
-import json
-import time
-import urllib.request
 
 import pytest
 
@@ -11,23 +8,7 @@ from wan_diloco import spec as rt
 from wan_diloco.runtime.launch import Cluster
 
 from .conftest import micro_config
-
-
-def status(cluster):
-    req = urllib.request.Request(f"http://127.0.0.1:{cluster.status_port}/status",
-                                 headers={"Authorization": f"Bearer {cluster.token}"})
-    with urllib.request.urlopen(req, timeout=5) as r:
-        return json.loads(r.read())
-
-
-def wait_for(what, predicate, timeout_s=60.0):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
+from .helpers import status, wait_for
 
 
 def last_tokens(child):

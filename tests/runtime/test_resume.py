@@ -7,13 +7,14 @@ import numpy as np
 import pytest
 
 from wan_diloco import spec as rt
+from wan_diloco.assemble import Assembly
 from wan_diloco.checkpoint import SnapshotStore, load_params
 from wan_diloco.runtime.launch import Cluster, launch, run_spec, write_config
 from wan_diloco.runtime.syncer import ResumeError, SyncerService
 from wan_diloco.transport import TransportMetrics
 
 from .conftest import TOKEN, micro_config
-from .test_kill_rejoin import wait_for
+from .helpers import wait_for
 
 
 def config(tmp_path, steps=400):
@@ -95,6 +96,22 @@ def test_resume_restores_the_snapshots_global_state_and_skips_a_corrupt_one(tmp_
         store.part(s, "syncer").unlink(missing_ok=True)
     with pytest.raises(ResumeError, match="no snapshot to resume from.*snapshot"):
         SyncerService(cfg, TransportMetrics(), resume=True)
+
+
+def test_each_resume_records_its_incarnation_so_the_next_goes_past_it(tmp_path):
+    # No training: the snapshot is cut from a fresh syncer. Two resumes from it, with no snapshot complete in
+    # between, must not share an incarnation (learners would take the dead one's messages for current).
+    cfg = rt.load(config(tmp_path))
+    parts = Assembly(cfg)
+    fresh = SyncerService(cfg, TransportMetrics(), parts)
+    [w] = fresh.snapshots.cut(0.0, 0.0)
+    fresh.store.save_part(w.snapshot, "syncer", w.tensors, w.info, "syncer")
+    fresh.store.mark_complete(w.snapshot, {"parts": ["syncer"], "run_id": fresh.core.run_id, "epoch": 1})
+    epochs = [SyncerService(cfg, TransportMetrics(), parts, resume=True).core.epoch for _ in range(2)]
+    assert epochs == [2, 3] and SnapshotStore(tmp_path / "ckpt").incarnation_seen() == 3
+    (tmp_path / "ckpt" / "INCARNATION.json").write_text("{")
+    with pytest.raises(ResumeError, match="INCARNATION.json: unreadable.*highest incarnation"):
+        SyncerService(cfg, TransportMetrics(), parts, resume=True)
 
 
 @pytest.mark.slow  # ~45 s; the core's IncarnationError tests cover the decision

@@ -4,7 +4,7 @@ from wan_diloco import spec as rt
 from wan_diloco.runtime.launch import Cluster
 
 from .conftest import micro_config
-from .test_kill_rejoin import wait_for
+from .helpers import wait_for
 
 
 def test_a_learner_with_another_sync_every_is_refused_at_its_hello_and_stops(tmp_path):

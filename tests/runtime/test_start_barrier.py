@@ -22,7 +22,7 @@ from wan_diloco.runtime.syncer import SyncerService
 from wan_diloco.transport import TransportMetrics
 
 from .conftest import TOKEN, micro_config
-from .test_kill_rejoin import status, wait_for
+from .helpers import status, wait_for
 
 
 def event(child, kind):

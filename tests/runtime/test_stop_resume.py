@@ -2,18 +2,15 @@
 every child, prints the command that goes on and exits 130; that command then finishes the run. A learner
 whose part of that snapshot is damaged takes its state from a peer (case 12), not a fresh one."""
 import json
-import os
 import signal
 import subprocess
-import sys
-import time
 
 import pytest
 
 from wan_diloco.checkpoint import SnapshotStore
 
 from .conftest import micro_config
-from .test_signals import alive
+from .helpers import LAUNCH, Launched, alive, launch_env
 
 
 @pytest.mark.slow  # two whole launches (~170 s on the shared CI box); test_signals covers the stop by default
@@ -24,22 +21,12 @@ def test_a_launch_stopped_by_sigint_soon_after_its_start_can_be_resumed(tmp_path
     # trains in the resumed run (with 64 steps learner 0 finished them alone meanwhile: 1 of 2 trained).
     path = micro_config(tmp_path, learners=2, steps=200, min_step_s=0.05, extra=extra)
     run_dir = tmp_path / "run"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    launch = [sys.executable, "-m", "wan_diloco.cli", "launch", "--quiet"]
-    proc = subprocess.Popen([*launch, "--config", str(path), "--run-dir", str(run_dir)], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    pids: set[int] = set()
-    try:
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            metrics = run_dir / "metrics.jsonl"
-            events = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
-            pids = {e["pid"] for e in events if "pid" in e}
-            if {e["source"] for e in events if e.get("event") == "step" and e["step"] >= 8} == {"learner-0", "learner-1"}:
-                break
-            time.sleep(0.2)
-        else:
-            raise AssertionError("the learners did not start training")
+    with Launched(["--config", str(path), "--run-dir", str(run_dir)], run_dir, stdout=subprocess.PIPE,
+                  stderr=subprocess.PIPE, text=True) as launched:
+        launched.wait("the learners to train", lambda events: {
+            e["source"] for e in events if e.get("event") == "step" and e["step"] >= 8} == {"learner-0", "learner-1"},
+            timeout_s=180)
+        proc, pids = launched.proc, launched.pids
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=120)
         assert proc.returncode == 130, err
@@ -52,8 +39,8 @@ def test_a_launch_stopped_by_sigint_soon_after_its_start_can_be_resumed(tmp_path
         data = bytearray(part.read_bytes())
         data[len(data) // 2] ^= 0xFF  # a flipped byte: the part fails its digest
         part.write_bytes(bytes(data))
-        resumed = subprocess.run([*launch, "--resume", str(run_dir), "--json", str(tmp_path / "s.json")], env=env,
-                                 capture_output=True, text=True, timeout=300)
+        resumed = subprocess.run([*LAUNCH, "--resume", str(run_dir), "--json", str(tmp_path / "s.json")],
+                                 env=launch_env(), capture_output=True, text=True, timeout=300)
         assert resumed.returncode == 0, resumed.stderr[-2000:]
         summary = json.loads((tmp_path / "s.json").read_text())
         assert summary["learners_finished"] == 2 and summary["bit_identical"]
@@ -63,10 +50,3 @@ def test_a_launch_stopped_by_sigint_soon_after_its_start_can_be_resumed(tmp_path
         recovered = [e for e in events if e["event"] == "recovered" and e["source"] == "learner-1"]
         assert recovered and recovered[0]["from_peer"] and recovered[0]["donor"] == 0
         assert not any("fresh inner optimizer" in e.get("what", "") for e in events)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
-        for p in pids:  # only our own children, should the launcher have failed to stop them
-            if alive(p):
-                os.killpg(p, signal.SIGKILL)

@@ -4,8 +4,6 @@ ends nothing early."""
 import asyncio
 import dataclasses
 import json
-import time
-import urllib.request
 
 import numpy as np
 import pytest
@@ -20,6 +18,7 @@ from wan_diloco.runtime.syncer import SyncerService
 from wan_diloco.transport import Rejected, SyncerClient, TransportError, TransportMetrics, run
 
 from .conftest import micro_config
+from .helpers import status, wait_for
 
 
 def sample(text: str, name: str) -> float:
@@ -82,23 +81,6 @@ def test_refusals_show_on_metrics_and_status_and_a_poisoned_clock_leaves_merges_
 # ---- a real run ---------------------------------------------------------------------------------
 
 
-def get_status(cluster):
-    req = urllib.request.Request(f"http://127.0.0.1:{cluster.status_port}/status",
-                                 headers={"Authorization": f"Bearer {cluster.token}"})
-    with urllib.request.urlopen(req, timeout=5) as r:
-        return json.loads(r.read())
-
-
-def wait_for(what, predicate, timeout_s=120.0):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 # Its logic runs at core speed in tests/core/test_refused_last_step.py (and test_plausibility.py); the refusal
 # over the wire is this file's first test; a real run ending bit-identical is tests/runtime/test_end_to_end.py.
 @pytest.mark.slow  # a real 300-step run of 2 learners: minutes under load
@@ -112,7 +94,7 @@ def test_one_metadata_at_the_last_step_does_not_end_a_real_run(tmp_path):
     with Cluster(cfg, path, tmp_path / "run") as cluster:
         cluster.start_syncer()
         learners = [cluster.start_learner(m) for m in range(2)]
-        wait_for("the learners to train", lambda: 20 <= get_status(cluster)["global_step"])
+        wait_for("the learners to train", lambda: 20 <= status(cluster)["global_step"], timeout_s=120)
 
         async def rogue():
             async with SyncerClient(cluster.syncer_target, cluster.token, cfg.transport) as client:
@@ -121,7 +103,7 @@ def test_one_metadata_at_the_last_step_does_not_end_a_real_run(tmp_path):
                         learner=1, step=steps, c_steps=(0, 0), c_tokens=(0, 0), clock=VectorClock({"learner-1": 1}))))
 
         run(asyncio.wait_for(rogue(), 30))
-        st = get_status(cluster)
+        st = status(cluster)
         assert st["global_step"] < steps // 2 and st["refused"] == {"metadata.step": 1}
         wait_for("the end of the run", lambda: all(c.exit_code is not None for c in cluster.children.values()),
                  timeout_s=240)

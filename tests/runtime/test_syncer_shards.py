@@ -1,7 +1,6 @@
 """Syncer shards with real processes on loopback (#15): a run with 2 shards ends with every copy bit-identical
 and one parameter file; a shard killed mid-run resumes from its own snapshot while the other keeps merging."""
 import json
-import urllib.request
 
 import numpy as np
 import pytest
@@ -13,7 +12,7 @@ from wan_diloco.checkpoint import SnapshotStore, load_params
 from wan_diloco.runtime.launch import Cluster, launch
 
 from .conftest import micro_config
-from .test_kill_rejoin import wait_for
+from .helpers import status, wait_for
 from .test_resume import event, finished
 
 
@@ -23,14 +22,6 @@ def sharded(tmp_path, steps, learners=2, snapshots=False):
     path.write_text(path.read_text().replace("[run]\n", '[run]\nrun_id = "shard-test"\n', 1)
                     .replace("[syncer]\n", "[syncer]\nshards = 2\n", 1))
     return path
-
-
-def status_of(cluster) -> dict:
-    """Shard 0's /status (the whole run's)."""
-    request = urllib.request.Request(f"http://127.0.0.1:{cluster.status_port}/status",
-                                     headers={"Authorization": f"Bearer {cluster.token}"})
-    with urllib.request.urlopen(request, timeout=10) as r:
-        return json.loads(r.read())
 
 
 @pytest.mark.slow  # a whole launch, about 70 s; the kill-and-resume test below also ends bit-identical
@@ -69,12 +60,12 @@ def test_a_killed_shard_resumes_alone_while_the_other_keeps_merging(tmp_path):
         shard0, shard1 = cluster.children["syncer"], cluster.children["syncer-1"]
         learners = [cluster.start_learner(m) for m in range(2)]
         wait_for("a snapshot of shard 1", lambda: event(shard1, "snapshot"), timeout_s=120)
-        page = status_of(cluster)
+        page = status(cluster)
         assert [(r["shard"], r["reachable"], r["owned"]) for r in page["shards"]] == [
             (s, True, shards.owned(plan, s)) for s in (0, 1)]
         assert all(page["versions"][p] >= 1 for p in shards.owned(plan, 1))  # shard 1's versions, on shard 0's page
         cluster.kill("syncer-1")
-        down = status_of(cluster)["shards"][1]
+        down = status(cluster)["shards"][1]
         assert not down["reachable"] and down["error"]
         theirs = SnapshotStore(tmp_path / "ckpt" / "shard-1").newest("syncer", "syncer")
         assert theirs is not None and theirs[2]["owned"] == shards.owned(plan, 1)
@@ -88,6 +79,7 @@ def test_a_killed_shard_resumes_alone_while_the_other_keeps_merging(tmp_path):
         resumed = cluster.start_syncer(resume=True, shard=1)
         hello = event(resumed, "listening")
         assert hello["epoch"] == 2 and hello["resumed"]["snapshot"] == theirs[0]
+        assert SnapshotStore(tmp_path / "ckpt" / "shard-1").incarnation_seen() == 2  # a next resume goes to 3
         finished(cluster, timeout_s=240)
         assert {n: c.exit_code for n, c in cluster.children.items()} == {
             "syncer": 0, "syncer-1": 0, "learner-0": 0, "learner-1": 0}
@@ -95,4 +87,5 @@ def test_a_killed_shard_resumes_alone_while_the_other_keeps_merging(tmp_path):
         finals = [event(c, "final") for c in learners]
         a, b = event(shard0, "final")["digests"], event(resumed, "final")["digests"]
         assert all(f["digests"] == [x or y for x, y in zip(a, b)] and not f["digest_mismatch"] for f in finals)
-        assert all(event(c, "rejoin") is not None for c in learners)  # they took up the resumed shard
+        # They took up the resumed shard, told that shard 0 (their parts) lost nothing: no shard 1 snapshot id.
+        assert all("shard other than 0 resumed" in event(c, "rejoin")["why"] for c in learners)

@@ -10,6 +10,8 @@ import pytest
 from wan_diloco import sim
 from wan_diloco.assemble import Assembly
 from wan_diloco.config import ConfigError
+from wan_diloco.core.restore import LoadPart, RecoverFromPeer, Resume
+from wan_diloco.core.shards import OTHER_SHARD_RESUMED
 from wan_diloco.tape import Outage, SyncerOutage
 
 from .micro import micro
@@ -60,6 +62,18 @@ def test_a_killed_syncer_resumes_from_its_newest_complete_snapshot_and_the_learn
     assert_every_copy_is_the_syncers(s)
 
 
+def test_a_syncer_killed_twice_without_a_complete_snapshot_between_gets_a_new_incarnation_each_time():
+    tape = [SyncerOutage(9.0, 11.0), SyncerOutage(11.5, 12.5)]  # the next cut completes about 4 merges after 11 s
+    s, _ = run(spec(), tape)
+    first, second = events(s, "syncer_resumed")
+    assert first["snapshot"] == second["snapshot"]  # nothing complete in between: the same snapshot twice
+    assert (first["epoch"], second["epoch"]) == (2, 3)  # not 2 twice: the dead incarnation's messages are stale
+    for m in range(3):  # the learners rejoined both incarnations
+        assert [j["epoch"] for j in events(s, "rejoined", learner=m)] == [2, 3]
+        assert s.learners[m].core.epoch == 3
+    assert_every_copy_is_the_syncers(s)
+
+
 def test_nothing_merges_while_the_syncer_is_dead():
     heard = []
     s = sim.Simulation(spec(), Assembly(spec()), [SyncerOutage(9.0, 11.0)])
@@ -103,9 +117,39 @@ def test_a_killed_shard_resumes_from_its_own_snapshot_while_the_other_keeps_merg
     assert_every_copy_is_the_syncers(s)
 
 
-# Shard 1 cuts a snapshot of its own between its two kills (a resume from the same snapshot twice would
-# bring its incarnation number back: see the report of #24).
-ALL_FAULTS = [Outage(2, 0.0, 3.0), Outage(1, 4.0, 5.5), SyncerOutage(6.0, 7.5, shard=1), SyncerOutage(12.0, 13.0)]
+def test_learners_keep_writing_their_parts_of_shard_zeros_snapshots_after_another_shard_resumes():
+    # 3 shards: shard 0 owns one fragment and cuts rarely; shard 1 resumes from its snapshot 3 while shard 0 has
+    # cut 1. Told "resumed from 3", the learners took it for shard 0's and skipped their parts of its 2 and 3.
+    s, _ = run(micro(steps=48, eval_every=48, shards=3).with_changes(checkpoint={"every_merges": 2}),
+               [SyncerOutage(12.0, 13.0, shard=1)])
+    (resumed,) = events(s, "syncer_resumed")
+    keeper = s.keepers[0]
+    assert resumed["shard"] == 1 and resumed["snapshot"] > min(keeper.complete)
+    assert {j["resumed_from"] for j in events(s, "rejoined")} == {OTHER_SHARD_RESUMED}
+    assert len(keeper.complete) >= 2 and not keeper.coordinator.pending  # each of shard 0's cuts completed
+    for manifest in keeper.manifests.values():
+        assert manifest["parts"] == ["syncer", "learner-0", "learner-1", "learner-2"]
+
+
+def test_a_shard_resumed_after_shard_zero_did_sends_no_learner_back_to_shard_zeros_old_snapshot():
+    s, _ = run(spec(shards=2, every_merges=2), [SyncerOutage(9.0, 10.0, shard=0), SyncerOutage(13.0, 14.0, shard=1)])
+    zero, one = events(s, "syncer_resumed")
+    assert (zero["shard"], one["shard"]) == (0, 1)
+    for m in range(3):
+        first, second = events(s, "rejoined", learner=m)
+        assert first["resumed_from"] == zero["snapshot"]  # shard 0's state is its snapshot: the parts of it match
+        assert second["resumed_from"] == OTHER_SHARD_RESUMED and second["step"] >= first["step"]
+    # A learner that starts now with --resume recovers from a peer: shard 0 lost nothing since its snapshot.
+    starting = Resume(0, True, True, 3, 20.0).on_joined(s.now, s.syncer.run_id, s.syncer.resumed_from, 30,
+                                                        (zero["snapshot"],))
+    assert not [a for a in starting if isinstance(a, LoadPart)] and RecoverFromPeer(0.0) in starting
+    assert_every_copy_is_the_syncers(s)
+
+
+# Shard 1 is killed twice with no snapshot of its own complete in between (both resumes take up its snapshot
+# 1), then the whole syncer.
+ALL_FAULTS = [Outage(2, 0.0, 3.0), Outage(1, 4.0, 5.5), SyncerOutage(6.0, 7.5, shard=1),
+              SyncerOutage(8.0, 8.5, shard=1), SyncerOutage(12.0, 13.0)]
 
 
 def test_a_tape_with_every_fault_replays_bit_identically():
@@ -113,8 +157,12 @@ def test_a_tape_with_every_fault_replays_bit_identically():
     b, rb = run(spec(shards=2, every_merges=2), ALL_FAULTS)
     kinds = {f["event"] for f in a.faults}
     assert {"recovered", "syncer_resumed", "rejoined", "learner_down", "learner_up"} <= kinds
-    assert [f["shard"] for f in events(a, "syncer_resumed")] == [1, 0, 1]
-    assert a.syncer.epoch == 4  # shard 1 resumed twice, shard 0 once
+    resumed = events(a, "syncer_resumed")
+    assert [(f["shard"], f["epoch"]) for f in resumed] == [(1, 2), (1, 3), (0, 2), (1, 4)]
+    assert resumed[0]["snapshot"] == resumed[1]["snapshot"]  # one snapshot, two incarnations
+    assert a.syncer.epoch == 5  # shard 1 resumed three times, shard 0 once
+    # Learner 0 rejoined each: both shards came back at 13 s (E 4 and 5 at once), so it met 5 there.
+    assert [f["epoch"] for f in events(a, "rejoined", learner=0)] == [2, 3, 5]
     assert a.faults == b.faults
     assert merges(a) == merges(b)
     assert ra.params.keys() == rb.params.keys() and all((ra.params[n] == rb.params[n]).all() for n in ra.params)

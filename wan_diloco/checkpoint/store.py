@@ -6,6 +6,7 @@ Layout under ``root``::
     00000007/learner-2.safetensors    learner 2's part (its train state, data position, counters)
     00000007/COMPLETE.json            written last, by the syncer, once every active process wrote its part
     params.safetensors                the latest global parameters (``save_params`` format)
+    INCARNATION.json                  the highest incarnation (epoch) a resume of this run started
 
 The manifest names the parts the snapshot holds (``parts``). A snapshot without a
 valid manifest is incomplete; one whose part fails its digest is skipped for the
@@ -29,6 +30,7 @@ from .format import CheckpointError, load_state, save_state, write_atomic
 
 log = logging.getLogger(__name__)
 MANIFEST = "COMPLETE.json"
+INCARNATION = "INCARNATION.json"
 _ID = re.compile(r"[0-9]{8}")
 
 
@@ -150,6 +152,26 @@ class SnapshotStore:
             if fallback is None:
                 fallback = (s, tensors, info, None)
         return fallback
+
+    def record_incarnation(self, epoch: int, run_id: str) -> None:
+        """A resume started incarnation ``epoch`` of run ``run_id``: kept (atomically) so that the next resume
+        goes past it even if no snapshot completes in between (``incarnation_seen``)."""
+        write_atomic(self.root / INCARNATION, json.dumps({"epoch": epoch, "run_id": run_id}, sort_keys=True).encode())
+
+    def incarnation_seen(self) -> int:
+        """The highest incarnation ``record_incarnation`` kept (0: none). CheckpointError names the file if it
+        does not read: guessing low could give two incarnations one number."""
+        path = self.root / INCARNATION
+        try:
+            doc = json.loads(path.read_bytes())
+        except FileNotFoundError:
+            return 0
+        except (OSError, UnicodeDecodeError, ValueError) as e:
+            raise CheckpointError(f"{path}: unreadable: {e}") from None
+        epoch = doc.get("epoch") if isinstance(doc, dict) else None
+        if type(epoch) is not int or epoch < 1:
+            raise CheckpointError(f"{path}: no incarnation number >= 1 in it (epoch = {epoch!r})")
+        return epoch
 
     def fork_refusal(self) -> str | None:
         """Why a fresh start over this folder would fork a run (it holds snapshots of an earlier start), or

@@ -60,8 +60,9 @@ def same_incarnation(served: list[tuple[str, int]]) -> bool:
 
 
 def rejoin_report(learner: int, step: int, epoch: int, resumed_from: int) -> Report:
-    return Report({"event": "rejoin", "role": "learner", "learner": learner, "step": step,
-                   "why": f"the syncer resumed from snapshot {resumed_from} as incarnation {epoch}"})
+    why = (f"the syncer resumed from snapshot {resumed_from} as incarnation {epoch}" if resumed_from > 0 else
+           f"a syncer shard other than 0 resumed (incarnation {epoch}): the learner's own state stays")
+    return Report({"event": "rejoin", "role": "learner", "learner": learner, "step": step, "why": why})
 
 
 def take_up_step(global_step: int, train_step: int, schedule_step: int) -> tuple[int | None, int | None]:

@@ -100,14 +100,17 @@ class Resume:
 
     def on_joined(self, now_s: float, run_id: str, resumed_from: int, step: int,
                   parts: tuple[int, ...] | None) -> list[ResumeAction]:
-        """Joined the syncer (run ``run_id``, resumed from snapshot ``resumed_from``, 0 if none) at global
-        step ``step``. ``parts``: the snapshots this learner's store holds a part of (None: no store)."""
-        self._snap, self._run_id, self._step, self._parts = resumed_from, run_id, step, parts
+        """Joined the syncer (run ``run_id``, resumed from snapshot ``resumed_from``, 0 if none, below 0 if
+        only syncer shards other than 0 resumed last: ``core.shards.OTHER_SHARD_RESUMED``) at global step
+        ``step``. ``parts``: the snapshots this learner's store holds a part of (None: no store)."""
+        self._snap, self._run_id, self._step, self._parts = max(resumed_from, 0), run_id, step, parts
         self._unusable, self.restored = False, False
         if not self.resume:
             return self._without_part()
-        if not resumed_from or parts is None:
-            why = "the syncer started fresh, not from a snapshot" if not resumed_from else "checkpoint.dir is empty"
+        if resumed_from <= 0 or parts is None:
+            why = ("the syncer started fresh, not from a snapshot" if not resumed_from else
+                   "checkpoint.dir is empty" if resumed_from > 0 else
+                   "shard 0, which keeps the learners' parts, did not resume last: its state is newer than any part")
             return [warning(self.m, f"--resume: learner {self.m}: nothing to resume ({why})"), *self._without_part()]
         return [LoadPart(resumed_from, fallback=False)]
 

@@ -18,8 +18,16 @@ to an earlier E and are dropped as stale, as from a single syncer.
 
 Snapshots are shard 0's: learners write their parts into its snapshots only,
 so the snapshot ids riding on the other shards' updates (their own numbering)
-are replaced by the newest one shard 0 announced. Pure and sans-IO: the
-``NetThread`` calls it on its loop thread.
+are replaced by the newest one shard 0 announced, and the learner is told a
+snapshot to resume its own part from only when shard 0 resumed: the
+``resumed_from`` it sees is shard 0's snapshot when shard 0's incarnation is
+the one that changed last, and ``OTHER_SHARD_RESUMED`` when another shard
+resumed since. Then shard 0 lost nothing: the learners' own state is as good as
+before, so they rejoin (take up Θ again) and keep it; a learner that starts
+then recovers from a peer rather than from an older part (``core.restore``).
+Another shard's numbering never reaches the learner (it would take it for
+shard 0's and skip writing its parts of snapshots up to it). Pure and sans-IO:
+the ``NetThread`` calls it on its loop thread.
 """
 from __future__ import annotations
 
@@ -28,6 +36,11 @@ from typing import Sequence
 
 from wan_diloco import shards as shards_lib
 from wan_diloco.core.protocol import ObjectRequest, ProtocolError
+
+
+# ``resumed_from`` shown to a learner after a shard other than 0 resumed last: a new incarnation (not 0, which
+# says "fresh start") that holds no part of the learner's (below every snapshot id, so it skips none).
+OTHER_SHARD_RESUMED = -1
 
 
 class ShardPlan:
@@ -71,7 +84,7 @@ class ShardView:
         self.epochs = [0] * self.S  # 0: not heard from yet (taken as its first incarnation)
         self.resumed = [0] * self.S  # the snapshot each shard's current incarnation resumed from
         self.snapshot = 0  # the newest snapshot shard 0 cut
-        self.last_changed = 0  # the shard whose incarnation changed last
+        self.last_changed = 0  # the shard whose incarnation changed last (a first hearing is no change)
         self.history: dict[int, tuple[int, ...]] = {}  # E -> the shards' epochs it stood for
         self.processes = [""] * self.S  # each shard's process id, from its Identity ("" : not heard from)
 
@@ -85,8 +98,11 @@ class ShardView:
 
     @property
     def resumed_from(self) -> int:
-        """Shard 0's snapshot when it resumed (the learners' parts are in it), else the last shard's to."""
-        return self.resumed[0] or self.resumed[self.last_changed]
+        """The snapshot the learner's own part is resumed from (see the module docstring): shard 0's when its
+        incarnation changed last (0 if it never resumed and no other shard did), else OTHER_SHARD_RESUMED."""
+        if self.last_changed:
+            return OTHER_SHARD_RESUMED
+        return self.resumed[0] or (OTHER_SHARD_RESUMED if any(self.resumed) else 0)
 
     def seen(self, shard: int, epoch: int, resumed_from: int) -> tuple[int, int]:
         """A message of ``shard``'s incarnation ``epoch`` arrived: (E, resumed_from) to show the learner.
@@ -100,7 +116,7 @@ class ShardView:
         E = self.epoch
         self.history.setdefault(E, tuple(self.epochs))
         if epoch < self.epochs[shard]:
-            return max(1, E - (self.epochs[shard] - epoch)), resumed_from
+            return max(1, E - (self.epochs[shard] - epoch)), self.resumed_from
         return E, self.resumed_from
 
     def process_ids(self, shard: int, process: str) -> str:

@@ -8,10 +8,12 @@ writes its part after its first such update and reports S in its metadata
 written (a learner that died, or stayed silent for ``patience_s``, is no
 longer waited for: it resumes like a new learner), the manifest marks S
 complete (``WriteManifest``, then ``SnapshotComplete``). ``resume`` takes up
-what the store found as the next incarnation (epoch + 1); a fresh start over
-existing snapshots is refused (``fork_refusal``). The driver owns the files:
-it writes what the actions say and reports back with ``on_part_written`` and
-``on_manifest_written``.
+what the store found as the next incarnation: one past every incarnation the
+store has seen (the snapshot's, and ``Found.epoch_seen``, which the driver
+keeps with ``record_incarnation``), so two resumes from one snapshot never share
+a number; a fresh start over existing snapshots is refused (``fork_refusal``).
+The driver owns the files: it writes what the actions say and reports back
+with ``on_part_written`` and ``on_manifest_written``.
 """
 from __future__ import annotations
 
@@ -63,8 +65,9 @@ class SnapshotComplete:
 @dataclass(frozen=True)
 class Found:
     """What the driver's store found to resume from: the snapshot, its syncer part (``tensors``, ``info``),
-    its manifest (None: not marked complete), the snapshots passed over and why, and for an incomplete
-    snapshot of an unsharded syncer the parts it lacks (``missing``) and the learner parts it has (``have``)."""
+    its manifest (None: not marked complete), the snapshots passed over and why, for an incomplete
+    snapshot of an unsharded syncer the parts it lacks (``missing``) and the learner parts it has (``have``),
+    and the highest incarnation an earlier resume of this run recorded (``epoch_seen``, 0: none)."""
 
     snapshot: int
     tensors: dict
@@ -73,6 +76,7 @@ class Found:
     skipped: tuple[tuple[int, str], ...] = ()
     missing: tuple[str, ...] | None = None
     have: tuple[str, ...] = ()
+    epoch_seen: int = 0
 
 
 def fork_refusal(resume: bool, existing: str | None) -> str | None:
@@ -206,7 +210,8 @@ class SnapshotCoordinator:
 
     def resume(self, now_s: float, unix_s: float, found: Found | None, where: str, run_id: str,
                default_age_s: float, skipped: tuple[tuple[int, str], ...] = ()) -> dict:
-        """Take up ``found`` as the next incarnation: the core's state, epoch + 1, the barrier as it was
+        """Take up ``found`` as the next incarnation: the core's state, an epoch past every one the store has
+        seen (the driver then records it: ``SnapshotStore.record_incarnation``), the barrier as it was
         (a started run stays started), the learners' data positions. ResumeError says why not (nothing
         found in ``where``, another run, a snapshot that does not fit this config). ``default_age_s``: how
         long learners may have trained on since a cut of unknown time (an older snapshot); ``skipped``:
@@ -221,7 +226,7 @@ class SnapshotCoordinator:
             self.core.restore(found.tensors, info)
         except (ValueError, KeyError, TypeError) as e:
             raise ResumeError(f"snapshot {snap} in {where} does not fit this config: {e}") from None
-        self.core.next_incarnation(snap)
+        self.core.next_incarnation(snap, found.epoch_seen)
         cut = info.get("cut_unix_s")  # learners trained on from the cut until now (absent: an older snapshot)
         self.core.resumed_after(now_s, unix_s - cut if isinstance(cut, (int, float)) else default_age_s)
         self.merges_at_cut = sum(self.core.stats.fragment_syncs)

@@ -384,7 +384,10 @@ class SyncerCore(SyncerRounds):
         self.snapshot_id = snapshot
         return self.export()
 
-    def next_incarnation(self, snapshot: int) -> None:
-        """Resumed from ``snapshot`` (``restore`` done): this is the next incarnation of the syncer."""
-        self.epoch += 1
+    def next_incarnation(self, snapshot: int, epoch_seen: int = 0) -> None:
+        """Resumed from ``snapshot`` (``restore`` done): this is the next incarnation of the syncer, one past
+        every incarnation the run had (``epoch_seen``: the highest its store recorded). The snapshot's epoch
+        + 1 alone would repeat a number when two resumes take up the same snapshot, and learners could not
+        tell the dead incarnation's messages from the live one's."""
+        self.epoch = max(self.epoch, epoch_seen) + 1
         self.resumed_from = self.snapshot_id = snapshot

@@ -3,7 +3,8 @@
 ``SnapshotFiles`` is mixed into ``runtime.syncer.SyncerService``: it writes the
 syncer's part off the event loop and the manifest, drops old snapshots, and at
 ``--resume`` reads what the ``SnapshotStore`` finds (the newest snapshot whose
-part verifies, an earlier one when it does not) for the coordinator to take up.
+part verifies, an earlier one when it does not) for the coordinator to take up,
+and records the incarnation it starts (``SnapshotStore.record_incarnation``).
 """
 from __future__ import annotations
 
@@ -32,11 +33,21 @@ class SnapshotFiles:
         if got is not None:
             snap, tensors, info, manifest = got
             incomplete = manifest is None and self.S == 1
+            try:
+                seen = self.store.incarnation_seen()
+            except CheckpointError as e:
+                raise ResumeError(f"--resume: {e}; it keeps the run's highest incarnation: restore it, or write "
+                                  f"{{\"epoch\": N}} with N above every incarnation this run had") from None
             found = Found(snap, tensors, info, manifest, tuple(self.store.skipped),
                           tuple(self.store.missing(snap, self.M)) if incomplete else None,
-                          tuple(n for n in self.store.parts_present(snap) if n.startswith("learner-")))
+                          tuple(n for n in self.store.parts_present(snap) if n.startswith("learner-")), seen)
         resumed = self.snapshots.resume(self.now(), time.time(), found, str(self.store.root), self.cfg.run.run_id,
                                         self.cfg.syncer.liveness_timeout_s, tuple(self.store.skipped))
+        try:  # before any learner hears of it: the next resume must go past this incarnation
+            self.store.record_incarnation(resumed["epoch"], self.core.run_id)
+        except OSError as e:
+            raise ResumeError(f"--resume: could not record incarnation {resumed['epoch']} in {self.store.root}: "
+                              f"{e}") from None
         for note in resumed["notes"]:
             log.warning("--resume: %s", note)
 

@@ -5,7 +5,8 @@ The decisions are the network driver's, made by the same code: cut every
 ``checkpoint.every_merges`` merges; a cut waits for the syncer's part and for
 the part of every live learner that trained (a learner that dies, or stays
 silent for twice the liveness timeout, is no longer waited for); resume from
-the newest complete snapshot as the next incarnation. Writing a part or a
+the newest complete snapshot as the next incarnation, one past every incarnation
+a resume started (two resumes from one snapshot get two numbers). Writing a part or a
 manifest takes no virtual time and never fails here.
 """
 from __future__ import annotations
@@ -28,6 +29,7 @@ class SnapshotKeeper:
         self.manifests: dict[int, dict] = {}
         self.complete_s: dict[int, float] = {}  # snapshot -> when it was complete (virtual s), oldest first
         self.parts_written = 0  # learner parts the syncer heard of
+        self.epoch_seen = 0  # the highest incarnation a resume started (the store's INCARNATION.json)
         self.coordinator = self._coordinator(core, first_id=1)
 
     def _coordinator(self, core: SyncerCore, first_id: int) -> SnapshotCoordinator:
@@ -75,7 +77,8 @@ class SnapshotKeeper:
         if self.complete_s:
             snap = max(self.complete_s)
             tensors, info = self.syncer_parts[snap]
-            found = Found(snap, tensors, info, self.manifests[snap])
+            found = Found(snap, tensors, info, self.manifests[snap], epoch_seen=self.epoch_seen)
         coordinator.resume(now_s, now_s, found, "the simulator's memory", "", self.patience_s)
         self.coordinator = coordinator
+        self.epoch_seen = fresh.epoch  # as the runtime's record_incarnation
         return found.snapshot
