@@ -1,5 +1,10 @@
-"""The quality benchmark's failure tape (the benchmark itself is too long for the test run)."""
+"""The quality benchmark: its failure tape, deployment, and results file (on tiny real runs)."""
 import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -40,3 +45,88 @@ def test_every_row_runs_under_the_stated_deployment():
             dep["bandwidth_gbit_s"], dep["rtt_s"], 0.5, 0.1), name
         assert sim.speeds == (overrides.get("speeds") or ()), name  # the hetero rows keep their slow learner
         assert failures == overrides.get("failures", False), name
+
+
+# The writer on real runs kept tiny: 2048 tokens (4 dp steps) and a one-batch eval set (--eval-batches).
+TINY = ["--tokens", "2048", "--eval-batches", "1", "--jobs", "1"]
+SCHEMA = {"final_eval_loss", "goodput", "tokens", "wan_bytes", "seed", "outer", "config", "curve"}
+
+
+def _check_row(name, r):
+    assert SCHEMA <= set(r), name
+    assert math.isfinite(r["final_eval_loss"]) and r["tokens"] > 0 and r["wan_bytes"] > 0, name
+    assert r["seed"] == r["config"]["run"]["seed"] == 0, name
+    if r["config"]["simulate"]["baseline"] == "dp":
+        assert r["outer"] is None  # data parallel has no outer optimizer
+    else:  # every field of the row's syncer.outer, whatever fields the config has
+        assert r["outer"] == r["config"]["syncer"]["outer"] and {"lr", "momentum", "nesterov"} <= set(r["outer"])
+
+
+def test_a_stopped_run_keeps_its_finished_rows_and_a_rerun_adds_to_them(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "q.json"
+    real_run, calls = quality.sim.run, []
+
+    def run_then_fail(*a, **kw):
+        calls.append(1)
+        if len(calls) > 1:
+            raise KeyboardInterrupt  # what a stopped benchmark sees
+        return real_run(*a, **kw)
+
+    monkeypatch.setattr(quality.sim, "run", run_then_fail)
+    with pytest.raises(KeyboardInterrupt):
+        quality.main(["--only", "dp", "decoupled_int4_ef", "--out", str(out), *TINY])
+    doc = json.loads(out.read_text())
+    assert list(doc["runs"]) == ["dp"]
+    _check_row("dp", doc["runs"]["dp"])
+    dep = doc["deployment"]
+    assert dep == json.loads(json.dumps(quality.deployment("tiny")))
+    assert dep["step_noise"] == 0.1 and dep["failure_tape"]["down_fraction"] == quality.DOWN_FRACTION
+    assert (doc["tokens"], doc["eval_batches"], doc["seed"]) == (2048, 1, 0)
+
+    monkeypatch.setattr(quality.sim, "run", real_run)
+    assert quality.main(["--only", "decoupled_int4_ef", "--out", str(out), *TINY]) == 0
+    assert "keeping dp; running decoupled_int4_ef" in capsys.readouterr().out
+    doc2 = json.loads(out.read_text())
+    assert list(doc2["runs"]) == ["dp", "decoupled_int4_ef"]
+    assert doc2["runs"]["dp"] == doc["runs"]["dp"]
+    _check_row("decoupled_int4_ef", doc2["runs"]["decoupled_int4_ef"])
+    assert doc2["runs"]["decoupled_int4_ef"]["config"]["codec"]["bits"] == 4
+    assert out.with_suffix(".png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("change, named", [(["--tokens", "4096"], "tokens"), (["--seed", "1"], "seed"),
+                                           (["--bandwidth-gbit", "1"], "deployment")])
+def test_rows_from_other_settings_are_refused_and_left_as_they_were(tmp_path, monkeypatch, capsys, change, named):
+    out = tmp_path / "q.json"
+    header = dict(preset="tiny", tokens=2048, batch_size=1, quick=False, seed=0, sync_every=8, eval_batches=1,
+                  deployment=quality.deployment("tiny"))
+    quality.write_rows(out, json.loads(json.dumps(header)), {"dp": {"final_eval_loss": 3.9}}, ["dp"])
+    before = out.read_bytes()
+    monkeypatch.setattr(quality.sim, "run", lambda *a, **kw: pytest.fail("ran with an incompatible --out"))
+    with pytest.raises(SystemExit) as e:
+        quality.main(["--only", "decoupled", "--out", str(out), *TINY, *change])
+    assert e.value.code == 2 and out.read_bytes() == before
+    err = capsys.readouterr().err
+    assert f"other {named} than this run" in err and "--fresh" in err
+
+
+def test_a_bad_setting_is_refused_before_the_file_is_touched(tmp_path, capsys):
+    out = tmp_path / "q.json"
+    with pytest.raises(SystemExit):
+        quality.main(["--only", "dp", "--out", str(out), *TINY, "--eval-batches", "0"])
+    assert "eval_batches" in capsys.readouterr().err and not out.exists()
+
+
+@pytest.mark.slow
+def test_quick_benchmark_end_to_end_writes_both_rows(tmp_path):
+    """``--quick --only`` two rows in real worker processes, as a user runs it (~1-2 min on 2 cores)."""
+    out = tmp_path / "q.json"
+    root = Path(__file__).parents[2]
+    subprocess.run([sys.executable, "-m", "bench.quality", "--quick", "--only", "dp", "decoupled_int4_ef",
+                    "--jobs", "2", "--out", str(out)], cwd=root, check=True, timeout=900,
+                   env={**os.environ, "PYTHONPATH": str(root)})
+    doc = json.loads(out.read_text())
+    assert doc["quick"] and doc["tokens"] == 250_000 and doc["deployment"]["step_noise"] == 0.1
+    assert list(doc["runs"]) == ["dp", "decoupled_int4_ef"]
+    for name, r in doc["runs"].items():
+        _check_row(name, r)
