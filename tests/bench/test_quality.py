@@ -62,7 +62,8 @@ def _check_row(name, r):
         assert r["outer"] == r["config"]["syncer"]["outer"] and {"lr", "momentum", "nesterov"} <= set(r["outer"])
 
 
-def test_a_stopped_run_keeps_its_finished_rows_and_a_rerun_adds_to_them(tmp_path, monkeypatch, capsys):
+def test_a_stopped_run_keeps_its_finished_rows_and_a_rerun_keeps_those_it_does_not_redo(tmp_path, monkeypatch,
+                                                                                         capsys):
     out = tmp_path / "q.json"
     real_run, calls = quality.sim.run, []
 
@@ -73,25 +74,23 @@ def test_a_stopped_run_keeps_its_finished_rows_and_a_rerun_adds_to_them(tmp_path
         return real_run(*a, **kw)
 
     monkeypatch.setattr(quality.sim, "run", run_then_fail)
-    with pytest.raises(KeyboardInterrupt):
-        quality.main(["--only", "dp", "decoupled_int4_ef", "--out", str(out), *TINY])
+    with pytest.raises(KeyboardInterrupt):  # the benchmark's order: decoupled runs before dp_failures
+        quality.main(["--only", "dp_failures", "decoupled", "--out", str(out), *TINY])
     doc = json.loads(out.read_text())
-    assert list(doc["runs"]) == ["dp"]
-    _check_row("dp", doc["runs"]["dp"])
+    assert list(doc["runs"]) == ["decoupled"]
+    _check_row("decoupled", doc["runs"]["decoupled"])
     dep = doc["deployment"]
     assert dep == json.loads(json.dumps(quality.deployment("tiny")))
     assert dep["step_noise"] == 0.1 and dep["failure_tape"]["down_fraction"] == quality.DOWN_FRACTION
     assert (doc["tokens"], doc["eval_batches"], doc["seed"]) == (2048, 1, 0)
 
-    monkeypatch.setattr(quality.sim, "run", real_run)
-    assert quality.main(["--only", "decoupled_int4_ef", "--out", str(out), *TINY]) == 0
-    assert "keeping dp; running decoupled_int4_ef" in capsys.readouterr().out
-    doc2 = json.loads(out.read_text())
-    assert list(doc2["runs"]) == ["dp", "decoupled_int4_ef"]
-    assert doc2["runs"]["dp"] == doc["runs"]["dp"]
-    _check_row("decoupled_int4_ef", doc2["runs"]["decoupled_int4_ef"])
-    assert doc2["runs"]["decoupled_int4_ef"]["config"]["codec"]["bits"] == 4
-    assert out.with_suffix(".png").stat().st_size > 0
+    with pytest.raises(KeyboardInterrupt):  # stopped again, before its only row finishes
+        quality.main(["--only", "dp_failures", "--out", str(out), *TINY])
+    assert "keeping decoupled; running dp_failures" in capsys.readouterr().out
+    assert json.loads(out.read_text()) == doc
+    with pytest.raises(KeyboardInterrupt):  # --fresh drops the old rows at once
+        quality.main(["--only", "dp_failures", "--out", str(out), "--fresh", *TINY])
+    assert json.loads(out.read_text())["runs"] == {}
 
 
 @pytest.mark.parametrize("change, named", [(["--tokens", "4096"], "tokens"), (["--seed", "1"], "seed"),
