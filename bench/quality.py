@@ -186,7 +186,7 @@ def kept_rows(path: Path, header: dict, redo: list[str]) -> dict[str, dict]:
         return {}
     try:
         doc = json.loads(path.read_text())
-        runs = doc["runs"]
+        runs = dict(doc["runs"])
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ValueError(f"{path}: not a results file this benchmark can add to ({e!r}); "
                          "pass --fresh to replace it, or another --out") from None
@@ -281,10 +281,10 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"unknown run names {sorted(unknown)}; known: {', '.join(todo)}")
         todo = {k: v for k, v in todo.items() if k in args.only}
     # Round-tripped through JSON so that it compares equal to a header read back from a file (tuples, ints).
+    eval_batches = spec_lib.RunConfig().eval_batches if args.eval_batches is None else args.eval_batches
     header = json.loads(json.dumps({
         "preset": args.preset, "tokens": tokens, "batch_size": args.batch_size, "quick": args.quick,
-        "seed": args.seed, "sync_every": args.sync_every,
-        "eval_batches": spec_lib.RunConfig().eval_batches if args.eval_batches is None else args.eval_batches, "deployment": dep}))
+        "seed": args.seed, "sync_every": args.sync_every, "eval_batches": eval_batches, "deployment": dep}))
     try:  # a bad setting or an incompatible --out stops here, before any run or write (ConfigError too)
         spec_lib.from_short(**row_settings({}, common)[0])
         rows = {} if args.fresh else kept_rows(out, header, list(todo))

@@ -109,6 +109,15 @@ def test_rows_from_other_settings_are_refused_and_left_as_they_were(tmp_path, mo
     assert f"other {named} than this run" in err and "--fresh" in err
 
 
+@pytest.mark.parametrize("text", ["not json", "[1, 2]", '{"runs": 3}'])
+def test_a_file_that_is_not_a_results_file_is_refused_and_left_as_it_was(tmp_path, capsys, text):
+    out = tmp_path / "q.json"
+    out.write_text(text)
+    with pytest.raises(SystemExit):
+        quality.main(["--only", "dp", "--out", str(out), *TINY])
+    assert out.read_text() == text and "not a results file" in capsys.readouterr().err
+
+
 def test_a_bad_setting_is_refused_before_the_file_is_touched(tmp_path, capsys):
     out = tmp_path / "q.json"
     with pytest.raises(SystemExit):
