@@ -127,7 +127,9 @@ def test_a_bad_setting_is_refused_before_the_file_is_touched(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_quick_benchmark_end_to_end_writes_both_rows(tmp_path):
-    """``--quick --only`` two rows in real worker processes, as a user runs it (~3 min of CPU; 9 min wall on 2 loaded cores)."""
+    """``--quick --only`` two rows in real worker processes, as a user runs it.
+
+    About 3 min of CPU; 9 min of wall time on 2 loaded cores."""
     out = tmp_path / "q.json"
     root = Path(__file__).parents[2]
     subprocess.run([sys.executable, "-m", "bench.quality", "--quick", "--only", "dp", "decoupled_int4_ef",
