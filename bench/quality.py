@@ -5,8 +5,9 @@ token budget in the simulated driver (virtual clock, real JAX training), and
 reports final eval loss, goodput and tokens. Every run sees the same stated
 deployment (``deployment``): lognormal step-time noise and WAN links scaled
 down from a 10B-parameter run, so that the methods differ in time as they would
-in a real run. Writes bench/results/quality.json and bench/results/quality.png
-(eval loss against tokens).
+in a real run. Writes bench/results/quality.json (each row as its run finishes,
+so a stopped run keeps the rows it has; a rerun keeps the rows it does not
+redo) and bench/results/quality.png (eval loss against tokens).
 
     python bench/quality.py            # tiny preset, ~95 min on 2 CPU cores (15 runs, 2 at a time)
     python bench/quality.py --quick    # same runs, fewer tokens, ~5 min
@@ -15,7 +16,7 @@ in a real run. Writes bench/results/quality.json and bench/results/quality.png
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import contextlib
 import json
 import multiprocessing as mp
 import os
@@ -29,11 +30,13 @@ ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT.parent))
 
 from wan_diloco import model, sim, spec as spec_lib  # noqa: E402
+from wan_diloco.checkpoint import write_atomic  # noqa: E402
 from wan_diloco.tape import Outage  # noqa: E402
 
 # Decoupled settings chosen from the calibration in docs/quality.md (K = 1 + grace, balanced fragments).
 DECOUPLED = dict(baseline="decoupled", learners=4, quorum=1, grace=True, fragments=4, tau=2)
 DOWN_FRACTION = 0.25  # share of learner time the failure tape keeps learners down
+TAPE_SEED, TAPE_CYCLES = 1234, 6  # the failure rows' tape (``failure_tape``), the same whatever --seed
 HETERO = dict(speeds=(1.0, 1.0, 1.0, 1.2), step_noise=0.1)
 
 # The deployment every row runs under (a row's own settings win: the hetero rows keep their speeds).
@@ -68,6 +71,8 @@ def deployment(preset: str, step_time_s: float = STEP_TIME_S, step_noise: float 
         "rtt_s": large["rtt_s"] * step_time_s / large["step_time_s"], "params": params,
         "link_share": share, "row_sync_every": sync_every, "row_bits": bits,
         "fp32_model_transfer_steps": params * 32 / (bandwidth * 1e9) / step_time_s,
+        "failure_tape": {"rows": "failures=True", "down_fraction": DOWN_FRACTION, "seed": TAPE_SEED,
+                         "cycles": TAPE_CYCLES},
         "scaled_from": large,
         "rule": "bandwidth = (params * bits / H / step_time) / link_share, link_share = the large run's "
                 "(params * bits / H / step_time) / rate; rtt = large.rtt * step_time / large.step_time",
@@ -140,6 +145,17 @@ def failure_tape(learners: int, run_s: float, down_fraction: float, seed: int,
     raise RuntimeError(f"no tape seed in {seed}..{seed + 999} gives down_fraction {down_fraction} ± {tolerance}")
 
 
+def row(r: sim.SimResult, wall_s: float, down_fraction: float) -> dict:
+    """One run's JSON row: the result without its final parameters (numpy arrays, and megabytes), plus the
+    seed and outer optimizer it ran with (``None`` for data parallel, which has none)."""
+    out = r.to_json()
+    out["wan_bytes"] = out.pop("bytes_sent")
+    dp = out["config"]["simulate"]["baseline"] == "dp"
+    out.update(wall_s=wall_s, down_fraction=down_fraction, seed=out["config"]["run"]["seed"],
+               outer=None if dp else dict(out["config"]["syncer"]["outer"]))
+    return out
+
+
 def _one(args: tuple[str, dict, dict]) -> tuple[str, dict]:
     name, overrides, common = args
     settings, failures = row_settings(overrides, common)
@@ -149,15 +165,44 @@ def _one(args: tuple[str, dict, dict]) -> tuple[str, dict]:
     if failures:
         # With a quarter of the learners down the tokens come at 3/4 of the rate: the run lasts 4/3 longer.
         steps = common["tokens"] / (spec.run.batch_size * spec.model.seq_len * M)
-        outages = failure_tape(M, steps * spec.simulate.step_time_s / (1 - DOWN_FRACTION), DOWN_FRACTION, seed=1234)
+        outages = failure_tape(M, steps * spec.simulate.step_time_s / (1 - DOWN_FRACTION), DOWN_FRACTION,
+                               seed=TAPE_SEED, cycles=TAPE_CYCLES)
     t0 = time.perf_counter()
     r = sim.run(spec, outages)
-    out = dataclasses.asdict(r)
-    out["wall_s"] = time.perf_counter() - t0
-    out["down_fraction"] = down_share(outages, M, r.virtual_time_s)
+    out = row(r, wall_s=time.perf_counter() - t0, down_fraction=down_share(outages, M, r.virtual_time_s))
     print(f"{name:26s} loss {r.final_eval_loss:.4f}  goodput {r.goodput:.3f}  tokens {r.tokens:,}  "
           f"wall {out['wall_s']:.0f}s", flush=True)
     return name, out
+
+
+# What rows of one results file share: a rerun adds to a file only if these match (``kept_rows``).
+HEADER = ("preset", "tokens", "batch_size", "seed", "sync_every", "eval_batches", "deployment")
+
+
+def kept_rows(path: Path, header: dict, redo: list[str]) -> dict[str, dict]:
+    """The rows of an earlier file at ``path`` that this run does not redo. ValueError, naming the file and
+    the settings, if the file is unreadable or its rows ran under other settings (they would not compare)."""
+    if not path.exists():
+        return {}
+    try:
+        doc = json.loads(path.read_text())
+        runs = dict(doc["runs"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{path}: not a results file this benchmark can add to ({e!r}); "
+                         "pass --fresh to replace it, or another --out") from None
+    differ = [k for k in HEADER if doc.get(k) != header[k]]
+    if differ:
+        raise ValueError(f"{path} holds runs made with other {', '.join(differ)} than this run; "
+                         "pass --fresh to replace it, or another --out")
+    return {k: v for k, v in runs.items() if k not in redo}
+
+
+def write_rows(path: Path, header: dict, rows: dict[str, dict], order: list[str]) -> dict[str, dict]:
+    """Rewrite ``path`` atomically with the rows so far, in ``order`` (the benchmark's) then any others;
+    returns them in that order."""
+    ordered = {k: rows[k] for k in order if k in rows} | rows
+    write_atomic(path, json.dumps({**header, "runs": ordered}, indent=1).encode())
+    return ordered
 
 
 def plot(results: dict[str, dict], path: Path) -> None:
@@ -187,7 +232,7 @@ def markdown(results: dict[str, dict]) -> str:
     for name, r in results.items():
         rel = f"{(r['final_eval_loss'] / dp - 1) * 100:+.1f} %" if dp else ""
         lines.append(f"| {name} | {r['final_eval_loss']:.4f} | {rel} | {r['goodput']:.3f} | {r['uptime']:.3f} "
-                     f"| {r['tokens']:,} | {r['bytes_sent'] / 1e6:,.0f} MB |")
+                     f"| {r['tokens']:,} | {r.get('wan_bytes', r.get('bytes_sent', 0)) / 1e6:,.0f} MB |")
     return "\n".join(lines)
 
 
@@ -205,12 +250,18 @@ def main(argv: list[str] | None = None) -> int:
                     help="replace the deployment's scaled link rate (per learner link, each way; recorded in the JSON)")
     ap.add_argument("--only", nargs="*", help="run only these names")
     ap.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="runs in parallel (processes)")
-    ap.add_argument("--out", default=str(ROOT / "results" / "quality.json"))
+    ap.add_argument("--out", default=str(ROOT / "results" / "quality.json"),
+                    help="results file: rows are written as each run finishes; a rerun replaces the rows it "
+                         "runs and keeps the others if they ran under the same settings")
+    ap.add_argument("--fresh", action="store_true", help="start a new --out instead of keeping its other rows")
+    ap.add_argument("--eval-batches", type=int, default=None,
+                    help="eval set size in batches of 16 sequences (default 8); fewer only for smoke tests")
     ap.add_argument("--replot", action="store_true", help="redraw the PNG and table from --out without running")
     args = ap.parse_args(argv)
+    out = Path(args.out)
     if args.replot:
-        results = json.loads(Path(args.out).read_text())["runs"]
-        plot(results, Path(args.out).with_suffix(".png"))
+        results = json.loads(out.read_text())["runs"]
+        plot(results, out.with_suffix(".png"))
         print(markdown(results))
         return 0
     tokens = int(args.tokens or (2.5e5 if args.quick else 2e6))
@@ -221,25 +272,33 @@ def main(argv: list[str] | None = None) -> int:
                    fp32_model_transfer_steps=dep["params"] * 32 / (args.bandwidth_gbit * 1e9) / dep["step_time_s"])
     common = dict(preset=args.preset, tokens=tokens, batch_size=args.batch_size, eval_every=max(1, steps // 40),
                   seed=args.seed, **deployment_settings(dep))
+    if args.eval_batches is not None:
+        common["eval_batches"] = args.eval_batches
     todo = runs(args.sync_every)
     if args.only:
         unknown = set(args.only) - set(todo)
         if unknown:
             ap.error(f"unknown run names {sorted(unknown)}; known: {', '.join(todo)}")
         todo = {k: v for k, v in todo.items() if k in args.only}
+    # Round-tripped through JSON so that it compares equal to a header read back from a file (tuples, ints).
+    eval_batches = spec_lib.RunConfig().eval_batches if args.eval_batches is None else args.eval_batches
+    header = json.loads(json.dumps({
+        "preset": args.preset, "tokens": tokens, "batch_size": args.batch_size, "quick": args.quick,
+        "seed": args.seed, "sync_every": args.sync_every, "eval_batches": eval_batches, "deployment": dep}))
+    try:  # a bad setting or an incompatible --out stops here, before any run or write (ConfigError too)
+        spec_lib.from_short(**row_settings({}, common)[0])
+        rows = {} if args.fresh else kept_rows(out, header, list(todo))
+    except ValueError as e:
+        ap.error(str(e))
+    if rows:
+        print(f"{out}: keeping {', '.join(rows)}; running {', '.join(todo)}", flush=True)
     jobs = [(name, o, common) for name, o in todo.items()]
-    if args.jobs > 1:
-        with mp.get_context("spawn").Pool(args.jobs) as pool:
-            results = dict(pool.map(_one, jobs))
-    else:
-        results = dict(map(_one, jobs))
-    results = {k: results[k] for k in todo}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    doc = {"preset": args.preset, "tokens": tokens, "batch_size": args.batch_size, "quick": args.quick,
-           "seed": args.seed, "deployment": dep,
-           "runs": {k: {kk: vv for kk, vv in v.items()} for k, v in results.items()}}
-    out.write_text(json.dumps(doc, indent=1))
+    order = list(runs(args.sync_every))
+    results = write_rows(out, header, rows, order)  # now: with --fresh the old rows go before a new one lands
+    with mp.get_context("spawn").Pool(args.jobs) if args.jobs > 1 else contextlib.nullcontext() as pool:
+        for name, r in pool.imap_unordered(_one, jobs) if pool else map(_one, jobs):
+            rows[name] = r
+            results = write_rows(out, header, rows, order)
     plot(results, out.with_suffix(".png"))
     print(markdown(results))
     return 0

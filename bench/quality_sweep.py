@@ -24,6 +24,7 @@ sys.path.insert(0, str(ROOT))
 
 from quality import DECOUPLED, _one  # noqa: E402  (bench/quality.py)
 from wan_diloco import spec as spec_lib  # noqa: E402
+from wan_diloco.checkpoint import write_atomic  # noqa: E402
 
 DEC = dict(DECOUPLED, sync_every=8)
 DP = dict(baseline="dp", learners=4)
@@ -157,8 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     with ctx.Pool(max(1, args.jobs)) as pool:
         for name, r in pool.imap_unordered(_one, jobs):
             doc["runs"][name] = {k: r[k] for k in ("config", "final_eval_loss", "wall_s")}
-            out.parent.mkdir(parents=True, exist_ok=True)
-            out.write_text(json.dumps(doc, indent=1))  # after every run: nothing lost if stopped
+            write_atomic(out, json.dumps(doc, indent=1).encode())  # after every run: nothing lost if stopped
     print(markdown(doc["runs"]))
     return 0
 

@@ -1,5 +1,10 @@
-"""The quality benchmark's failure tape (the benchmark itself is too long for the test run)."""
+"""The quality benchmark: its failure tape, deployment, and results file (on tiny real runs)."""
 import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -40,3 +45,98 @@ def test_every_row_runs_under_the_stated_deployment():
             dep["bandwidth_gbit_s"], dep["rtt_s"], 0.5, 0.1), name
         assert sim.speeds == (overrides.get("speeds") or ()), name  # the hetero rows keep their slow learner
         assert failures == overrides.get("failures", False), name
+
+
+# The writer on real runs kept tiny: 2048 tokens (4 dp steps) and a one-batch eval set (--eval-batches).
+TINY = ["--tokens", "2048", "--eval-batches", "1", "--jobs", "1"]
+SCHEMA = {"final_eval_loss", "goodput", "tokens", "wan_bytes", "seed", "outer", "config", "curve"}
+
+
+def _check_row(name, r):
+    assert SCHEMA <= set(r), name
+    assert math.isfinite(r["final_eval_loss"]) and r["tokens"] > 0 and r["wan_bytes"] > 0, name
+    assert r["seed"] == r["config"]["run"]["seed"] == 0, name
+    if r["config"]["simulate"]["baseline"] == "dp":
+        assert r["outer"] is None  # data parallel has no outer optimizer
+    else:  # every field of the row's syncer.outer, whatever fields the config has
+        assert r["outer"] == r["config"]["syncer"]["outer"] and {"lr", "momentum", "nesterov"} <= set(r["outer"])
+
+
+def test_a_stopped_run_keeps_its_finished_rows_and_a_rerun_keeps_those_it_does_not_redo(tmp_path, monkeypatch,
+                                                                                         capsys):
+    out = tmp_path / "q.json"
+    real_run, calls = quality.sim.run, []
+
+    def run_then_fail(*a, **kw):
+        calls.append(1)
+        if len(calls) > 1:
+            raise KeyboardInterrupt  # what a stopped benchmark sees
+        return real_run(*a, **kw)
+
+    monkeypatch.setattr(quality.sim, "run", run_then_fail)
+    with pytest.raises(KeyboardInterrupt):  # the benchmark's order: decoupled runs before dp_failures
+        quality.main(["--only", "dp_failures", "decoupled", "--out", str(out), *TINY])
+    doc = json.loads(out.read_text())
+    assert list(doc["runs"]) == ["decoupled"]
+    _check_row("decoupled", doc["runs"]["decoupled"])
+    dep = doc["deployment"]
+    assert dep == json.loads(json.dumps(quality.deployment("tiny")))
+    assert dep["step_noise"] == 0.1 and dep["failure_tape"]["down_fraction"] == quality.DOWN_FRACTION
+    assert (doc["tokens"], doc["eval_batches"], doc["seed"]) == (2048, 1, 0)
+
+    with pytest.raises(KeyboardInterrupt):  # stopped again, before its only row finishes
+        quality.main(["--only", "dp_failures", "--out", str(out), *TINY])
+    assert "keeping decoupled; running dp_failures" in capsys.readouterr().out
+    assert json.loads(out.read_text()) == doc
+    with pytest.raises(KeyboardInterrupt):  # --fresh drops the old rows at once
+        quality.main(["--only", "dp_failures", "--out", str(out), "--fresh", *TINY])
+    assert json.loads(out.read_text())["runs"] == {}
+
+
+@pytest.mark.parametrize("change, named", [(["--tokens", "4096"], "tokens"), (["--seed", "1"], "seed"),
+                                           (["--bandwidth-gbit", "1"], "deployment")])
+def test_rows_from_other_settings_are_refused_and_left_as_they_were(tmp_path, monkeypatch, capsys, change, named):
+    out = tmp_path / "q.json"
+    header = dict(preset="tiny", tokens=2048, batch_size=1, quick=False, seed=0, sync_every=8, eval_batches=1,
+                  deployment=quality.deployment("tiny"))
+    quality.write_rows(out, json.loads(json.dumps(header)), {"dp": {"final_eval_loss": 3.9}}, ["dp"])
+    before = out.read_bytes()
+    monkeypatch.setattr(quality.sim, "run", lambda *a, **kw: pytest.fail("ran with an incompatible --out"))
+    with pytest.raises(SystemExit) as e:
+        quality.main(["--only", "decoupled", "--out", str(out), *TINY, *change])
+    assert e.value.code == 2 and out.read_bytes() == before
+    err = capsys.readouterr().err
+    assert f"other {named} than this run" in err and "--fresh" in err
+
+
+@pytest.mark.parametrize("text", ["not json", "[1, 2]", '{"runs": 3}'])
+def test_a_file_that_is_not_a_results_file_is_refused_and_left_as_it_was(tmp_path, capsys, text):
+    out = tmp_path / "q.json"
+    out.write_text(text)
+    with pytest.raises(SystemExit):
+        quality.main(["--only", "dp", "--out", str(out), *TINY])
+    assert out.read_text() == text and "not a results file" in capsys.readouterr().err
+
+
+def test_a_bad_setting_is_refused_before_the_file_is_touched(tmp_path, capsys):
+    out = tmp_path / "q.json"
+    with pytest.raises(SystemExit):
+        quality.main(["--only", "dp", "--out", str(out), *TINY, "--eval-batches", "0"])
+    assert "eval_batches" in capsys.readouterr().err and not out.exists()
+
+
+@pytest.mark.slow
+def test_quick_benchmark_end_to_end_writes_both_rows(tmp_path):
+    """``--quick --only`` two rows in real worker processes, as a user runs it.
+
+    About 3 min of CPU; 9 min of wall time on 2 loaded cores."""
+    out = tmp_path / "q.json"
+    root = Path(__file__).parents[2]
+    subprocess.run([sys.executable, "-m", "bench.quality", "--quick", "--only", "dp", "decoupled_int4_ef",
+                    "--jobs", "2", "--out", str(out)], cwd=root, check=True, timeout=900,
+                   env={**os.environ, "PYTHONPATH": str(root)})
+    doc = json.loads(out.read_text())
+    assert doc["quick"] and doc["tokens"] == 250_000 and doc["deployment"]["step_noise"] == 0.1
+    assert list(doc["runs"]) == ["dp", "decoupled_int4_ef"]
+    for name, r in doc["runs"].items():
+        _check_row(name, r)
