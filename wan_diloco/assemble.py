@@ -62,9 +62,10 @@ def fragments_of(spec: RunSpec, sizes: Mapping[str, int]) -> list[tuple[str, ...
 
 
 def preflight(spec: RunSpec, data: bool = True, learner: int | None = None) -> None:
-    """What would stop every process at start, checked before any starts (no compile, no allocation):
-    the fragments fit the model, ``model.init`` (if set) is the model's parameters, and (``data``: on a host that trains) the corpus is there: that
-    ``learner``'s, or every learner's (``launch``: all on this host)."""
+    """What would stop every process at start, checked before any starts (no compile, nothing on a device):
+    the fragments fit the model, ``model.init`` (if set) holds the model's parameters, and (``data``: on
+    a host that trains) the corpus is there: that ``learner``'s, or every learner's (``launch``: all on
+    this host)."""
     like = model_lib.abstract_params(spec.model)
     fragments_of(spec, {n: int(np.prod(a.shape)) for n, a in tree.flatten(like).items()})
     if spec.model.init:

@@ -91,7 +91,8 @@ def test_a_folder_without_a_params_file_or_a_missing_path_is_refused(tmp_path):
 
 def test_load_params_with_a_template_names_the_mismatch(tmp_path):
     save_params(tmp_path / "p.safetensors", T)
-    params, _ = load_params(tmp_path / "p.safetensors", like={"a": {"kernel": T["a/kernel"]}, "b": {"scale": T["b/scale"]}})
+    like = {"a": {"kernel": T["a/kernel"]}, "b": {"scale": T["b/scale"]}}
+    params, _ = load_params(tmp_path / "p.safetensors", like=like)
     np.testing.assert_array_equal(params["a"]["kernel"], T["a/kernel"])
     with pytest.raises(CheckpointError, match=r"tensor 'a/kernel' has shape \(2, 3\), the model wants \(3, 2\)"):
         load_params(tmp_path / "p.safetensors", like={"a": {"kernel": np.zeros((3, 2))}, "b": {"scale": T["b/scale"]}})

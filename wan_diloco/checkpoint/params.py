@@ -72,7 +72,8 @@ def check_params(found: Specs, want: Specs, what: str, dtypes: bool = True) -> N
     bad = [f"tensor {n!r} has shape {tuple(found[n][0])}, the model wants {tuple(want[n][0])}"
            for n in want if tuple(found[n][0]) != tuple(want[n][0])]
     if dtypes:
-        bad += [f"tensor {n!r} is {found[n][1]}, the model wants {want[n][1]}" for n in want if found[n][1] != want[n][1]]
+        bad += [f"tensor {n!r} is {found[n][1]}, the model wants {want[n][1]}"
+                for n in want if found[n][1] != want[n][1]]
     if bad:
         more = f"; and {len(bad) - _LISTED} more" if len(bad) > _LISTED else ""
         raise CheckpointError(f"{what}: {'; '.join(bad[:_LISTED])}{more}")
