@@ -20,6 +20,7 @@ from wan_diloco import model as model_lib
 from wan_diloco import shards as shards_lib
 from wan_diloco import train as train_lib
 from wan_diloco import tree
+from wan_diloco.checkpoint import CheckpointError, read_params, tensor_specs
 from wan_diloco.compression import CodecConfig, FragmentCodec
 from wan_diloco.compression.frame import FORMAT_VERSION as CODEC_FORMAT_VERSION
 from wan_diloco.config import ConfigError, require
@@ -61,11 +62,14 @@ def fragments_of(spec: RunSpec, sizes: Mapping[str, int]) -> list[tuple[str, ...
 
 
 def preflight(spec: RunSpec, data: bool = True, learner: int | None = None) -> None:
-    """What would stop every process at start, checked before any starts (no compile, no allocation):
-    the fragments fit the model, and (``data``: on a host that trains) the corpus is there: that
-    ``learner``'s, or every learner's (``launch``: all on this host)."""
-    shapes = tree.flatten(model_lib.abstract_params(spec.model))
-    fragments_of(spec, {n: int(np.prod(a.shape)) for n, a in shapes.items()})
+    """What would stop every process at start, checked before any starts (no compile, nothing on a device):
+    the fragments fit the model, ``model.init`` (if set) holds the model's parameters, and (``data``: on
+    a host that trains) the corpus is there: that ``learner``'s, or every learner's (``launch``: all on
+    this host)."""
+    like = model_lib.abstract_params(spec.model)
+    fragments_of(spec, {n: int(np.prod(a.shape)) for n, a in tree.flatten(like).items()})
+    if spec.model.init:
+        init_params(spec, like)
     if not data:
         return
     learners = range(spec.run.learners) if learner is None else [learner]
@@ -76,6 +80,16 @@ def preflight(spec: RunSpec, data: bool = True, learner: int | None = None) -> N
         except ConfigError as e:
             field, _, why = str(e).partition(": ")
             raise ConfigError(f"{where if field == 'corpus' else 'data.' + field}: {why}") from None
+
+
+def init_params(spec: RunSpec, like=None) -> dict[str, np.ndarray]:
+    """``model.init``'s tensors by name, checked against the model (``like``: its abstract parameters):
+    the same names, shapes and dtypes, finite values; else one ConfigError naming ``model.init``."""
+    like = model_lib.abstract_params(spec.model) if like is None else like
+    try:
+        return read_params(spec.model.init, tensor_specs(like))
+    except CheckpointError as e:
+        raise ConfigError(f"model.init: {e}") from None
 
 
 class Assembly:
@@ -94,8 +108,12 @@ class Assembly:
 
     @cached_property
     def params0(self):
-        """The shared starting point Θ(0): same seed, same parameters in every process."""
-        return model_lib.init_params(self.spec.model, jax.random.PRNGKey(self.spec.run.seed))
+        """The shared starting point Θ(0), the same in every process: ``model.init``'s parameters, or
+        fresh ones from ``run.seed``."""
+        if not self.spec.model.init:
+            return model_lib.init_params(self.spec.model, jax.random.PRNGKey(self.spec.run.seed))
+        like = model_lib.abstract_params(self.spec.model)
+        return tree.unflatten({n: jax.numpy.asarray(a) for n, a in init_params(self.spec, like).items()}, like)
 
     @cached_property
     def state0(self) -> train_lib.TrainState:
@@ -154,8 +172,15 @@ class Assembly:
             # One shard owns everything: only with more is there a plan to disagree on.
             "syncer": {"shards": spec.syncer.shards, **({"plan": fingerprint_lib.digest(repr(self.shard_plan))}
                                                         if spec.syncer.shards > 1 else {})},
+            # Θ(0) from a file: a learner that read another file (or none) would train from another start.
+            **({"model": {"init": self.init_digest}} if spec.model.init else {}),
             "run": {"run_id": spec.run.run_id, "learners": spec.run.learners},
         })
+
+    @cached_property
+    def init_digest(self) -> str:
+        """Θ(0)'s digest (``fragment_digest`` of every tensor, shortened), as the fingerprint carries it."""
+        return "#" + fragment_digest(self.flat0, tuple(sorted(self.flat0)))[:12]
 
     def syncer_core(self, bounded: bool = False, shard: int | None = None) -> SyncerCore:
         """``bounded``: refuse learner steps past the run's budget (a networked run, where learners stop

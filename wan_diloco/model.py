@@ -52,6 +52,9 @@ class ModelConfig:
     # "package.module:factory" or "path/to/file.py:factory": the user's flax module instead of the built-in
     # transformer (whose dimensions are then ignored); "" is the built-in.
     module: str = ""
+    # The parameters the run starts from (Θ(0)) instead of fresh ones from run.seed: a safetensors file with
+    # the model's tensor names, or a run's folder (its params file). Read by the spec, which makes it absolute.
+    init: str = ""
 
     def validate(self) -> None:
         if self.module:

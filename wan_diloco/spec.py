@@ -6,7 +6,7 @@ Tables (every key optional; each default is stated once, in the dataclass named)
 
 - ``[run]`` :class:`RunConfig`: M, step budget, batch, seed, eval set, addresses
 - ``[regions]`` ``regions.RegionsConfig``: region names, where learners and the syncer live, the links
-- ``[model]`` ``model.ModelConfig``: a ``preset`` plus optional explicit dimensions
+- ``[model]`` ``model.ModelConfig``: a ``preset`` plus optional explicit dimensions; ``init``: start weights
 - ``[data]`` ``data.DataConfig``: corpus, bytes read, eval split, shard blocks
 - ``[learner]`` ``core.LearnerConfig``: H, P, τ, α, error feedback
 - ``[syncer]`` ``core.SyncerConfig`` (and ``[syncer.outer]``): K, grace, merge, outer optimizer
@@ -36,7 +36,7 @@ from typing import Any, Literal, Mapping
 import tomli_w
 
 from wan_diloco import model as model_lib
-from wan_diloco.checkpoint import CheckpointConfig
+from wan_diloco.checkpoint import CheckpointConfig, CheckpointError, params_file
 from wan_diloco.compression.config import CodecConfig
 from wan_diloco.config import ConfigError, from_mapping, load_toml, require
 from wan_diloco.core import LearnerConfig, SyncerConfig
@@ -256,6 +256,11 @@ def _model(table: Mapping[str, Any]) -> tuple[str, ModelConfig]:
     where, sep, attr = str(table.get("module", "")).rpartition(":")
     if where.endswith(".py"):  # children and resumes run from elsewhere: the run's config names the file absolutely
         table["module"] = f"{Path(where).resolve()}{sep}{attr}"
+    if isinstance(table.get("init"), str) and table["init"]:  # the file, absolute: children run from elsewhere
+        try:
+            table["init"] = str(params_file(table["init"]))
+        except CheckpointError as e:
+            raise ConfigError(f"model.init: {e}") from None
     return name, from_mapping(ModelConfig, {**dataclasses.asdict(base), **table}, prefix="model.")
 
 

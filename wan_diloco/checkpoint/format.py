@@ -53,13 +53,8 @@ def encode_state(tensors: Mapping[str, Any], info: Mapping[str, Any], kind: str)
     return save(arrays, metadata=meta)
 
 
-def decode_state(data: bytes | bytearray | memoryview, kind: str | None = None,
-                 what: str = "state file") -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-    """(tensors, info) of a state file; CheckpointError names what is wrong (nothing is returned half)."""
-    from safetensors import SafetensorError
-    from safetensors.numpy import load
-
-    data = bytes(data)
+def read_header(data: bytes, what: str) -> dict[str, Any]:
+    """The JSON header of a safetensors file's bytes (tensor name -> dtype, shape, offsets; ``__metadata__``)."""
     if len(data) < 8:
         raise CheckpointError(f"{what}: truncated ({len(data)} bytes)")
     (hlen,) = struct.unpack_from("<Q", data)
@@ -69,7 +64,20 @@ def decode_state(data: bytes | bytearray | memoryview, kind: str | None = None,
         header = json.loads(data[8 : 8 + hlen])
     except (UnicodeDecodeError, ValueError) as e:
         raise CheckpointError(f"{what}: header is not JSON: {e}") from None
-    meta = header.get("__metadata__") if isinstance(header, dict) else None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{what}: header is not a JSON object")
+    return header
+
+
+def decode_state(data: bytes | bytearray | memoryview, kind: str | None = None,
+                 what: str = "state file") -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """(tensors, info) of a state file; CheckpointError names what is wrong (nothing is returned half)."""
+    from safetensors import SafetensorError
+    from safetensors.numpy import load
+
+    data = bytes(data)
+    header = read_header(data, what)
+    meta = header.get("__metadata__")
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise CheckpointError(f"{what}: not a wan-diloco state file")
     if meta.get("format_version") != str(FORMAT_VERSION):

@@ -40,7 +40,7 @@ def model_mismatch(stored: object, cfg: spec_lib.RunSpec) -> str | None:
     if not isinstance(stored, dict):
         return None  # a file written by hand (save_params without info): the shapes are checked on load
     want = json.loads(json.dumps(dataclasses.asdict(cfg.model)))
-    for key in sorted(set(want) | set(stored)):
+    for key in sorted((set(want) | set(stored)) - {"init"}):  # where training started is no setting of the model
         if stored.get(key) != want.get(key):
             return f"model.{key} {stored.get(key)!r} in the file vs {want.get(key)!r} in the config"
     return None
