@@ -77,7 +77,7 @@ def check_trackers(rdir, trackers, summary, evals):
     if "wandb" in trackers:
         import wandb
 
-        wandb.teardown()  # its service process, so no process is left behind
+        wandb.teardown()  # its service: no process left behind, and the run's file written out
         (path,) = (rdir / "wandb").glob("offline-run-*/run-*.wandb")
         rows = [{i.nested_key[0] if i.nested_key else i.key: json.loads(i.value_json) for i in r.history.item}
                 for r in read_wandb(path) if r.WhichOneof("record_type") == "history"]

@@ -143,8 +143,11 @@ def wandb_offline(monkeypatch):
 
 
 def test_wandb_offline_run_read_back(tmp_path, wandb_offline):
+    import wandb
+
     rdir = tmp_path / "20260101-120000"
     log, warnings = feed(config("wandb"), rdir)
+    wandb.teardown()  # W&B's service writes the run's file after finish() returned: once it is gone, all is there
     assert warnings == []
     files = list(rdir.glob("wandb/offline-run-*/run-*.wandb"))
     assert len(files) == 1 and log.where == {"wandb": str(files[0].parent)}
@@ -241,3 +244,19 @@ def test_a_missing_package_names_the_extra(monkeypatch):
     with pytest.raises(ConfigError, match=r"^run.trackers: 'wandb' needs the wandb package: "
                                           r"pip install 'wan-diloco\[wandb\]'$"):
         trackers.check_installed(("wandb",))
+
+
+def test_wandb_without_a_login_is_a_warning_not_a_prompt(tmp_path, monkeypatch):
+    wandb = pytest.importorskip("wandb")
+    for name in ("WANDB_MODE", "WANDB_API_KEY", "NETRC"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # no ~/.netrc: no stored key
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "home" / "wandb"))
+    try:
+        log, warnings = feed(config("wandb"), tmp_path / "run", EVENTS[:1])
+    finally:
+        wandb.teardown()
+    assert [w["what"] for w in warnings] == [
+        "tracker wandb: RuntimeError: no W&B login: run `wandb login`, set WANDB_API_KEY, or WANDB_MODE=offline; "
+        "it gets nothing more, the run goes on"]
+    assert log.where == {} and not (tmp_path / "run" / "wandb").exists()

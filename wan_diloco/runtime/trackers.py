@@ -147,6 +147,9 @@ class WandbTracker:
     def __init__(self, cfg: RunSpec, rdir: Path, run_id: str | None):
         import wandb
 
+        if os.environ.get("WANDB_MODE", "online") not in ("offline", "dryrun", "disabled") and not _wandb_login(wandb):
+            # Else W&B would ask on the terminal, from the trackers' thread, under the live table.
+            raise RuntimeError("no W&B login: run `wandb login`, set WANDB_API_KEY, or WANDB_MODE=offline")
         # console off: W&B would otherwise wrap the launcher's stdout (the live table) to copy it.
         self.run = wandb.init(project=os.environ.get("WANDB_PROJECT") or "wan-diloco", name=rdir.name,
                               dir=str(rdir), config=flat_config(cfg), id=run_id,
@@ -162,6 +165,13 @@ class WandbTracker:
 
     def close(self) -> None:
         self.run.finish()
+
+
+def _wandb_login(wandb) -> bool:
+    try:
+        return bool(wandb.login(prompt=False))  # the stored key, if any: no prompt, no network
+    except TypeError:  # a W&B older than prompt=: its init says what is missing
+        return True
 
 
 class MlflowTracker:
@@ -251,8 +261,8 @@ class Trackers:
                 self._fail(name, e)
         try:
             ids_path.write_text(json.dumps({**ids, **{n: t.id for n, t in live.items() if t.id}}))
-        except OSError as e:
-            self._fail("ids", e)
+        except OSError as e:  # a resume starts new tracker runs; this one logs all the same
+            print(f"wan-diloco: warning: {ids_path}: {e.strerror or e}", file=sys.stderr)
         done = False
         while not done:
             rows = [self.rows.get()]
