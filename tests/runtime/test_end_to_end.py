@@ -7,6 +7,7 @@ import pytest
 
 from wan_diloco import spec as rt
 from wan_diloco.runtime.launch import launch
+from wan_diloco.runtime.trackers import PACKAGES
 
 from .conftest import micro_config
 
@@ -19,8 +20,7 @@ def test_three_learners_end_bit_identical_to_the_syncer(tmp_path, bits, monkeypa
     path = micro_config(tmp_path, learners=3, steps=40, min_step_s=0.05, extra=extra)
     path.write_text(path.read_text().replace("[run]\n", "[run]\neval_every_steps = 10\n"))
     if bits == 32:  # and the experiment trackers beside metrics.jsonl (W&B offline; MLflow where its env says)
-        trackers = [t for t, module in (("tensorboard", "tensorboardX"), ("wandb", "wandb"), ("mlflow", "mlflow"))
-                    if importlib.util.find_spec(module)]
+        trackers = [t for t, (modules, _) in PACKAGES.items() if all(map(importlib.util.find_spec, modules))]
         path.write_text(path.read_text().replace("[run]\n", f"[run]\ntrackers = {json.dumps(trackers)}\n"))
         monkeypatch.setenv("WANDB_MODE", "offline")
         monkeypatch.setenv("MLFLOW_TRACKING_URI", (tmp_path / "mlruns").as_uri())

@@ -244,6 +244,11 @@ def test_a_missing_package_names_the_extra(monkeypatch):
     with pytest.raises(ConfigError, match=r"^run.trackers: 'wandb' needs the wandb package: "
                                           r"pip install 'wan-diloco\[wandb\]'$"):
         trackers.check_installed(("wandb",))
+    # MLflow's local store (RUN_DIR/mlflow.db) needs SQLAlchemy: said at the start, not as a failure later
+    monkeypatch.setattr(trackers.importlib.util, "find_spec", lambda name: None if name == "sqlalchemy" else real(name))
+    with pytest.raises(ConfigError, match=r"^run.trackers: 'mlflow' needs the sqlalchemy package: "
+                                          r"pip install 'wan-diloco\[mlflow\]'$"):
+        trackers.check_installed(("wandb", "mlflow"))
 
 
 def test_wandb_without_a_login_is_a_warning_not_a_prompt(tmp_path, monkeypatch):

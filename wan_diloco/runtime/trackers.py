@@ -28,8 +28,9 @@ from wan_diloco.config import ConfigError
 from wan_diloco.runtime.launch_names import is_learner_name, is_syncer, learner_process, shard_of
 from wan_diloco.spec import RunSpec, to_document
 
-# tracker -> (the module it needs, the extra that installs it)
-PACKAGES = {"tensorboard": ("tensorboardX", "tensorboard"), "wandb": ("wandb", "wandb"), "mlflow": ("mlflow", "mlflow")}
+# tracker -> (the modules it needs, the extra that installs them); MLflow's local store is SQLAlchemy's.
+PACKAGES = {"tensorboard": (("tensorboardX",), "tensorboard"), "wandb": (("wandb",), "wandb"),
+            "mlflow": (("mlflow", "sqlalchemy", "alembic"), "mlflow")}
 CLOSE_WAIT_S = 60.0  # at the end, what the trackers get to send what is left before the launcher moves on
 IDS_FILE = "trackers.json"
 SYNCER_FIELDS = ("mean_quorum", "bytes_in", "bytes_out", "recovery_bytes")
@@ -39,9 +40,10 @@ def check_installed(names: tuple[str, ...]) -> None:
     """ConfigError naming the extra to install for the first tracker whose package is missing (looked up,
     not imported: W&B and MLflow take seconds to import)."""
     for name in names:
-        module, extra = PACKAGES[name]
-        if importlib.util.find_spec(module) is None:
-            raise ConfigError(f"run.trackers: {name!r} needs the {module} package: pip install 'wan-diloco[{extra}]'")
+        modules, extra = PACKAGES[name]
+        for module in modules:
+            if importlib.util.find_spec(module) is None:
+                raise ConfigError(f"run.trackers: {name!r} needs the {module} package: pip install 'wan-diloco[{extra}]'")
 
 
 def flat_config(cfg: RunSpec) -> dict[str, object]:
@@ -218,7 +220,7 @@ class Trackers:
         self.scalars = EventScalars()
         self.rows: queue.Queue = queue.Queue()
         self.warnings: queue.Queue = queue.Queue()
-        self.where: dict[str, str | None] = {}
+        self.where: dict[str, str | None] = {}  # replaced whole by the trackers' thread: a reader never sees it change
         self.thread = threading.Thread(target=self._work, args=(cfg, Path(rdir)), name="trackers", daemon=True)
         self.thread.start()
 
@@ -256,7 +258,7 @@ class Trackers:
         for name in cfg.run.trackers:
             try:
                 live[name] = TRACKERS[name](cfg, rdir, ids.get(name))
-                self.where[name] = live[name].where
+                self.where = {**self.where, name: live[name].where}
             except Exception as e:  # noqa: BLE001 - whatever a tracker raises, the run goes on without it
                 self._fail(name, e)
         try:
