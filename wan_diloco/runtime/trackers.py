@@ -98,7 +98,7 @@ class EventScalars:
         if kind == "final":
             compute_s, train_s = e.get("compute_s"), e.get("train_s")
             values = {"eval/final_loss": e.get("final_eval_loss"), pre + "merge_lag_steps": e.get("merge_lag_steps")}
-            if _number(compute_s) and _number(train_s) and train_s > 0 and e.get("tokens", 0) > 0:
+            if _number(compute_s) and _number(train_s) and train_s > 0 and (e.get("tokens") or 0) > 0:
                 self.work[m] = (compute_s, train_s)
                 values[pre + "goodput"] = compute_s / train_s
                 # The run's so far: Σ compute / Σ train over the learners that finished (the summary's figure).
