@@ -75,7 +75,9 @@ class RunConfig:
     eval_every_steps: int = 0
     min_step_s: float = 0.0  # learners pace their steps to at least this long (emulates slower chips)
     run_dir: str = "runs"  # launcher: where metrics.jsonl and logs go
-    tensorboard: bool = False  # launcher: also TensorBoard scalars in RUN_DIR/tensorboard (needs tensorboardX)
+    # launcher: experiment trackers fed the run's scalars beside metrics.jsonl, each its own extra
+    # (runtime.trackers). The older `tensorboard = true` still reads as "tensorboard" here.
+    trackers: tuple[Literal["tensorboard", "wandb", "mlflow"], ...] = ()
     # The learners' JAX platform under `launch`: "cpu" (they share this host's cores), "gpu" (NVIDIA, the [cuda]
     # extra), "auto" (JAX picks). The syncer always runs on the CPU.
     platform: Literal["cpu", "gpu", "auto"] = "cpu"
@@ -113,6 +115,8 @@ class RunConfig:
         require(self.devices_per_learner >= 0, "devices_per_learner", f"must be >= 0, got {self.devices_per_learner}")
         require(len(set(self.devices)) == len(self.devices) and all(isinstance(i, int) and i >= 0 for i in self.devices),
                 "devices", f"must be distinct device indices >= 0, got {list(self.devices)}")
+        require(len(set(self.trackers)) == len(self.trackers), "trackers",
+                f"names a tracker twice: {list(self.trackers)}")
         require(len(self.run_id) <= 64 and all(c.isascii() and (c.isalnum() or c in "._-") for c in self.run_id),
                 "run_id", f"must be at most 64 of A-Z a-z 0-9 . _ -, got {self.run_id[:70]!r}")
 
@@ -279,12 +283,24 @@ def _check_renamed(doc: Mapping[str, Any]) -> None:
             raise ConfigError(f"{table}.{key}: renamed; write {new} instead")
 
 
+def _run_table(doc: Mapping[str, Any]) -> dict[str, Any]:
+    """[run], with the older ``tensorboard = true`` read as "tensorboard" in ``trackers``."""
+    table = _table(doc, "run")
+    if "tensorboard" in table:
+        old = table.pop("tensorboard")
+        require(isinstance(old, bool), "run.tensorboard", f"must be true or false, got {old!r}")
+        trackers = table.get("trackers", [])
+        if old and isinstance(trackers, (list, tuple)) and "tensorboard" not in trackers:
+            table["trackers"] = [*trackers, "tensorboard"]
+    return table
+
+
 def from_document(doc: Mapping[str, Any]) -> RunSpec:
     """Build and cross-check the whole spec from a parsed TOML document."""
     unknown = sorted(set(doc) - set(TABLES))
     require(not unknown, unknown[0] if unknown else "", f"unknown table; known tables are {', '.join(TABLES)}")
     _check_renamed(doc)
-    run = from_mapping(RunConfig, _table(doc, "run"), prefix="run.")
+    run = from_mapping(RunConfig, _run_table(doc), prefix="run.")
     preset, model = _model(_table(doc, "model"))
     data_t = _table(doc, "data")
     _derived(data_t, "vocab_size", model.vocab_size, "data", "model.vocab_size")

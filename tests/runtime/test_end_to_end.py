@@ -1,4 +1,5 @@
 """1 syncer + 3 learners on loopback through `launch`: after the final sync every copy is bit-identical."""
+import importlib.util
 import json
 import socket
 
@@ -6,19 +7,24 @@ import pytest
 
 from wan_diloco import spec as rt
 from wan_diloco.runtime.launch import launch
+from wan_diloco.runtime.trackers import PACKAGES
 
 from .conftest import micro_config
 
 
 @pytest.mark.parametrize("bits", [32, 4])
-def test_three_learners_end_bit_identical_to_the_syncer(tmp_path, bits):
+def test_three_learners_end_bit_identical_to_the_syncer(tmp_path, bits, monkeypatch):
     extra = f"\n[codec]\nbits = {bits}\n" if bits != 32 else ""
     # Paced: 40 unpaced micro steps take 0.5 s, less than the spread of three learners' start-ups on two
     # loaded cores, and a learner that trains the whole run alone leaves nothing to merge along the way.
     path = micro_config(tmp_path, learners=3, steps=40, min_step_s=0.05, extra=extra)
     path.write_text(path.read_text().replace("[run]\n", "[run]\neval_every_steps = 10\n"))
-    if bits == 32:  # and TensorBoard scalars beside metrics.jsonl
-        path.write_text(path.read_text().replace("[run]\n", "[run]\ntensorboard = true\n"))
+    if bits == 32:  # and the experiment trackers beside metrics.jsonl (W&B offline; MLflow where its env says)
+        trackers = [t for t, (modules, _) in PACKAGES.items() if all(map(importlib.util.find_spec, modules))]
+        path.write_text(path.read_text().replace("[run]\n", f"[run]\ntrackers = {json.dumps(trackers)}\n"))
+        monkeypatch.setenv("WANDB_MODE", "offline")
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", (tmp_path / "mlruns").as_uri())
+        monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # the quick store for a test (it is deprecated)
     if bits == 4:  # and each learner with its own token (#13): launch hands each only its own
         path.write_text(path.read_text().replace("[transport]\n", "[transport]\nper_learner_tokens = true\n"))
     code, summary = launch(rt.load(path), path.read_text(), str(tmp_path / "run"))
@@ -53,14 +59,38 @@ def test_three_learners_end_bit_identical_to_the_syncer(tmp_path, bits):
     assert all(e["eval_loss"] <= summary["initial_eval_loss"] for e in evals), evals
     assert (tmp_path / "run" / "loss.png").read_bytes().startswith(b"\x89PNG")
     if bits == 32:
-        from .test_tb_log import read_scalars
-
-        scalars = read_scalars(tmp_path / "run" / "tensorboard")
-        assert {"learner-0/train_loss", "learner-2/train_loss", "syncer/versions"} <= set(scalars)
-        assert sorted(scalars["global/eval_loss"])[:len(evals)] == sorted(
-            (e["step"], round(e["eval_loss"], 4)) for e in evals)
+        check_trackers(tmp_path / "run", trackers, summary, evals)
     if bits == 4:
         assert summary["compression_ratio"] > 5  # NF4 + scales + zstd on the fragment traffic
+
+
+def check_trackers(rdir, trackers, summary, evals):
+    """Each tracker of the run has every learner's loss and the global model's eval points."""
+    from .test_trackers import read_tensorboard, read_wandb
+
+    points = sorted((e["step"], round(e["eval_loss"], 4)) for e in evals)
+    assert sorted(summary["trackers"]) == sorted(trackers)
+    if "tensorboard" in trackers:
+        scalars = read_tensorboard(rdir / "tensorboard")
+        assert {"learner/0/loss", "learner/2/loss", "syncer/versions", "learner/1/goodput"} <= set(scalars)
+        assert sorted(scalars["eval/loss"]) == points
+    if "wandb" in trackers:
+        import wandb
+
+        wandb.teardown()  # its service: no process left behind, and the run's file written out
+        (path,) = (rdir / "wandb").glob("offline-run-*/run-*.wandb")
+        rows = [{i.nested_key[0] if i.nested_key else i.key: json.loads(i.value_json) for i in r.history.item}
+                for r in read_wandb(path) if r.WhichOneof("record_type") == "history"]
+        assert {"learner/0/loss", "learner/2/tokens_per_s", "syncer/bytes_in"} <= {k for row in rows for k in row}
+        assert sorted((r["global_step"], round(r["eval/loss"], 4)) for r in rows if "eval/loss" in r) == points
+    if "mlflow" in trackers:
+        from mlflow.tracking import MlflowClient
+
+        client = MlflowClient()  # MLFLOW_TRACKING_URI: the run logged where the environment said
+        run = client.get_run(json.loads((rdir / "trackers.json").read_text())["mlflow"])
+        assert run.data.params["run.learners"] == "3" and run.info.run_name == rdir.name
+        history = client.get_metric_history(run.info.run_id, "eval/loss")
+        assert sorted((m.step, round(m.value, 4)) for m in history) == points
 
 
 def test_launch_fails_with_the_reason_when_the_syncer_cannot_start(tmp_path):

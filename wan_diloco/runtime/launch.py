@@ -76,10 +76,10 @@ def launch(cfg: RunSpec, config_text: str, run_dir: str | None = None,
     from wan_diloco.assemble import preflight  # JAX and the model: not for `wan-diloco --help`
 
     preflight(cfg)  # a missing corpus or too many fragments: one ConfigError, before any process starts
-    if cfg.run.tensorboard:
-        from wan_diloco.runtime.tb_log import writer_class
+    if cfg.run.trackers:
+        from wan_diloco.runtime.trackers import check_installed
 
-        writer_class()  # ConfigError now, not after the processes started
+        check_installed(cfg.run.trackers)  # ConfigError now, not after the processes started
     rdir = Path(run_dir) if run_dir else Path(cfg.run.run_dir) / time.strftime("%Y%m%d-%H%M%S")
     try:
         rdir.mkdir(parents=True, exist_ok=True)
@@ -114,10 +114,10 @@ def _supervise(cfg: RunSpec, rdir: Path, watch: Callable[[RunState], None] | Non
                wrap: Callable[[str], list[str]] | None, resume: bool, stop: dict) -> tuple[int, dict]:
     mon, t0 = RunState(cfg), time.monotonic()
     tb = None
-    if cfg.run.tensorboard:
-        from wan_diloco.runtime.tb_log import TensorBoardLog
+    if cfg.run.trackers:
+        from wan_diloco.runtime.trackers import Trackers
 
-        tb = TensorBoardLog(rdir / "tensorboard")
+        tb = Trackers(cfg, rdir)
     try:
         with Cluster(cfg, rdir / "config.toml", rdir, wrap=wrap) as cluster, \
                 open(rdir / "metrics.jsonl", "a" if resume else "w") as mf:
@@ -133,7 +133,8 @@ def _supervise(cfg: RunSpec, rdir: Path, watch: Callable[[RunState], None] | Non
                 mf.write(json.dumps({"source": name, **e}) + "\n")
                 mon.fold(name, e)
                 if tb is not None:
-                    tb.write(name, e)
+                    for w in tb.write(name, e):  # a tracker that failed: its one warning, beside the events
+                        mf.write(json.dumps({"source": "launcher", **w}) + "\n")
                 if watch is not None:
                     watch(mon)
 
@@ -176,7 +177,7 @@ def _supervise(cfg: RunSpec, rdir: Path, watch: Callable[[RunState], None] | Non
         failed = {c.name: (c.exit_code, str(c.log_path)) for n, c in cluster.children.items()
                   if not is_syncer(n) and not learner_process(n)[1] and c.exit_code != 0}
         summary = {**summarize(mon, time.monotonic() - t0), "run_dir": str(rdir), "failed_learners": failed,
-                   "tensorboard": str(rdir / "tensorboard") if tb is not None else None}
+                   "trackers": tb.where if tb is not None else None}
         if cfg.syncer.shards > 1 and cfg.checkpoint.dir:
             try:
                 summary["params_path"] = str(join_shard_params(cfg, cfg.syncer.shards))
