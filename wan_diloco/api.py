@@ -69,7 +69,7 @@ class RunResult:
     params_path: Path | None  # the final global parameters (load_params reads them)
     initial_eval_loss: float | None
     final_eval_loss: float | None  # mean over the learners that finished
-    learners: Mapping[int, dict]
+    learners: Mapping[int, dict] = dataclasses.field(repr=False)
     summary: Mapping[str, Any] = dataclasses.field(repr=False)
 
     @property
