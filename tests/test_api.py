@@ -5,6 +5,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -120,6 +121,19 @@ def test_plan_returns_what_the_cli_writes_and_the_spec_to_run(tmp_path):
         wd.plan(MICRO_TOML, step_time_s=0)
     with pytest.raises(ConfigError, match="measured: .* not found"):
         wd.plan(MICRO_TOML, step_time_s=0.05, measured=tmp_path / "metrics.jsonl")
+
+
+def test_a_launch_that_fails_returns_why(tmp_path):
+    with socket.socket() as taken:  # the syncer's port, held by someone else: it cannot listen
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = wd.launch(micro_document(run={"learners": 2, "steps": 8, "port": port}), run_dir=tmp_path / "run")
+    assert result.exit_code == 1 and not result.ok and result.params_path is None
+    assert f"cannot listen on 127.0.0.1:{port}: address already in use" in result.error
+    assert result.error == result.summary["error"] and result.run_dir == tmp_path / "run"
+    assert result.learners == {} and result.initial_eval_loss is None and result.final_eval_loss is None
+    assert "address already in use" in (tmp_path / "run" / "syncer.log").read_text()
 
 
 def test_run_result_is_frozen_and_ok_follows_the_exit_code():

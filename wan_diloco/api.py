@@ -96,13 +96,15 @@ def launch(spec: RunSpec | str | Path | Mapping[str, Any], run_dir: str | Path |
 
     code, summary = launch_lib.launch(spec, dumps(spec), None if run_dir is None else str(run_dir),
                                       watch=on_update, emulate=emulate)
+    # The summary's means count a learner that never started or finished as nothing: no loss, not 0.
     finals = launch_lib.trained_finals(seen[0]) if seen else {}
+    started = launch_lib.first_starts(seen[0]) if seen else {}
     ended = "budget_steps" in summary  # a run that got as far as its figures (not a start-up failure)
     return RunResult(
         exit_code=code, error=summary.get("error") or summary.get("stopped"),
         run_dir=Path(summary["run_dir"]) if summary.get("run_dir") else None,
         params_path=Path(summary["params_path"]) if summary.get("params_path") else None,
-        initial_eval_loss=summary["initial_eval_loss"] if ended else None,
+        initial_eval_loss=summary["initial_eval_loss"] if ended and started else None,
         final_eval_loss=summary["final_eval_loss"] if ended and finals else None,
         learners={m: dict(f) for m, f in sorted(finals.items())}, summary=summary)
 
