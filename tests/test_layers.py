@@ -21,6 +21,7 @@ LAYERS: list[tuple[set[str], bool]] = [  # (units, may units of this layer impor
     ({"spec"}, False),
     ({"assemble"}, False),
     ({"sim", "runtime"}, False),
+    ({"api"}, False),  # the Python entry points over the drivers; the CLI prints what they return
     ({"cli"}, False),
 ]
 RANK = {unit: i for i, (units, _) in enumerate(LAYERS) for unit in units}

@@ -20,7 +20,7 @@ from wan_diloco import model as model_lib
 from wan_diloco import shards as shards_lib
 from wan_diloco import train as train_lib
 from wan_diloco import tree
-from wan_diloco.checkpoint import CheckpointError, read_params, tensor_specs
+from wan_diloco.checkpoint import CheckpointError, read_init_params, tensor_specs
 from wan_diloco.compression import CodecConfig, FragmentCodec
 from wan_diloco.compression.frame import FORMAT_VERSION as CODEC_FORMAT_VERSION
 from wan_diloco.config import ConfigError, require
@@ -87,7 +87,7 @@ def init_params(spec: RunSpec, like=None) -> dict[str, np.ndarray]:
     the same names, shapes and dtypes, finite values; else one ConfigError naming ``model.init``."""
     like = model_lib.abstract_params(spec.model) if like is None else like
     try:
-        return read_params(spec.model.init, tensor_specs(like))
+        return read_init_params(spec.model.init, tensor_specs(like))
     except CheckpointError as e:
         raise ConfigError(f"model.init: {e}") from None
 

@@ -189,7 +189,7 @@ class PlanConfig:
 @dataclasses.dataclass(frozen=True)
 class RunSpec:
     """The whole run: every table of the file, validated and cross-checked. Build it with
-    :func:`from_document` or :func:`load` (``from_document({})`` is every default)."""
+    :meth:`RunSpec.load` or :meth:`RunSpec.from_dict` (``from_dict({})`` is every default)."""
 
     run: RunConfig
     model: ModelConfig
@@ -204,6 +204,18 @@ class RunSpec:
     plan: PlanConfig
     checkpoint: CheckpointConfig
     preset: str  # the [model] preset the dimensions started from (for reports)
+
+    @classmethod
+    def load(cls, path: str | Path | None) -> "RunSpec":
+        """The spec in the TOML file ``path`` (:func:`load`); None gives the embedded default
+        (``examples/local.toml``). A bad file is one ConfigError naming the key."""
+        return load(path)
+
+    @classmethod
+    def from_dict(cls, doc: Mapping[str, Any]) -> "RunSpec":
+        """The spec of a TOML-shaped dict (``{"run": {"learners": 2}, "model": {"preset": "micro"}}``; tables
+        and keys as in the file, every one optional), validated like a file (:func:`from_document`)."""
+        return from_document(doc)
 
     def region(self, learner: int) -> str:
         """The region learner ``learner`` runs in."""

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from wan_diloco.checkpoint import CheckpointError, load_params, params_file, read_params, save_params, tensor_specs
+from wan_diloco.checkpoint import CheckpointError, load_params, params_file, read_init_params, save_params, tensor_specs
 from wan_diloco.checkpoint.format import encode_state
 
 T = {"a/kernel": np.arange(6, dtype=np.float32).reshape(2, 3), "b/scale": np.ones(3, np.float32)}
@@ -17,7 +17,7 @@ def test_a_file_a_run_wrote_and_a_plain_safetensors_file_read_alike(tmp_path):
     save_params(tmp_path / "ours.safetensors", T, {"run_id": "r"})
     save_file(T, str(tmp_path / "plain.safetensors"))  # written by another framework: no metadata of ours
     for name in ("ours", "plain"):
-        got = read_params(tmp_path / f"{name}.safetensors", WANT)
+        got = read_init_params(tmp_path / f"{name}.safetensors", WANT)
         assert set(got) == set(T)
         for n in T:
             np.testing.assert_array_equal(got[n], T[n])
@@ -28,7 +28,7 @@ def test_a_corrupt_file_of_ours_is_refused_by_its_digest(tmp_path):
     data[-1] ^= 0xFF  # the last byte of the last tensor
     (tmp_path / "p.safetensors").write_bytes(bytes(data))
     with pytest.raises(CheckpointError, match="digest mismatch"):
-        read_params(tmp_path / "p.safetensors", WANT)
+        read_init_params(tmp_path / "p.safetensors", WANT)
 
 
 def write(tmp_path, tensors):
@@ -50,7 +50,7 @@ def write(tmp_path, tensors):
 def test_each_mismatch_is_one_line_naming_the_tensor(tmp_path, tensors, message):
     path = write(tmp_path, tensors)
     with pytest.raises(CheckpointError) as e:
-        read_params(path, WANT)
+        read_init_params(path, WANT)
     assert str(e.value) == f"{path}: {message}"
 
 
@@ -58,7 +58,7 @@ def test_a_long_list_names_five_and_counts_the_rest(tmp_path):
     want = {f"layer_{i}/w": ((2,), "float32") for i in range(8)}
     path = write(tmp_path, {"other/w": np.zeros(2, np.float32)})
     with pytest.raises(CheckpointError) as e:
-        read_params(path, want)
+        read_init_params(path, want)
     text = str(e.value)
     assert "8 tensors of the model missing: 'layer_0/w', 'layer_1/w', 'layer_2/w', 'layer_3/w', 'layer_4/w' " \
            "and 3 more; 1 tensor the model does not have: 'other/w'" in text
@@ -92,7 +92,7 @@ def test_a_folder_without_a_params_file_or_a_missing_path_is_refused(tmp_path):
 def test_load_params_with_a_template_names_the_mismatch(tmp_path):
     save_params(tmp_path / "p.safetensors", T)
     like = {"a": {"kernel": T["a/kernel"]}, "b": {"scale": T["b/scale"]}}
-    params, _ = load_params(tmp_path / "p.safetensors", like=like)
+    params = load_params(tmp_path / "p.safetensors", like=like)
     np.testing.assert_array_equal(params["a"]["kernel"], T["a/kernel"])
     with pytest.raises(CheckpointError, match=r"tensor 'a/kernel' has shape \(2, 3\), the model wants \(3, 2\)"):
         load_params(tmp_path / "p.safetensors", like={"a": {"kernel": np.zeros((3, 2))}, "b": {"scale": T["b/scale"]}})

@@ -3,7 +3,7 @@ import json
 import numpy as np
 import pytest
 
-from wan_diloco.checkpoint import CheckpointError, SnapshotStore, load_params, save_params
+from wan_diloco.checkpoint import CheckpointError, SnapshotStore, load_params, read_params, save_params
 
 
 def _snapshot(store, s, value, complete=True):
@@ -71,9 +71,10 @@ def test_params_roundtrip_flat_and_into_a_template(tmp_path):
     like = {"block_0": {"kernel": np.zeros((2, 3), np.float32)}, "bias": np.zeros(3, np.float32)}
     values = {"block_0": {"kernel": np.ones((2, 3), np.float32)}, "bias": np.arange(3, dtype=np.float32)}
     save_params(tmp_path / "p.safetensors", values, {"run_id": "r"})
-    flat, info = load_params(tmp_path / "p.safetensors")
+    flat, info = read_params(tmp_path / "p.safetensors")
     assert set(flat) == {"block_0/kernel", "bias"} and info == {"run_id": "r"}
-    tree, _ = load_params(tmp_path / "p.safetensors", like=like)
+    tree = load_params(tmp_path / "p.safetensors", like=like)
+    assert set(load_params(tmp_path / "p.safetensors")) == set(flat)  # the parameters alone, no info
     assert np.array_equal(tree["block_0"]["kernel"], values["block_0"]["kernel"])
     with pytest.raises(CheckpointError, match="shape"):
         load_params(tmp_path / "p.safetensors", like={**like, "bias": np.zeros(4, np.float32)})

@@ -21,7 +21,7 @@ def test_eval_of_saved_parameters_matches_the_in_process_loss(tmp_path, capsys):
     assert main(["eval", "--params", str(tmp_path / "params.safetensors"), "--config", str(tmp_path / "run.toml")]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["eval_loss"] == pytest.approx(parts.evaluate(parts.params0), rel=1e-6) and out["run_id"] == "r"
-    tree, _ = load_params(tmp_path / "params.safetensors", like=parts.params0)  # the package-level loader
+    tree = load_params(tmp_path / "params.safetensors", like=parts.params0)  # the package-level loader
     assert tree.keys() == parts.params0.keys()
 
 

@@ -70,7 +70,7 @@ def test_measured_links_replace_the_config(tmp_path, capsys):
     sched = Schedule(run.learner.sync_every, run.learner.num_fragments, run.learner.fragment_order)
     assert [sched.due(s) for s in (10, 2, 5, 7)] == [[1], [0], [2], [3]]
     # `launch --plan` applies it (whatever order the file had for its own P).
-    from wan_diloco.cli.plan import apply_plan
+    from wan_diloco.api import apply_plan
     from wan_diloco.planning.plan import Plan
     fields = {f.name: data[f.name] for f in dataclasses.fields(Plan)}
     planned = Plan(**{**fields, "fragment_order": tuple(data["fragment_order"])})
@@ -114,10 +114,10 @@ def test_measured_region_unknown_to_the_config_is_an_error(tmp_path, capsys):
 
 
 def test_step_time_is_measured_when_not_given(tmp_path, monkeypatch):
-    from wan_diloco.cli import plan as plan_cli
+    from wan_diloco import api
 
     seen = []
-    monkeypatch.setattr(plan_cli, "measure_step_time", lambda spec: seen.append(spec) or 0.1)
+    monkeypatch.setattr(api, "measure_step_time", lambda spec: seen.append(spec) or 0.1)
     rc, data = _plan(tmp_path)
     assert rc == 0 and len(seen) == 1 and seen[0].model.d_model == 128
     assert data["inputs"]["step_time_from"].startswith("measured here") and data["step_time_s"] == 0.1
@@ -126,7 +126,7 @@ def test_step_time_is_measured_when_not_given(tmp_path, monkeypatch):
 @pytest.mark.slow
 def test_measure_step_time_times_real_steps():
     from wan_diloco import spec
-    from wan_diloco.cli.plan import measure_step_time
+    from wan_diloco.api import measure_step_time
 
     micro = spec.from_document({"model": {"preset": "micro", "d_model": 16, "n_layers": 1, "d_ff": 32, "seq_len": 8,
                                           "vocab_size": 64}, "run": {"batch_size": 2, "min_step_s": 0.02},

@@ -51,7 +51,7 @@ def test_cli_bad_flags(argv, msg, capsys):
 def test_simulate_keeps_its_model_and_it_evaluates_to_the_loss_it_reported(tmp_path, capsys):
     from wan_diloco import spec as spec_lib
     from wan_diloco.assemble import Assembly
-    from wan_diloco.checkpoint import load_params
+    from wan_diloco.checkpoint import read_params
 
     out, params = tmp_path / "r.json", tmp_path / "params.safetensors"
     argv = ["simulate", "--preset", "micro", "--learners", "2", "--steps", "8", "--sync-every", "4", "--fragments", "2",
@@ -60,7 +60,7 @@ def test_simulate_keeps_its_model_and_it_evaluates_to_the_loss_it_reported(tmp_p
     reported = json.loads(out.read_text())["final_eval_loss"]
     spec = spec_lib.from_short(preset="micro", learners=2, steps=8, sync_every=4, fragments=2, batch_size=4)
     parts = Assembly(spec)
-    loaded, info = load_params(params, like=parts.params0)
+    loaded, info = read_params(params, like=parts.params0)
     assert info["final_eval_loss"] == reported
     assert parts.evaluate(loaded) == reported  # the same parameters, bit for bit, give the same loss
 

@@ -265,8 +265,8 @@ def test_a_two_process_learner_trains_like_one_process_through_launch(tmp_path):
                                [e["eval_loss"] for e in s1["eval_curve"]], rtol=1e-5)
     np.testing.assert_allclose([s2["initial_eval_loss"], s2["final_eval_loss"]],
                                [s1["initial_eval_loss"], s1["final_eval_loss"]], rtol=1e-5)
-    a, _ = load_params(s2["params_path"])
-    b, _ = load_params(s1["params_path"])
+    a = load_params(s2["params_path"])
+    b = load_params(s1["params_path"])
     assert sorted(a) == sorted(b)
     for name in a:
         np.testing.assert_allclose(a[name], b[name], rtol=1e-4, atol=1e-5, err_msg=name)

@@ -8,7 +8,7 @@ import pytest
 
 from wan_diloco import spec as rt
 from wan_diloco.assemble import Assembly
-from wan_diloco.checkpoint import SnapshotStore, load_params
+from wan_diloco.checkpoint import SnapshotStore, read_params
 from wan_diloco.runtime.launch import Cluster, launch, run_spec, write_config
 from wan_diloco.runtime.syncer import ResumeError, SyncerService
 from wan_diloco.transport import TransportMetrics
@@ -60,7 +60,7 @@ def test_a_killed_syncer_resumes_from_its_snapshot_and_the_running_learners_rejo
             mine = event(child, "final")
             assert mine["digests"] == final["digests"] and mine["epoch"] == 2 and not mine["digest_mismatch"]
     # The final parameters are a file, loadable without the run.
-    params, pinfo = load_params(tmp_path / "ckpt" / "params.safetensors")
+    params, pinfo = read_params(tmp_path / "ckpt" / "params.safetensors")
     assert pinfo["digests"] == final["digests"] and pinfo["run_id"] == info["run_id"]
     assert all(np.all(np.isfinite(a)) for a in params.values())
 

@@ -26,7 +26,7 @@ def test_one_blocking_learner_ends_at_the_same_parameters_real_and_simulated(tmp
     spec = rt.load(path)
     code, summary = launch(spec, path.read_text(), str(tmp_path / "run"))
     assert code == 0, summary
-    real, _ = load_params(tmp_path / "run" / "checkpoints" / "params.safetensors")
+    real = load_params(tmp_path / "run" / "checkpoints" / "params.safetensors")
 
     s = sim.Simulation(sim.protocol_for(spec), Assembly(spec), [])
     s.learners[0].batches.next()  # the network learner's compile batch (see the module docstring)

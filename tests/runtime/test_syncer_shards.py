@@ -8,7 +8,7 @@ import pytest
 from wan_diloco import shards
 from wan_diloco import spec as rt
 from wan_diloco.assemble import Assembly
-from wan_diloco.checkpoint import SnapshotStore, load_params
+from wan_diloco.checkpoint import SnapshotStore, read_params
 from wan_diloco.runtime.launch import Cluster, launch
 
 from .conftest import micro_config
@@ -46,7 +46,7 @@ def test_a_run_with_two_shards_ends_bit_identical_with_one_parameter_file(tmp_pa
     joined = [a or b for a, b in zip(reports["syncer"]["digests"], reports["syncer-1"]["digests"])]
     assert all(f["digests"] == joined for f in finals)
     assert summary["final_eval_loss"] < summary["initial_eval_loss"] - 0.5
-    params, info = load_params(summary["params_path"])
+    params, info = read_params(summary["params_path"])
     assert info["digests"] == joined and set(params) == set(Assembly(cfg).flat0)
     assert all(np.all(np.isfinite(a)) for a in params.values())
 

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from wan_diloco import spec as rt
-from wan_diloco.checkpoint import load_params
+from wan_diloco.checkpoint import read_params
 from wan_diloco.checkpoint.format import FAULT_ENV
 from wan_diloco.runtime.launch import launch
 from wan_diloco.runtime.syncer import SyncerService
@@ -67,7 +67,7 @@ def test_space_freed_while_the_final_write_is_retried_saves_the_run(tmp_path, mo
     service = SyncerService(_config(tmp_path, retry_s=30), TransportMetrics(), parts=parts)
     asyncio.run(_final_write(service, free_after_s=1.5, flag=flag))
     assert service.params_error is None and service.final_report["params_error"] is None
-    _, info = load_params(tmp_path / "ckpt" / "params.safetensors")
+    _, info = read_params(tmp_path / "ckpt" / "params.safetensors")
     assert info["run_id"] == "r"
     storage = service.storage()
     assert storage["ok"] is True and storage["failures"] >= 1 and "[Errno 28]" in storage["last_error"]
@@ -156,7 +156,7 @@ def test_a_real_full_disk_then_space_freed_during_the_retries(tmp_path, tiny_tmp
         await service._save_final(service.core.global_params(), {"run_id": "r"}, [])
 
     asyncio.run(go())
-    assert service.params_error is None and load_params(tiny_tmpfs / "ckpt" / "params.safetensors")[1]["run_id"] == "r"
+    assert service.params_error is None and read_params(tiny_tmpfs / "ckpt" / "params.safetensors")[1]["run_id"] == "r"
     assert service.write_failures >= 1 and "[Errno 28] No space left on device" in service.last_write_error
 
 

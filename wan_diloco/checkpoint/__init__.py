@@ -9,10 +9,10 @@ or the new one, not a mix. No pickle anywhere.
 """
 from .config import CheckpointConfig
 from .format import CheckpointError, decode_state, describe_os_error, encode_state, load_state, save_state, write_atomic
-from .params import load_params, params_file, read_params, save_params, tensor_specs
+from .params import load_params, params_file, read_init_params, read_params, save_params, tensor_specs
 from .store import SnapshotStore
 
 __all__ = [
     "CheckpointConfig", "CheckpointError", "SnapshotStore", "decode_state", "describe_os_error", "encode_state", "load_params",
-    "load_state", "params_file", "read_params", "save_params", "save_state", "tensor_specs", "write_atomic",
+    "load_state", "params_file", "read_init_params", "read_params", "save_params", "save_state", "tensor_specs", "write_atomic",
 ]

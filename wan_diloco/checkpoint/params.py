@@ -31,7 +31,14 @@ def save_params(path: str | Path, params: Any, info: Mapping[str, Any] | None = 
     return save_state(path, {n: np.asarray(v) for n, v in flat.items()}, dict(info or {}), KIND)
 
 
-def load_params(path: str | Path, like: Any = None) -> tuple[Any, dict[str, Any]]:
+def load_params(path: str | Path, like: Any = None) -> Any:
+    """The parameters in a file written by a run (``RUN_DIR/checkpoints/params.safetensors``): a flat
+    name -> numpy array dict, or ``like``'s structure given a template pytree (:func:`read_params`,
+    without the info)."""
+    return read_params(path, like)[0]
+
+
+def read_params(path: str | Path, like: Any = None) -> tuple[Any, dict[str, Any]]:
     """(parameters, info) from a file written by a run (``RUN_DIR/checkpoints/params.safetensors``).
 
     Without ``like`` the parameters are a flat name -> numpy array dict; with a
@@ -105,7 +112,7 @@ def params_file(path: str | Path) -> Path:
                           f"{', '.join(str(f / NAME) for f in folders)}){hint}")
 
 
-def read_params(path: str | Path, want: Specs) -> dict[str, np.ndarray]:
+def read_init_params(path: str | Path, want: Specs) -> dict[str, np.ndarray]:
     """Name -> array of a safetensors file holding exactly ``want``'s tensors (``tensor_specs``), all
     finite: a file a run wrote (its digest verified) or a plain one. Names, shapes and dtypes are
     checked from the header, before a tensor is read. CheckpointError says what is wrong."""
@@ -140,7 +147,7 @@ def join_params(parts: list[Path], out: Path) -> Path:
     flat: dict[str, np.ndarray] = {}
     info: dict[str, Any] = {}
     for path in parts:
-        tensors, part_info = load_params(path)
+        tensors, part_info = read_params(path)
         twice = sorted(set(tensors) & set(flat))
         if twice:
             raise CheckpointError(f"{path}: tensor {twice[0]!r} is in another part too (not one model's shards?)")

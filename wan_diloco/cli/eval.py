@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from wan_diloco import spec as spec_lib
-from wan_diloco.checkpoint import CheckpointError, load_params
+from wan_diloco.checkpoint import CheckpointError, read_params
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -60,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = spec_lib.load(config)
     parts = Assembly(cfg)
     try:
-        params, info = load_params(args.params, like=parts.params0)
+        params, info = read_params(args.params, like=parts.params0)
     except CheckpointError as e:
         print(f"wan-diloco eval: {e}", file=sys.stderr)
         return 2

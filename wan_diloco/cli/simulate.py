@@ -84,17 +84,17 @@ def spec_from_args(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
-    from wan_diloco import sim
+    from wan_diloco import api
     from wan_diloco.cli.report import progress_bar, summary_table
     from wan_diloco.tape import load_tape
 
     spec = spec_from_args(args)
-    outages = load_tape(args.failures) if args.failures else []
+    failures = load_tape(args.failures) if args.failures else []  # a bad tape: its error before any bar
     if args.quiet:
-        result = sim.run(spec, outages)
+        result = api.simulate(spec, failures)
     else:
         with progress_bar(f"simulate {spec.simulate.baseline} M={spec.run.learners}") as update:
-            result = sim.run(spec, outages, progress=update)
+            result = api.simulate(spec, failures, progress=update)
         summary_table(result)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
