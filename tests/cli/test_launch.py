@@ -12,7 +12,7 @@ LOCAL = str(Path(__file__).resolve().parents[2] / "examples" / "local.toml")
 def _capture(monkeypatch):
     seen = {}
 
-    def fake_launch(cfg, text, run_dir, quiet, emulate=False):
+    def fake_launch(cfg, text, run_dir, view, emulate=False, every_s=None):
         seen.update(cfg=cfg, text=text)
         return 1, {"error": "not run in this test"}
     monkeypatch.setattr(launch_cli, "launch_and_show", fake_launch)
