@@ -58,6 +58,14 @@ def test_figures_read_a_runs_state_as_its_events_left_it():
     assert (p.eval_loss, p.eval_step) == (4.25, 16)
 
 
+def test_figures_add_up_the_bytes_of_every_syncer_shard():
+    mon = RunState(micro_spec(run={"learners": 2, "run_id": "r-1"}, syncer={"shards": 2}))
+    mon.fold("syncer", {"event": "progress", "global_step": 9, "bytes_in": 4000, "bytes_out": 9000, "mean_quorum": 2.0})
+    mon.fold("syncer-1", {"event": "progress", "global_step": 11, "bytes_in": 1000, "bytes_out": 3000})
+    p = progress.figures(mon)
+    assert (p.step, p.up_bytes, p.down_bytes, p.mean_quorum) == (11, 5000, 12000, 2.0)
+
+
 def test_the_ticker_gives_the_rate_since_the_last_line_and_an_eta_from_the_steps_so_far():
     now, state = [0.0], [progress.Progress(step=0, budget_steps=100, tokens=0, learners_training=0, learners=2)]
     ticker = progress.Ticker(lambda: state[0], lambda line: None, every_s=3600, clock=lambda: now[0])

@@ -36,19 +36,22 @@ class Progress:
 def figures(mon: RunState) -> Progress:
     """``mon`` as one :class:`Progress` (a copy: safe to hand to another thread)."""
     rows = mon.learners.values()
-    step = max([int(mon.syncer.get("global_step") or 0)] + [int(r.get("step") or 0) for r in rows])
+    syncers = [s for s in (mon.syncer, *mon.shards.values()) if "bytes_in" in s]  # shard 0 and the others
+    step = max([int(s.get("global_step") or 0) for s in syncers] + [int(r.get("step") or 0) for r in rows] + [0])
     # Before the first eval point (run.eval_every_steps), the global model's loss the learners started from.
     last = mon.evals[-1] if mon.evals else next(
         ({"step": e.get("step", 0), "eval_loss": e["eval_loss"]} for e in first_starts(mon).values()
          if e.get("eval_loss") is not None), None)
-    has_syncer = "bytes_in" in mon.syncer  # its counts include every learner's, also one restarted by hand
+    # The syncers' counts, when heard: they include every learner's, also one restarted by hand.
+    up = sum(int(s["bytes_in"]) for s in syncers) if syncers else sum(r.get("bytes_sent") or 0 for r in rows)
+    down = (sum(int(s.get("bytes_out", 0)) for s in syncers) if syncers
+            else sum(r.get("bytes_received") or 0 for r in rows))
     return Progress(
         step=step, budget_steps=mon.cfg.run.steps, tokens=sum(int(r.get("tokens") or 0) for r in rows),
         learners_training=sum(r.get("status") == "training" for r in rows), learners=len(mon.learners),
         eval_loss=last["eval_loss"] if last else None, eval_step=last["step"] if last else None,
-        up_bytes=int(mon.syncer["bytes_in"] if has_syncer else sum(r.get("bytes_sent") or 0 for r in rows)),
-        down_bytes=int(mon.syncer.get("bytes_out", 0) if has_syncer else sum(r.get("bytes_received") or 0 for r in rows)),
-        mean_quorum=mon.syncer.get("mean_quorum") or None)
+        up_bytes=int(up), down_bytes=int(down),
+        mean_quorum=next((s["mean_quorum"] for s in syncers if s.get("mean_quorum")), None))
 
 
 def progress_line(p: Progress, elapsed_s: float, tokens_per_s: float | None, eta_s: float | None,
@@ -114,9 +117,12 @@ class Ticker:
 
 
 def show_rows(title: str, rows: list[tuple[str, str]], console: Console) -> None:
-    """A summary: a table in a terminal; elsewhere (a log, CI) ``label: value`` lines, never cut or wrapped."""
+    """A summary: a table in a terminal (a value too wide for it folds onto the next line, whole); elsewhere (a
+    log, CI) ``label: value`` lines, never cut or wrapped."""
     if console.is_terminal:
         t = Table(title=title, show_header=False)
+        t.add_column(no_wrap=True)
+        t.add_column(overflow="fold")  # a narrow terminal breaks a long path, never cuts it
         for label, value in rows:
             t.add_row(label, value)
         console.print(t)
