@@ -66,7 +66,9 @@ def table(mon: RunState, learners: list[int] | None = None) -> Table:
     cfg = mon.cfg
     t = Table(title=f"wan-diloco: {cfg.run.learners} learners, step budget {cfg.run.steps}")
     for col in ("process", "region", "step", "loss", "tokens", "sent", "link", "tau", "status"):
-        t.add_column(col, justify="left" if col in ("process", "region", "link", "status") else "right")
+        # In a narrow terminal the link and the status wrap; a name or a figure cut to "learne…" says nothing.
+        t.add_column(col, justify="left" if col in ("process", "region", "link", "status") else "right",
+                     no_wrap=col not in ("link", "status"))
     for m, r in mon.learners.items():
         if learners is not None and m not in learners:
             continue
