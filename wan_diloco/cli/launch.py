@@ -183,7 +183,10 @@ def _launch_plain(cfg: spec_lib.RunSpec, config_text: str, run_dir: str | None, 
     lock, latest = threading.Lock(), [progress.figures(RunState(cfg))]
 
     def watch(mon: RunState) -> None:
-        now = progress.figures(mon)
+        try:
+            now = progress.figures(mon)
+        except (KeyError, TypeError, ValueError):
+            return  # a display must not stop the run: the line keeps the figures it had
         with lock:
             latest[0] = now
 

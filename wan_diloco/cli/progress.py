@@ -113,7 +113,11 @@ class Ticker:
 
     def _loop(self) -> None:
         while not self._stop.wait(self.every_s):
-            self.write(self.line())
+            try:
+                line = self.line()
+            except (KeyError, TypeError, ValueError):
+                continue  # a figure an odd event left unreadable: the next line, not a traceback in the log
+            self.write(line)
 
 
 def show_rows(title: str, rows: list[tuple[str, str]], console: Console) -> None:
