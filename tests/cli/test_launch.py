@@ -12,7 +12,7 @@ LOCAL = str(Path(__file__).resolve().parents[2] / "examples" / "local.toml")
 def _capture(monkeypatch):
     seen = {}
 
-    def fake_launch(cfg, text, run_dir, quiet, emulate=False):
+    def fake_launch(cfg, text, run_dir, view, emulate=False, every_s=None):
         seen.update(cfg=cfg, text=text)
         return 1, {"error": "not run in this test"}
     monkeypatch.setattr(launch_cli, "launch_and_show", fake_launch)
@@ -60,3 +60,22 @@ def test_a_config_every_process_would_die_of_is_one_line_before_any_starts(tmp_p
         assert code == 2 and err.startswith("wan-diloco launch: error: ") and message in err, err
         assert len(err.strip().splitlines()) == 1
         assert not (tmp_path / "run").exists()  # nothing started, nothing written
+
+
+def test_the_live_table_in_an_80_column_terminal_keeps_names_and_figures_whole():
+    # Before: "learne…" and "12.3\nMB" in every row of an 80-column terminal.
+    import io
+
+    from rich.console import Console
+
+    from wan_diloco.runtime.launch import RunState
+
+    state = RunState(spec_lib.load(LOCAL))
+    for m in range(4):
+        state.fold(f"learner-{m}", {"event": "step", "step": 123, "loss": 3.21, "tokens": 123_456,
+                                    "bytes_sent": 12_345_678})
+        state.fold(f"learner-{m}", {"event": "link", "rtt_ms": 41.0, "rate_gbit_s": 2.5})
+    term = io.StringIO()
+    Console(file=term, width=80).print(launch_cli.table(state))
+    text = term.getvalue()
+    assert all(f"│ learner-{m} │" in text for m in range(4)) and text.count("12.3 MB") == 4, text

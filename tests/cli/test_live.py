@@ -92,3 +92,17 @@ def test_a_syncer_shows_a_learner_it_never_heard_from_as_not_seen_not_lost(tmp_p
         view.watch_syncer(status, {})
         rows = {m: view.mon.learners[m]["status"] for m in (0, 1)}
     assert rows == {0: "quarantined", 1: "not seen"}
+
+
+def test_a_plain_standalone_learner_keeps_its_json_on_stdout_and_says_why_it_ended_on_stderr(tmp_path, capsys):
+    # Under a scheduler: the JSON events where a collector reads them, the summary as lines beside them.
+    write_config(tmp_path)
+    code = main(["learner", "--config", str(tmp_path / "run.toml"), "--id", "0", "--syncer", "127.0.0.1:9",
+                 "--plain"])
+    assert code == 3
+    out, err = capsys.readouterr()
+    said = [json.loads(x) for x in out.splitlines()]
+    assert said[-1]["event"] == "error" and "127.0.0.1:9" in said[-1]["error"] and "source" not in said[-1]
+    summary = err[err.index("learner-0: summary:\n"):].splitlines()
+    assert summary[1].startswith("  ended: ") and "cannot reach the syncer at 127.0.0.1:9" in summary[1]
+    assert summary[2] == "  events: on stdout"

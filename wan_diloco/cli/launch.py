@@ -1,4 +1,5 @@
-"""`wan-diloco launch --config F`: a syncer and M learners as local processes, a live table, a summary.
+"""`wan-diloco launch --config F`: a syncer and M learners as local processes, a live table (in a log: a
+progress line every few seconds), a summary.
 
 Every JSON event of every process goes to ``RUN_DIR/metrics.jsonl`` (with its
 source); each process's stderr to ``RUN_DIR/<name>.log`` (``runtime.launch``).
@@ -9,6 +10,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
+import threading
 from pathlib import Path
 
 from rich.live import Live
@@ -19,6 +22,7 @@ from rich.text import Text
 from wan_diloco.cli.report import human_bytes, console, out
 from wan_diloco import spec as spec_lib
 from wan_diloco.cli import plan as plan_cli
+from wan_diloco.cli import progress
 from wan_diloco.runtime.launch import RunState, last_line, launch
 
 
@@ -41,7 +45,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run-dir", metavar="DIR", help="where metrics.jsonl and logs go (default: run.run_dir/<time>)")
     p.add_argument("--json", metavar="PATH", help="also write the summary as JSON")
-    p.add_argument("--quiet", action="store_true", help="no live table")
+    view = p.add_mutually_exclusive_group()
+    view.add_argument("--table", dest="view", action="store_const", const="table",
+                      help="the live table, also when stdout is not a terminal")
+    view.add_argument("--plain", dest="view", action="store_const", const="plain",
+                      help="a plain progress line every --progress-every-s and the summary as 'label: value' lines "
+                           "(default when stdout is not a terminal: a log file, CI)")
+    view.add_argument("--quiet", dest="view", action="store_const", const="quiet",
+                      help="no live table and no progress lines")
+    progress.add_progress_argument(p)
+
+
+def view_of(args: argparse.Namespace) -> str:
+    """"table", "plain" or "quiet": as asked, else a table in a terminal and plain lines elsewhere."""
+    return args.view or ("table" if sys.stdout.isatty() else "plain")
 
 
 def table(mon: RunState, learners: list[int] | None = None) -> Table:
@@ -49,7 +66,9 @@ def table(mon: RunState, learners: list[int] | None = None) -> Table:
     cfg = mon.cfg
     t = Table(title=f"wan-diloco: {cfg.run.learners} learners, step budget {cfg.run.steps}")
     for col in ("process", "region", "step", "loss", "tokens", "sent", "link", "tau", "status"):
-        t.add_column(col, justify="left" if col in ("process", "region", "link", "status") else "right")
+        # In a narrow terminal the link and the status wrap; a name or a figure cut to "learne…" says nothing.
+        t.add_column(col, justify="left" if col in ("process", "region", "link", "status") else "right",
+                     no_wrap=col not in ("link", "status"))
     for m, r in mon.learners.items():
         if learners is not None and m not in learners:
             continue
@@ -91,7 +110,8 @@ def storage_failing(storage: dict | None) -> str | None:
 
 
 def print_summary(s: dict) -> None:
-    t = Table(title="networked run", show_header=False)
+    # In a terminal paths below here are shortened; a log is read from anywhere: the whole path.
+    path = _short_path if out.is_terminal else (lambda p: p)
     rows = [
         ("eval loss", f"{s['initial_eval_loss']:.4f} -> {s['final_eval_loss']:.4f}"),
         ("learners finished", f"{s['learners_finished']} / {s['learners']}" + (
@@ -110,14 +130,12 @@ def print_summary(s: dict) -> None:
         ("compression ratio", f"{s['compression_ratio']:.2f}x"),
         ("final fragments bit-identical", "yes" if s["bit_identical"] else "NO"),
         ("snapshots (run id)", f"{s.get('snapshots', 0)} ({s.get('run_id')})"),
-        ("final parameters", _short_path(s.get("params_path")) or "not written (checkpoint.dir is empty)"),
-        ("loss curve", _short_path(s.get("loss_png")) or "not drawn"),
+        ("final parameters", path(s.get("params_path")) or "not written (checkpoint.dir is empty)"),
+        ("loss curve", path(s.get("loss_png")) or "not drawn"),
         ("wall time", f"{s['wall_s']:.1f} s"),
     ]
-    for k, v in rows:
-        t.add_row(k, v)
     out.print()
-    out.print(t)
+    progress.show_rows("networked run", rows, out)
 
 
 def _short_path(path: str | None) -> str | None:
@@ -128,11 +146,15 @@ def _short_path(path: str | None) -> str | None:
     return path if rel.startswith("..") else rel
 
 
-def launch_and_show(cfg: spec_lib.RunSpec, config_text: str, run_dir: str | None, quiet: bool,
-                    emulate: bool = False, resume: bool = False) -> tuple[int, dict]:
-    """``runtime.launch`` with a live table (unless quiet) and its warnings and errors printed."""
-    if quiet:
+def launch_and_show(cfg: spec_lib.RunSpec, config_text: str, run_dir: str | None, view: str,
+                    emulate: bool = False, resume: bool = False,
+                    every_s: float = progress.DEFAULT_EVERY_S) -> tuple[int, dict]:
+    """``runtime.launch`` shown as ``view`` ("table", "plain" progress lines on stdout or "quiet"), and its
+    warnings and errors printed."""
+    if view == "quiet":
         code, summary = launch(cfg, config_text, run_dir, emulate=emulate, resume=resume)
+    elif view == "plain":
+        code, summary = _launch_plain(cfg, config_text, run_dir, emulate, resume, every_s)
     else:
         with Live(table(RunState(cfg)), console=console, refresh_per_second=4, transient=False) as live:
             code, summary = launch(cfg, config_text, run_dir, watch=lambda mon: live.update(table(mon)),
@@ -153,6 +175,32 @@ def launch_and_show(cfg: spec_lib.RunSpec, config_text: str, run_dir: str | None
         for note in resumed["notes"]:
             console.print(f"wan-diloco: resumed from snapshot {resumed.get('snapshot')}: {escape(note)}", highlight=False)
     return code, summary
+
+
+def _launch_plain(cfg: spec_lib.RunSpec, config_text: str, run_dir: str | None, emulate: bool, resume: bool,
+                  every_s: float) -> tuple[int, dict]:
+    # The launcher folds events on its own thread; each one leaves a copy of the figures for the line's thread.
+    lock, latest = threading.Lock(), [progress.figures(RunState(cfg))]
+
+    def watch(mon: RunState) -> None:
+        try:
+            now = progress.figures(mon)
+        except (KeyError, TypeError, ValueError):
+            return  # a display must not stop the run: the line keeps the figures it had
+        with lock:
+            latest[0] = now
+
+    def read() -> progress.Progress:
+        with lock:
+            return latest[0]
+
+    def write(line: str) -> None:
+        print(line, flush=True)
+
+    write(f"wan-diloco: {cfg.run.learners} learners, step budget {cfg.run.steps}; a progress line every "
+          f"{every_s:g} s (--progress-every-s)")
+    with progress.Ticker(read, write, every_s):
+        return launch(cfg, config_text, run_dir, watch=watch, emulate=emulate, resume=resume)
 
 
 def finish(code: int, summary: dict, args: argparse.Namespace) -> int:
@@ -187,7 +235,8 @@ def run(args: argparse.Namespace) -> int:
     elif args.measured or args.step_time:
         console.print("[red]wan-diloco: --measured and --step-time go with --plan[/red]")
         return 2
-    code, summary = launch_and_show(cfg, text, args.run_dir, args.quiet, args.emulate)
+    code, summary = launch_and_show(cfg, text, args.run_dir, view_of(args), args.emulate,
+                                    every_s=args.progress_every_s)
     return finish(code, summary, args)
 
 
@@ -203,5 +252,6 @@ def resume(args: argparse.Namespace) -> int:
         console.print(f"[red]wan-diloco launch: {path} not found: is {rdir} a run folder of `wan-diloco launch`?[/red]")
         return 2
     cfg = spec_lib.load(path)
-    code, summary = launch_and_show(cfg, path.read_text(), str(rdir), args.quiet, resume=True)
+    code, summary = launch_and_show(cfg, path.read_text(), str(rdir), view_of(args), resume=True,
+                                    every_s=args.progress_every_s)
     return finish(code, summary, args)

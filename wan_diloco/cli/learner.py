@@ -99,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
             return run_learner(cfg, args.id, target, cfg.token(), resume=args.resume)
         return run_multihost(cfg, args.id, target, cfg.token(), mcfg, resume=args.resume)
 
-    if not live.wanted(args.table) or (mcfg is not None and not mcfg.leader):  # a follower has nothing to show
+    if mcfg is not None and not mcfg.leader:  # a follower has nothing to show
         return go()
-    with live.ProcessView(cfg, who, live.events_path(cfg, who, args.events)):
+    with live.open_view(cfg, who, args):
         return go()

@@ -2,10 +2,13 @@
 the end, with the process's JSON events written to a file instead of the terminal (nothing lost).
 
 Only when stdout is a terminal (or asked for): under `launch`, or piped, the process writes its JSON
-events on stdout as before, for the launcher to read.
+events on stdout as before, for the launcher to read. ``--plain`` (a log, a scheduler) keeps them there and
+adds, on stderr, `launch`'s plain progress lines and the summary as ``label: value`` lines.
 """
 from __future__ import annotations
 
+import argparse
+import contextlib
 import json
 import sys
 import threading
@@ -16,6 +19,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
+from wan_diloco.cli import progress
 from wan_diloco.cli.launch import table
 from wan_diloco.cli.report import console as stderr_console
 from wan_diloco.cli.report import human_bytes
@@ -29,16 +33,41 @@ def wanted(flag: bool | None) -> bool:
     return sys.stdout.isatty() if flag is None else flag
 
 
+def add_view_arguments(p: argparse.ArgumentParser) -> None:
+    view = p.add_mutually_exclusive_group()
+    view.add_argument("--table", dest="table", action="store_true", default=None,
+                      help="a live table and a summary, the JSON events to --events (default when stdout is a terminal)")
+    view.add_argument("--no-table", dest="table", action="store_false",
+                      help="the JSON events on stdout, one per line (default when piped, as under launch)")
+    view.add_argument("--plain", action="store_true",
+                      help="the JSON events on stdout, and on stderr a progress line every --progress-every-s and "
+                           "the summary as 'label: value' lines (a log file, a scheduler)")
+    p.add_argument("--events", metavar="PATH",
+                   help="with the table: where the JSON events go (default: run.run_dir/<process>-<time>.jsonl)")
+    progress.add_progress_argument(p)
+
+
+def open_view(cfg: RunSpec, name: str, args: argparse.Namespace) -> contextlib.AbstractContextManager:
+    """What the flags ask for: a :class:`ProcessView` (table or plain), or nothing (JSON events only)."""
+    if args.plain:
+        return ProcessView(cfg, name, None, every_s=args.progress_every_s)
+    if not wanted(args.table):
+        return contextlib.nullcontext()
+    return ProcessView(cfg, name, events_path(cfg, name, args.events))
+
+
 def events_path(cfg: RunSpec, name: str, given: str | None) -> Path:
     return Path(given) if given else Path(cfg.run.run_dir) / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}.jsonl"
 
 
 class ProcessView:
     """A context: while open, every event of this process goes to ``path`` (JSON lines, with its source)
-    and into the table; on close, the summary of its final event."""
+    and into the table; on close, the summary of its final event. Without a path (plain): the events stay
+    on stdout, and a progress line every ``every_s`` goes to the console instead of the table."""
 
-    def __init__(self, cfg: RunSpec, name: str, path: Path, console: Console | None = None):
-        self.cfg, self.name, self.path = cfg, name, path
+    def __init__(self, cfg: RunSpec, name: str, path: Path | None, console: Console | None = None,
+                 every_s: float = progress.DEFAULT_EVERY_S):
+        self.cfg, self.name, self.path, self.every_s = cfg, name, path, every_s
         self.console = console or stderr_console
         self.mon = RunState(cfg)
         self.final: dict | None = None
@@ -46,22 +75,29 @@ class ProcessView:
         self._lock = threading.Lock()  # events arrive on the process's threads; rich renders on its own
 
     def __enter__(self) -> "ProcessView":
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(self.path, "a", encoding="utf-8")
-        self.console.print(f"{self.name}: events go to {self.path}", highlight=False)
-        self._live = Live(get_renderable=self._render, console=self.console, refresh_per_second=2)
-        self._live.start()
+        if self.path is None:
+            self._file = sys.stdout  # where emit writes them unwatched: a launcher or a collector reads them there
+            self._live = progress.Ticker(self._figures, lambda line: progress.write_lines([line], self.console.file),
+                                         self.every_s, prefix=f"{self.name} progress")
+        else:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(self.path, "a", encoding="utf-8")
+            self.console.print(f"{self.name}: events go to {self.path}", highlight=False)
+            self._live = Live(get_renderable=self._render, console=self.console, refresh_per_second=2)
+        self._live.__enter__()
         events.set_sink(self._take)
         return self
 
     def __exit__(self, *exc: object) -> None:
         events.set_sink(None)
-        self._live.stop()
-        self._file.close()
+        self._live.__exit__(None, None, None)
+        if self.path is not None:
+            self._file.close()
         self.print_summary()
 
     def _take(self, event: dict) -> None:
-        self._file.write(json.dumps({"source": self.name, **event}, separators=(",", ":"), default=float) + "\n")
+        tagged = event if self.path is None else {"source": self.name, **event}  # stdout's lines stay as emit's
+        self._file.write(json.dumps(tagged, separators=(",", ":"), default=float) + "\n")
         self._file.flush()
         with self._lock:
             try:
@@ -93,24 +129,27 @@ class ProcessView:
                 if sender.startswith("learner-") and sender[8:].isdigit() and int(sender[8:]) in self.mon.learners:
                     self.mon.learners[int(sender[8:])]["link"] = {k: link[k] for k in ("rtt_ms", "rate_gbit_s")}
 
+    def _figures(self) -> progress.Progress:
+        with self._lock:
+            return progress.figures(self.mon)
+
     def _render(self) -> Table:
         with self._lock:
-            mine = None if self.name == "syncer" else [int(self.name.rpartition("-")[2])]
+            mine = None if self.name.startswith("syncer") else [int(self.name.rpartition("-")[2])]  # shards too
             return table(self.mon, learners=mine)
 
     def print_summary(self) -> None:
-        rows = SYNCER_ROWS if self.name == "syncer" else LEARNER_ROWS
-        t = Table(title=f"{self.name}: summary", show_header=False)
+        shown = []
         if self.final is None:
-            t.add_row("ended", self.error or "before its final sync (stopped, or see the lines above)")
+            shown.append(("ended", self.error or "before its final sync (stopped, or see the lines above)"))
         else:
-            for label, fmt in rows:
+            for label, fmt in SYNCER_ROWS if self.name.startswith("syncer") else LEARNER_ROWS:
                 try:
-                    t.add_row(label, fmt(self.final))
+                    shown.append((label, fmt(self.final)))
                 except (KeyError, TypeError, ValueError, ZeroDivisionError):
                     continue  # a figure this run did not produce
-        t.add_row("events", str(self.path))
-        self.console.print(t)
+        shown.append(("events", "on stdout" if self.path is None else str(self.path)))
+        progress.show_rows(f"{self.name}: summary", shown, self.console)
 
 
 def _loss(f: dict) -> str:

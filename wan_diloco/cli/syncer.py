@@ -33,12 +33,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def add_view_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--table", dest="table", action="store_true", default=None,
-                   help="a live table and a summary, the JSON events to --events (default when stdout is a terminal)")
-    p.add_argument("--no-table", dest="table", action="store_false",
-                   help="the JSON events on stdout, one per line (default when piped, as under launch)")
-    p.add_argument("--events", metavar="PATH",
-                   help="with the table: where the JSON events go (default: run.run_dir/<process>-<time>.jsonl)")
+    from wan_diloco.cli import live
+
+    live.add_view_arguments(p)
 
 
 async def serve(cfg: spec_lib.RunSpec, token: str, port: int | None = None, resume: bool = False,
@@ -167,11 +164,8 @@ def run(args: argparse.Namespace) -> int:
     from wan_diloco.cli import live
 
     try:
-        if not live.wanted(args.table):
-            return run_loop(serve(cfg, cfg.token(), args.port, args.resume, shard=args.shard,
-                                  shard_status=others))
         name = f"syncer-{args.shard}" if cfg.syncer.shards > 1 else "syncer"
-        with live.ProcessView(cfg, name, live.events_path(cfg, name, args.events)) as view:
+        with live.open_view(cfg, name, args) as view:
             return run_loop(serve(cfg, cfg.token(), args.port, args.resume, view, shard=args.shard,
                                   shard_status=others))
     except ResumeError as e:
