@@ -38,7 +38,7 @@ import tomli_w
 from wan_diloco import model as model_lib
 from wan_diloco.checkpoint import CheckpointConfig
 from wan_diloco.compression.config import CodecConfig
-from wan_diloco.config import ConfigError, from_mapping, load_toml, require
+from wan_diloco.config import ConfigError, did_you_mean, from_mapping, load_toml, require
 from wan_diloco.core import LearnerConfig, SyncerConfig
 from wan_diloco.data import DataConfig
 from wan_diloco.fragments import STRATEGIES
@@ -277,7 +277,9 @@ def _check_renamed(doc: Mapping[str, Any]) -> None:
 def from_document(doc: Mapping[str, Any]) -> RunSpec:
     """Build and cross-check the whole spec from a parsed TOML document."""
     unknown = sorted(set(doc) - set(TABLES))
-    require(not unknown, unknown[0] if unknown else "", f"unknown table; known tables are {', '.join(TABLES)}")
+    if unknown:
+        raise ConfigError(f"{unknown[0]}: unknown table; known tables are {', '.join(TABLES)}"
+                          + did_you_mean(unknown[0], TABLES))
     _check_renamed(doc)
     run = from_mapping(RunConfig, _table(doc, "run"), prefix="run.")
     preset, model = _model(_table(doc, "model"))
