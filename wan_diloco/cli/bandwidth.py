@@ -10,6 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from wan_diloco.cli.args import count
+from wan_diloco.cli.report import CU_MEANING
 from wan_diloco.config import ConfigError, replace, require
 from wan_diloco.planning.bandwidth import (
     DEFAULT_CU_TARGETS,
@@ -104,8 +105,7 @@ def run(args: argparse.Namespace) -> int:
     console.print(f"[bold]{given}{cfg.params:.3g} params, {cfg.layers} layers, step {cfg.step_time_s:.3g} s[/], "
                   f"{cfg.datacenters} datacenters, H={cfg.sync_every}, P={cfg.n_fragments}, tau={cfg.tau}, "
                   f"{cfg.bits}-bit outer gradients, RTT {cfg.rtt_s * 1e3:.0f} ms")
-    console.print("CU: compute utilization, the share of wall time the chips compute rather than wait on the "
-                  "network", highlight=False)
+    console.print(CU_MEANING, highlight=False)
     if args.link_gbit is not None:
         return _run_recommend(args, cfg, targets, methods, console)
     rates = required_rates(cfg, methods, targets)

@@ -10,6 +10,7 @@ from rich.table import Table
 
 console = Console(stderr=True)  # progress goes to stderr, results to stdout
 out = Console()
+CU_MEANING = "CU = compute utilization: the share of wall time the chips compute rather than wait on the network"
 
 
 @contextlib.contextmanager
