@@ -46,6 +46,7 @@ from wan_diloco.model import ModelConfig
 from wan_diloco.regions.topology import RegionsConfig, regions_from_mapping
 from wan_diloco.train import TrainConfig
 from wan_diloco.transport.config import TransportConfig
+from wan_diloco.transport.security import check_token
 
 TOKEN_ENV = "WAN_DILOCO_TOKEN"
 BASELINES = ("dp", "diloco", "streaming", "decoupled")
@@ -216,9 +217,15 @@ class RunSpec:
 
     def token(self) -> str:
         """The bearer token: ``run.token``, else ``$WAN_DILOCO_TOKEN``; a missing one is a ConfigError."""
-        token = self.run.token or os.environ.get(TOKEN_ENV, "")
+        token = self.given_token()
         require(bool(token), "run.token", f"no bearer token: set run.token or the {TOKEN_ENV} environment variable")
         return token
+
+    def given_token(self) -> str:
+        """``run.token``, else ``$WAN_DILOCO_TOKEN``, else "" (the launcher makes one up); one too short
+        to be a token is a ConfigError naming where it came from (the key or the variable)."""
+        token = self.run.token or os.environ.get(TOKEN_ENV, "")
+        return token and check_token(token, "run.token" if self.run.token else TOKEN_ENV)
 
     def with_changes(self, **tables: Mapping[str, Any]) -> "RunSpec":
         """A new spec with some keys of some tables replaced (``with_changes(run={"learners": 8})``),
