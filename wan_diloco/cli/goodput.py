@@ -62,10 +62,12 @@ def configs_from_args(args: argparse.Namespace) -> list[GoodputConfig]:
     for system in systems:
         values = {f.name: getattr(args, f.name) for f in dataclasses.fields(GoodputConfig)}
         values["system"] = system
-        if system == "decoupled" and args.learners is None:
-            values["learners"] = DEFAULT_LEARNERS
-        elif system != "decoupled" and (args.learners is None or not args.system):
+        if system == "decoupled":
+            values["learners"] = DEFAULT_LEARNERS if args.learners is None else args.learners
+        elif args.system is None:  # side by side: --learners and --quorum were decoupled's
             values["learners"], values["quorum"] = 1, 1
+        elif args.learners is None:
+            values["learners"] = 1
         cfg = GoodputConfig(**values)
         cfg.validate()
         out.append(cfg)

@@ -127,7 +127,8 @@ def schedule_for(cfg: BandwidthConfig, method: str, via_hub: bool = False) -> Ti
 
 
 def parse_methods(spec: str) -> tuple[str, ...]:
-    """``all`` (every method), ``paper`` (the paper's five columns) or a comma list of method names, in order, no repeats."""
+    """``all`` (every method), ``paper`` (the paper's five columns) or a comma list of method names, in
+    order, no repeats."""
     out: list[str] = []
     for name in (s.strip() for s in spec.split(",") if s.strip()):
         names = {"all": METHODS, "paper": PAPER_METHODS}.get(name, (name,))
