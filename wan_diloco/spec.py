@@ -396,7 +396,8 @@ SHORT_NAMES: dict[str, tuple[str, str]] = {
 def set_short(doc: dict[str, Any], **values: Any) -> dict[str, Any]:
     """Set keys of a TOML-shaped ``doc`` in place by their :data:`SHORT_NAMES`; returns it."""
     for name, value in values.items():
-        require(name in SHORT_NAMES, name, f"unknown setting; known: {', '.join(sorted(SHORT_NAMES))}")
+        require(name in SHORT_NAMES, name,
+                f"unknown setting; known: {', '.join(sorted(SHORT_NAMES))}{did_you_mean(name, SHORT_NAMES)}")
         table, key = SHORT_NAMES[name]
         node = doc
         for part in table.split("."):
