@@ -128,3 +128,15 @@ def test_fragment_order_defaults_to_index_order_and_round_trips():
     s = rt.from_document({"learner": {"num_fragments": 4, "fragment_order": [1, 0, 2, 3]}})
     assert s.learner.fragment_order == (1, 0, 2, 3)
     assert rt.from_document(rt.to_document(s)) == s
+
+
+@pytest.mark.parametrize("call, says", [
+    (lambda: rt.from_document({"run": {"step": 10}}),
+     r"^run\.step: unknown field; known fields are .*did you mean `steps`\?$"),
+    (lambda: rt.from_document({"modle": {}}), r"^modle: unknown table; .*did you mean `model`\?$"),
+    (lambda: rt.from_short(learner=2), r"^learner: unknown setting; known: .*did you mean `learners`\?$"),
+    (lambda: rt.from_document({"run": {"qqqqqq": 1}}), r"^run\.qqqqqq: unknown field; known fields are [a-z_, ]*$"),
+])
+def test_unknown_keys_name_the_near_miss(call, says):
+    with pytest.raises(ConfigError, match=says):
+        call()

@@ -7,6 +7,7 @@ keys and wrong types with a :class:`ConfigError` that names the field.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import tomllib
 import types
@@ -25,6 +26,12 @@ def require(ok: bool, field: str, message: str) -> None:
     """Raise ConfigError naming ``field`` unless ``ok``."""
     if not ok:
         raise ConfigError(f"{field}: {message}")
+
+
+def did_you_mean(word: str, known: typing.Iterable[str]) -> str:
+    """ "; did you mean `steps`?" when ``word`` is a near miss of one of ``known``, else ""."""
+    close = difflib.get_close_matches(word, list(known), n=1)
+    return f"; did you mean `{close[0]}`?" if close else ""
 
 
 def _coerce(value: Any, typ: Any, field: str) -> Any:
@@ -85,7 +92,7 @@ def from_mapping(cls: type[T], data: Mapping[str, Any], prefix: str = "") -> T:
     if unknown:
         raise ConfigError(
             f"{prefix}{unknown[0]}: unknown field; known fields are {', '.join(sorted(fields))}"
-        )
+            + did_you_mean(unknown[0], fields))
     kwargs = {k: _coerce(v, hints[k], prefix + k) for k, v in data.items()}
     obj = cls(**kwargs)
     validate = getattr(obj, "validate", None)

@@ -38,7 +38,7 @@ import tomli_w
 from wan_diloco import model as model_lib
 from wan_diloco.checkpoint import CheckpointConfig, CheckpointError, params_file
 from wan_diloco.compression.config import CodecConfig
-from wan_diloco.config import ConfigError, from_mapping, load_toml, require
+from wan_diloco.config import ConfigError, did_you_mean, from_mapping, load_toml, require
 from wan_diloco.core import LearnerConfig, SyncerConfig
 from wan_diloco.data import DataConfig
 from wan_diloco.fragments import STRATEGIES
@@ -46,6 +46,7 @@ from wan_diloco.model import ModelConfig
 from wan_diloco.regions.topology import RegionsConfig, regions_from_mapping
 from wan_diloco.train import TrainConfig
 from wan_diloco.transport.config import TransportConfig
+from wan_diloco.transport.security import check_token
 
 TOKEN_ENV = "WAN_DILOCO_TOKEN"
 BASELINES = ("dp", "diloco", "streaming", "decoupled")
@@ -232,9 +233,15 @@ class RunSpec:
 
     def token(self) -> str:
         """The bearer token: ``run.token``, else ``$WAN_DILOCO_TOKEN``; a missing one is a ConfigError."""
-        token = self.run.token or os.environ.get(TOKEN_ENV, "")
+        token = self.given_token()
         require(bool(token), "run.token", f"no bearer token: set run.token or the {TOKEN_ENV} environment variable")
         return token
+
+    def given_token(self) -> str:
+        """``run.token``, else ``$WAN_DILOCO_TOKEN``, else "" (the launcher makes one up); one too short
+        to be a token is a ConfigError naming where it came from (the key or the variable)."""
+        token = self.run.token or os.environ.get(TOKEN_ENV, "")
+        return token and check_token(token, "run.token" if self.run.token else TOKEN_ENV)
 
     def with_changes(self, **tables: Mapping[str, Any]) -> "RunSpec":
         """A new spec with some keys of some tables replaced (``with_changes(run={"learners": 8})``),
@@ -310,7 +317,9 @@ def _run_table(doc: Mapping[str, Any]) -> dict[str, Any]:
 def from_document(doc: Mapping[str, Any]) -> RunSpec:
     """Build and cross-check the whole spec from a parsed TOML document."""
     unknown = sorted(set(doc) - set(TABLES))
-    require(not unknown, unknown[0] if unknown else "", f"unknown table; known tables are {', '.join(TABLES)}")
+    if unknown:
+        raise ConfigError(f"{unknown[0]}: unknown table; known tables are {', '.join(TABLES)}"
+                          + did_you_mean(unknown[0], TABLES))
     _check_renamed(doc)
     run = from_mapping(RunConfig, _run_table(doc), prefix="run.")
     preset, model = _model(_table(doc, "model"))
@@ -420,7 +429,8 @@ SHORT_NAMES: dict[str, tuple[str, str]] = {
 def set_short(doc: dict[str, Any], **values: Any) -> dict[str, Any]:
     """Set keys of a TOML-shaped ``doc`` in place by their :data:`SHORT_NAMES`; returns it."""
     for name, value in values.items():
-        require(name in SHORT_NAMES, name, f"unknown setting; known: {', '.join(sorted(SHORT_NAMES))}")
+        require(name in SHORT_NAMES, name,
+                f"unknown setting; known: {', '.join(sorted(SHORT_NAMES))}{did_you_mean(name, SHORT_NAMES)}")
         table, key = SHORT_NAMES[name]
         node = doc
         for part in table.split("."):

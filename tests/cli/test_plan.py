@@ -40,6 +40,8 @@ def test_plan_of_the_local_example_matches_wan_diloco_bandwidth(tmp_path, capsys
     assert data["cu_predicted"] == json.loads(bw.read_text())["cu_at_bandwidth"]["cu"]["decoupled"]
     out = capsys.readouterr().out
     assert "reached" in out and "eu-west" in out and "sync_every = 10" in out
+    flat = " ".join(out.split())  # the first CU is the links table's column: what it means is said above it
+    assert flat.index("CU = compute utilization") < flat.index("┃ CU")
 
 
 def test_measured_links_replace_the_config(tmp_path, capsys):

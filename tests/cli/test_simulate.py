@@ -48,16 +48,22 @@ def test_cli_bad_flags(argv, msg, capsys):
     assert msg in capsys.readouterr().err
 
 
-def test_simulate_keeps_its_model_and_it_evaluates_to_the_loss_it_reported(tmp_path, capsys):
+def test_simulate_keeps_its_model_and_it_evaluates_to_the_loss_it_reported(tmp_path, capsys, monkeypatch):
     from wan_diloco import spec as spec_lib
     from wan_diloco.assemble import Assembly
     from wan_diloco.checkpoint import read_params
 
-    out, params = tmp_path / "r.json", tmp_path / "params.safetensors"
+    monkeypatch.chdir(tmp_path)  # without --json the result goes to run.run_dir ("runs") and it says where
+    params = tmp_path / "params.safetensors"
     argv = ["simulate", "--preset", "micro", "--learners", "2", "--steps", "8", "--sync-every", "4", "--fragments", "2",
-            "--batch-size", "4", "--quiet", "--json", str(out), "--params-out", str(params)]
+            "--batch-size", "4", "--quiet", "--params-out", str(params)]
     assert cli.main(argv) == 0
-    reported = json.loads(out.read_text())["final_eval_loss"]
+    (folder,) = (tmp_path / "runs").iterdir()
+    rel = folder.relative_to(tmp_path)
+    assert folder.name.startswith("simulate-")
+    assert f"result: {rel / 'simulate.json'}\npicture: {rel / 'simulate.png'}\n" in capsys.readouterr().out
+    assert (folder / "simulate.png").read_bytes().startswith(b"\x89PNG")
+    reported = json.loads((folder / "simulate.json").read_text())["final_eval_loss"]
     spec = spec_lib.from_short(preset="micro", learners=2, steps=8, sync_every=4, fragments=2, batch_size=4)
     parts = Assembly(spec)
     loaded, info = read_params(params, like=parts.params0)
@@ -72,8 +78,22 @@ def test_the_progress_bar_hears_of_every_step_not_only_eval_points(baseline):
 
     spec = spec_lib.from_short(preset="micro", learners=2, steps=12, sync_every=4, fragments=2, batch_size=4,
                                eval_every=6, baseline=baseline)
-    seen = []
-    sim.run(spec, [], progress=lambda fraction, point: seen.append((fraction, point["step"], point["eval_loss"])))
+    seen, points = [], []
+    result = sim.run(spec, [], progress=lambda fraction, point: (
+        seen.append((fraction, point["step"], point["eval_loss"])), points.append(dict(point))))
     fractions = [f for f, _, _ in seen]
     assert len(seen) >= 12 and fractions == sorted(fractions) and fractions[-1] == 1.0
     assert len({loss for _, _, loss in seen}) <= 4  # the loss moves only at eval points (0, 6, 12 and the end)
+    # Each point says which eval its loss is: the curve's point at eval_step, never one from after the step.
+    curve = {(p["step"], p["eval_loss"]) for p in result.curve}  # the end may add a second point at the last step
+    assert all(p["eval_step"] <= p["step"] and (p["eval_step"], p["eval_loss"]) in curve for p in points), points
+    assert any(p["eval_step"] < p["step"] for p in points)  # between eval points the shown loss is an older one
+
+
+def test_the_bar_shows_at_which_step_its_eval_loss_was_taken(capsys):
+    from wan_diloco.cli.report import progress_bar
+
+    with progress_bar("simulate") as update:
+        update(0.5, {"step": 9, "eval_loss": 4.25, "eval_step": 6, "tokens": 10})
+    err = capsys.readouterr().err
+    assert "step 9  eval loss 4.250 (step 6)" in err, err

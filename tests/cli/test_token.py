@@ -20,3 +20,24 @@ def test_a_learners_own_token_is_what_launch_hands_it(tmp_path, capsys):
     assert TOKEN_ENV not in cluster._own_token("syncer")  # the syncer keeps the run's
     with pytest.raises(SystemExit):
         main(["token", "--learner", "2", "--config", str(path)])
+
+
+@pytest.mark.parametrize("toml, env, where", [("", "short", TOKEN_ENV),
+                                              ('[run]\ntoken = "tiny"\n', "long-enough-token", "run.token")])
+def test_a_short_token_is_named_by_where_it_came_from(tmp_path, capsys, monkeypatch, toml, env, where):
+    config = tmp_path / "run.toml"
+    config.write_text(toml)
+    monkeypatch.setenv(TOKEN_ENV, env)
+    with pytest.raises(SystemExit) as e:
+        main(["token", "--learner", "0", "--config", str(config)])
+    assert e.value.code == 2
+    assert capsys.readouterr().err == \
+        f"wan-diloco token: error: {where}: must be a string of at least 8 non-space characters\n"
+
+
+def test_the_launcher_names_a_short_variable_too(tmp_path, monkeypatch):
+    from wan_diloco.config import ConfigError
+
+    monkeypatch.setenv(TOKEN_ENV, "short")
+    with pytest.raises(ConfigError, match=f"^{TOKEN_ENV}: must be"):
+        Cluster(rt.load(None), tmp_path / "run.toml", tmp_path / "run")

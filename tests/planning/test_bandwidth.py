@@ -108,7 +108,8 @@ def test_step_time_from_flops():
 
 
 def test_parse_methods():
-    assert parse_methods("all") == PAPER_METHODS
+    assert parse_methods("all") == PAPER_METHODS + ("decoupled",)  # the toolkit's own method is in the default
+    assert parse_methods("paper") == PAPER_METHODS
     assert parse_methods("decoupled, diloco,decoupled") == ("decoupled", "diloco")
     with pytest.raises(ConfigError, match="method: unknown method 'ring'"):
         parse_methods("all,ring")

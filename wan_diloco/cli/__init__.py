@@ -16,7 +16,8 @@ import sys
 # GRPC_VERBOSITY=debug (or info) in the environment still shows gRPC's own.
 os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
-from wan_diloco.config import ConfigError  # noqa: E402
+from wan_diloco import __version__  # noqa: E402
+from wan_diloco.config import ConfigError, did_you_mean  # noqa: E402
 
 # name -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -41,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="wan-diloco",
         description="Decoupled DiLoCo across regions joined by WAN links: simulate, plan and train.",
     )
+    parser.add_argument("-V", "--version", action="version", version=f"wan-diloco {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, (module, help_text) in SUBCOMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
@@ -56,6 +58,11 @@ def main(argv: list[str] | None = None) -> int:
 
         die_with_parent()
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    command = next((a for a in argv if not a.startswith("-")), None)
+    if command is not None and command not in SUBCOMMANDS:  # argparse alone lists every choice, no near miss
+        parser.error(f"unknown command {command!r}{did_you_mean(command, SUBCOMMANDS)} "
+                     f"(commands: {', '.join(SUBCOMMANDS)})")
     args = parser.parse_args(argv)
     try:
         return int(args._module.run(args) or 0)

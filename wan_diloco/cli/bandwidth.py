@@ -10,6 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from wan_diloco.cli.args import count
+from wan_diloco.cli.report import CU_MEANING
 from wan_diloco.config import ConfigError, replace, require
 from wan_diloco.planning.bandwidth import (
     DEFAULT_CU_TARGETS,
@@ -25,6 +26,7 @@ from wan_diloco.planning.recommend import BITS_OPTIONS, STREAMING_METHODS, recom
 from wan_diloco.planning.timeline import compute_utilization
 
 SHOWN_RECOMMENDATIONS = 8
+DEFAULT_PRESET = "1b"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -38,8 +40,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--peak-tflops", type=float, help="peak TFLOP/s of one datacenter's chips together")
     s = p.add_argument_group("sync")
     s.add_argument("--datacenters", type=count, default=2, help="sites joined by identical links (default 2)")
-    s.add_argument("--method", default="all", help="'all' (the paper's five columns) or a comma list of: "
-                   "data_parallel, diloco, streaming, streaming_overlap, streaming_overlap_4bit, decoupled")
+    s.add_argument("--method", default="all", help="'all' (default), 'paper' (the paper's five columns) or a "
+                   "comma list of: data_parallel, diloco, streaming, streaming_overlap, streaming_overlap_4bit, decoupled")
     s.add_argument("--sync-every", type=count, default=100, metavar="H", help="inner steps per outer sync (default 100)")
     s.add_argument("--fragments", type=count, metavar="P", help="fragments (default: one per 3 layers)")
     s.add_argument("--tau", type=count, default=1, help="overlap steps for overlapped methods (default 1)")
@@ -55,6 +57,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace) -> BandwidthConfig:
     """The model and sync settings named on the command line."""
+    model_flags = (args.preset, args.params, args.layers, args.step_time, args.tokens_per_step, args.peak_tflops)
+    if all(v is None for v in model_flags):  # a bare `wan-diloco bandwidth` answers for the paper's 1B model
+        args.preset = DEFAULT_PRESET
+        Console().print(f"no model given: --preset {DEFAULT_PRESET} (Streaming DiLoCo's 1B model); "
+                        "--preset or --params, --layers and --step-time choose another", highlight=False)
     params, layers, step_time = PRESETS[args.preset] if args.preset else (None, None, None)
     params = args.params if args.params is not None else params
     layers = args.layers if args.layers is not None else layers
@@ -94,9 +101,11 @@ def run(args: argparse.Namespace) -> int:
     targets = parse_targets(args.target_cu)
     methods = parse_methods(args.method)
     console = Console()
-    console.print(f"[bold]{cfg.params:.3g} params, {cfg.layers} layers, step {cfg.step_time_s:.3g} s[/], "
+    given = "given: " if args.link_gbit is not None else ""  # recommend mode prints its pick below these
+    console.print(f"[bold]{given}{cfg.params:.3g} params, {cfg.layers} layers, step {cfg.step_time_s:.3g} s[/], "
                   f"{cfg.datacenters} datacenters, H={cfg.sync_every}, P={cfg.n_fragments}, tau={cfg.tau}, "
                   f"{cfg.bits}-bit outer gradients, RTT {cfg.rtt_s * 1e3:.0f} ms")
+    console.print(CU_MEANING, highlight=False)
     if args.link_gbit is not None:
         return _run_recommend(args, cfg, targets, methods, console)
     rates = required_rates(cfg, methods, targets)
@@ -119,6 +128,7 @@ def run(args: argparse.Namespace) -> int:
         _write_json(args.json, out)
     if args.plot:
         plot_cu_curves(cfg, methods, rates, args.plot)
+        console.print(f"plot: {args.plot}", highlight=False)
     return 0
 
 
@@ -143,9 +153,10 @@ def _run_recommend(args, cfg, targets, methods, console) -> int:
     pick = found[0]
     setting = f"H = {pick.sync_every}, P = {pick.fragments}, tau = {pick.tau}, {pick.bits}-bit"
     if reached:
-        console.print(f"[bold green]pick: {setting}[/]: CU {pick.cu:.3f} on {args.link_gbit:g} Gbit/s; of the settings "
-                      f"that reach CU {targets[0]:g}, it syncs most often, then with the least overlap, then with the "
-                      f"most bits (in that order they cost model quality). {quality_note(pick)}.")
+        console.print(f"[bold green]recommended: {setting}[/]: CU {pick.cu:.3f} on {args.link_gbit:g} Gbit/s; of the "
+                      f"settings that reach CU {targets[0]:g}, it syncs most often, then with the least overlap, then "
+                      f"with the most bits (in that order they cost model quality). Model quality: "
+                      f"{quality_note(pick)}.")
     else:
         console.print(f"[bold red]no setting reaches CU {targets[0]:g} on {args.link_gbit:g} Gbit/s[/]; the closest is "
                       f"{setting} at CU {pick.cu:.3f}: a faster link, a longer step or a lower target.")
@@ -166,6 +177,7 @@ def _run_recommend(args, cfg, targets, methods, console) -> int:
     if args.plot:
         picked = replace(cfg, sync_every=pick.sync_every, fragments=pick.fragments, tau=pick.tau, bits=pick.bits)
         plot_recommendation(cfg, picked, method, args.link_gbit, targets[0], args.plot)
+        console.print(f"plot: {args.plot}", highlight=False)
     return 0 if reached else 1
 
 

@@ -16,10 +16,11 @@ from wan_diloco.planning.goodput import SYSTEMS, GoodputConfig, simulate
 from wan_diloco.tape import save_tape, scale_tape
 
 PLOT_LEARNERS = (1, 2, 4, 8, 16)
+DEFAULT_LEARNERS = 4  # the default run's (wan-diloco train): decoupled at M = 1 would be elastic-dp again
 _HELP = {
     "chips": "chips allocated to the run",
     "mtbf_chip_years": "mean time between failures of one chip, years",
-    "learners": "learners M for --system decoupled",
+    "learners": "learners M of decoupled",
     "quorum": "K: uptime counts time with at least K learners training",
     "slice_chips": "chips a failure takes down (its slice)",
     "repair_scale_h": "repair time: exponentiated Weibull scale, hours",
@@ -40,7 +41,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     for f in dataclasses.fields(GoodputConfig):
         flag = "--" + f.name.replace("_", "-")
         if f.name == "system":
-            p.add_argument(flag, choices=SYSTEMS, default=f.default, help=f"default {f.default}")
+            p.add_argument(flag, choices=SYSTEMS, help=f"one system (default: {', '.join(SYSTEMS)} side by side)")
+        elif f.name == "learners":
+            p.add_argument(flag, type=count, help=f"{_HELP[f.name]} (default {DEFAULT_LEARNERS})")
         else:
             typ = count if hints[f.name] is int else hints[f.name]
             p.add_argument(flag, type=typ, default=f.default, help=f"{_HELP[f.name]} (default {f.default:g})")
@@ -51,38 +54,62 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", type=Path, metavar="PNG", help="plot goodput against chips for M = 1, 2, 4, 8, 16")
 
 
-def config_from_args(args: argparse.Namespace) -> GoodputConfig:
-    cfg = GoodputConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(GoodputConfig)})
-    cfg.validate()
-    return cfg
+def configs_from_args(args: argparse.Namespace) -> list[GoodputConfig]:
+    """The scenario of each system asked for: ``--system``, else all of them side by side (``--learners``
+    and ``--quorum`` are decoupled's then; the others run one learner)."""
+    systems = (args.system,) if args.system else SYSTEMS
+    out = []
+    for system in systems:
+        values = {f.name: getattr(args, f.name) for f in dataclasses.fields(GoodputConfig)}
+        values["system"] = system
+        if system == "decoupled":
+            values["learners"] = DEFAULT_LEARNERS if args.learners is None else args.learners
+        elif args.system is None:  # side by side: --learners and --quorum were decoupled's
+            values["learners"], values["quorum"] = 1, 1
+        elif args.learners is None:
+            values["learners"] = 1
+        cfg = GoodputConfig(**values)
+        cfg.validate()
+        out.append(cfg)
+    return out
+
+
+def _who(cfg: GoodputConfig) -> str:
+    return f"decoupled, M={cfg.learners}, K={cfg.quorum}" if cfg.system == "decoupled" else cfg.system
 
 
 def run(args: argparse.Namespace) -> int:
-    cfg = config_from_args(args)
+    cfgs = configs_from_args(args)
     require(args.time_scale > 0, "time_scale", f"must be > 0, got {args.time_scale}")
     require(args.tape is not None or args.time_scale == 1, "time_scale", "only applies with --tape")
-    result = simulate(cfg)
-    who = f"decoupled, M={cfg.learners}, K={cfg.quorum}" if cfg.system == "decoupled" else cfg.system
+    results = [simulate(cfg) for cfg in cfgs]
+    cfg = cfgs[-1]  # decoupled when comparing (SYSTEMS ends with it): its learners' outages make the tape
+    title = f": {_who(cfg)}" if len(cfgs) == 1 else ""
     table = Table(title=f"{cfg.chips:.3g} chips ({cfg.n_slices} slices of {cfg.slice_chips}), "
-                        f"MTBF {cfg.mtbf_chip_years:g} chip-years, {cfg.days:g} days: {who}")
+                        f"MTBF {cfg.mtbf_chip_years:g} chip-years, {cfg.days:g} days{title}")
     table.add_column("measure")
-    table.add_column("value", justify="right")
-    table.add_row("goodput", f"{result.goodput:.3f}")
-    table.add_row("uptime", f"{result.uptime:.3f}")
-    table.add_row("failures (hitting a healthy slice)", f"{result.failures} ({result.effective_failures})")
-    table.add_row("chips under repair", f"{result.down_chip_fraction:.3f}")
-    table.add_row("time paused or restarting (per learner)", f"{result.paused_fraction:.3f}")
-    if cfg.system == "dp":
-        table.add_row("work redone after restarts", f"{result.lost_work_fraction:.4f}")
+    for c in cfgs:
+        table.add_column("value" if len(cfgs) == 1 else _who(c), justify="right")
+    rows = [("goodput", lambda r: f"{r.goodput:.3f}"), ("uptime", lambda r: f"{r.uptime:.3f}"),
+            ("failures (hitting a healthy slice)", lambda r: f"{r.failures} ({r.effective_failures})"),
+            ("chips under repair", lambda r: f"{r.down_chip_fraction:.3f}"),
+            ("time paused or restarting (per learner)", lambda r: f"{r.paused_fraction:.3f}")]
+    dp = next((r for c, r in zip(cfgs, results) if c.system == "dp"), None)
+    if dp is not None:
+        rows.append(("work redone after restarts", lambda r: f"{r.lost_work_fraction:.4f}" if r is dp else "-"))
+    for name, cell in rows:
+        table.add_row(name, *(cell(r) for r in results))
     Console().print(table)
     if args.json:
-        _write(args.json, json.dumps({**result.summary(), "config": dataclasses.asdict(cfg)}, indent=2) + "\n")
+        one = [{**r.summary(), "config": dataclasses.asdict(c)} for c, r in zip(cfgs, results)]
+        _write(args.json, json.dumps(one[0] if args.system else {"systems": one}, indent=2) + "\n")
     if args.tape:
-        save_tape(args.tape, scale_tape(result.outages, args.time_scale))
-        Console().print(f"tape: {len(result.outages)} outages -> {args.tape}"
-                        + (f" (times x {args.time_scale:g})" if args.time_scale != 1 else ""))
+        save_tape(args.tape, scale_tape(results[-1].outages, args.time_scale))
+        Console().print(f"tape ({_who(cfg)}): {len(results[-1].outages)} outages -> {args.tape}"
+                        + (f" (times x {args.time_scale:g})" if args.time_scale != 1 else ""), highlight=False)
     if args.plot:
         plot_goodput_vs_chips(cfg, args.plot)
+        Console().print(f"plot: {args.plot}", highlight=False)
     return 0
 
 

@@ -20,6 +20,7 @@ from wan_diloco import spec as spec_lib
 from wan_diloco.api import apply_plan
 from wan_diloco.cli.args import count
 from wan_diloco.planning.plan import DEFAULT_MAX_TAU, ModelFacts, Plan
+from wan_diloco.cli.report import CU_MEANING
 from wan_diloco.spec import RunSpec
 
 __all__ = ["add_arguments", "apply_plan", "make_plan", "print_plan", "run"]  # apply_plan: for `launch --plan`
@@ -96,6 +97,7 @@ def print_plan(console: Console, spec: RunSpec, plan: Plan, facts: ModelFacts, s
         links.add_row(r, str(plan.learners_per_region[r]), source.get(r, "?"), f"{link.rate_gbit_s:.3g}",
                       f"{link.rtt_s * 1e3:.0f}", f"{over}{demand:.3g}", "-" if tau is None else str(tau),
                       f"{min(plan.cu_by_region[r], 1.0):.3f}")
+    console.print(CU_MEANING, highlight=False)
     console.print(links)
     verdict = "[green]reached[/]" if plan.reached else "[red]not reached[/]"
     console.print(f"predicted CU {min(plan.cu_predicted, 1.0):.3f} (bottleneck {plan.bottleneck}) vs target "

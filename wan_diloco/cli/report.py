@@ -10,11 +10,13 @@ from rich.table import Table
 
 console = Console(stderr=True)  # progress goes to stderr, results to stdout
 out = Console()
+CU_MEANING = "CU = compute utilization: the share of wall time the chips compute rather than wait on the network"
 
 
 @contextlib.contextmanager
 def progress_bar(description: str) -> Iterator:
-    """Yields ``update(fraction, point)``; ``point`` may carry step and eval_loss."""
+    """Yields ``update(fraction, point)``; ``point`` may carry step, and eval_loss with the eval_step it was
+    taken at (shown with it: the loss moves only at eval points, the step with every step)."""
     with Progress(
         TextColumn("{task.description}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),
         TextColumn("{task.fields[info]}"), TimeElapsedColumn(), TimeRemainingColumn(), console=console,
@@ -22,7 +24,9 @@ def progress_bar(description: str) -> Iterator:
         task = bar.add_task(description, total=1.0, info="")
 
         def update(fraction: float, point: dict) -> None:
-            info = f"step {point.get('step', '?')}  eval loss {point.get('eval_loss', float('nan')):.3f}"
+            info = f"step {point.get('step', '?')}"
+            if "eval_loss" in point:
+                info += f"  eval loss {point['eval_loss']:.3f} (step {point.get('eval_step', '?')})"
             bar.update(task, completed=fraction, info=info)
 
         yield update

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 from pathlib import Path
 
 from wan_diloco.cli.args import count
@@ -56,9 +57,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--failures", metavar="TAPE",
                    help="failure tape: JSON list of {learner, down_at, up_at} or {kind: kill_syncer, [shard,] "
                         "down_at, up_at} (virtual s; wan_diloco/tape.py)")
-    p.add_argument("--json", metavar="PATH", help="write the results as JSON (and its picture beside it, PATH.png)")
+    p.add_argument("--json", metavar="PATH", help="where the results go as JSON, its picture beside it (PATH.png) "
+                                                  "(default: run.run_dir/simulate-TIME/simulate.json)")
     p.add_argument("--plot", metavar="PNG", help="where the picture goes: eval loss against tokens, throughput "
-                                                 "against virtual time (default: beside --json)")
+                                                 "against virtual time (default: beside the JSON)")
     p.add_argument("--params-out", metavar="PATH",
                    help="write the final global parameters (safetensors, as a real run's params.safetensors)")
     p.add_argument("--quiet", action="store_true", help="no progress bar or table")
@@ -96,13 +98,14 @@ def run(args: argparse.Namespace) -> int:
         with progress_bar(f"simulate {spec.simulate.baseline} M={spec.run.learners}") as update:
             result = api.simulate(spec, failures, progress=update)
         summary_table(result)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result.to_json(), indent=1))
-    plot = args.plot or (str(Path(args.json).with_suffix(".png")) if args.json else None)
-    if plot:
-        plot_result(result, plot)
-        print(f"picture: {plot}")
+    # Without --json the result still lands somewhere, as chaos's does: a folder of its own under run.run_dir.
+    out = Path(args.json or Path(spec.run.run_dir) / time.strftime("simulate-%Y%m%d-%H%M%S") / "simulate.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result.to_json(), indent=1))
+    print(f"result: {out}")
+    plot = args.plot or str(out.with_suffix(".png"))
+    plot_result(result, plot)
+    print(f"picture: {plot}")
     if args.params_out:
         from wan_diloco.checkpoint import save_params
 

@@ -127,13 +127,14 @@ def schedule_for(cfg: BandwidthConfig, method: str, via_hub: bool = False) -> Ti
 
 
 def parse_methods(spec: str) -> tuple[str, ...]:
-    """``all`` (the paper's five columns) or a comma list of method names, in order, no repeats."""
+    """``all`` (every method), ``paper`` (the paper's five columns) or a comma list of method names, in
+    order, no repeats."""
     out: list[str] = []
     for name in (s.strip() for s in spec.split(",") if s.strip()):
-        names = PAPER_METHODS if name == "all" else (name,)
+        names = {"all": METHODS, "paper": PAPER_METHODS}.get(name, (name,))
         for n in names:
             if n not in METHODS:
-                raise ConfigError(f"method: unknown method {n!r}; choose from all, {', '.join(METHODS)}")
+                raise ConfigError(f"method: unknown method {n!r}; choose from all, paper, {', '.join(METHODS)}")
             if n not in out:
                 out.append(n)
     require(bool(out), "method", "no method given")

@@ -187,12 +187,12 @@ def _supervise(cfg: RunSpec, rdir: Path, watch: Callable[[RunState], None] | Non
                 return 1, {**summary, "params_path": None,
                            "error": f"final parameters not written: joining the shards' files: {where}{why}"}
         try:
-            from wan_diloco.runtime.run_plot import plot_run
+            from wan_diloco.runtime.run_plot import plot_labels, plot_run
 
             # Never an untrained copy's eval: a late joiner's start, a learner that finished with nothing trained.
             plot_run(mon.losses, mon.evals, [s["eval_loss"] for s in first_starts(mon).values()],
                      [(f["steps"], f["final_eval_loss"]) for f in trained_finals(mon).values()], rdir / "loss.png",
-                     title=f"{cfg.run.learners} learners, {cfg.run.steps} steps ({cfg.preset})", tokens=mon.tokens)
+                     tokens=mon.tokens, **plot_labels(cfg))
             summary["loss_png"] = str(rdir / "loss.png")
         except (OSError, ValueError) as e:  # a picture is not worth failing a finished run for
             summary["loss_png"] = None

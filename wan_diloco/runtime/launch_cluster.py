@@ -124,7 +124,7 @@ class Cluster:
         self.cfg, self.config_path, self.run_dir = cfg, Path(config_path), Path(run_dir)
         self.wrap = wrap or (lambda name: [])
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.token = token or cfg.run.token or os.environ.get(TOKEN_ENV) or secrets.token_urlsafe(24)
+        self.token = token or cfg.given_token() or secrets.token_urlsafe(24)
         self.env = child_env(self.token, env)
         self.children: dict[str, Child] = {}
         # Bounded: a launcher that stops reading holds its children back (their stdout fills) instead

@@ -304,6 +304,7 @@ class Learner:
         self.net.start_probing()
         self._await_start()
         self._take_up_step()  # updates merged while it waited moved the global step on
+        self.eval_seen_step = self.core.step  # eval points before it are not this learner's to take
         emit({"event": "start", "role": "learner", "learner": self.m, "region": self.region,
               "step": self.core.step, "schedule_step": int(train_lib.schedule_step(self.state)),
               "eval_loss": initial_loss, "bytes_sent": self.net.bytes_sent,

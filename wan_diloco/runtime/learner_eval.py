@@ -12,9 +12,18 @@ from wan_diloco.runtime import lockstep as lk
 from wan_diloco.runtime.events import emit
 
 
-def eval_due(step: int, every: int, learners: int, learner: int) -> bool:
-    """Every ``run.eval_every_steps`` steps one learner in turn evaluates (``learner`` = (step / every) mod learners)."""
-    return bool(every) and step % every == 0 and (step // every) % learners == learner
+def eval_point(last: int, step: int, every: int, learners: int, learner: int) -> int | None:
+    """The eval point this learner owes having gone from step ``last`` to ``step``: the latest multiple k ·
+    ``every`` in (last, step] whose turn is its own (k mod learners = learner), else None. A learner's step
+    jumps when it adopts a merged update's global step, so checking ``step`` alone for a multiple missed
+    every point a jump stepped over (0, 100, 150, 200, 300 of a run set to every 50)."""
+    if not every or step <= last:
+        return None
+    top = step // every
+    for k in range(top, max(last // every, top - learners), -1):  # turns repeat every `learners` points
+        if k > 0 and k % learners == learner:
+            return k * every
+    return None
 
 
 def evaluate(self) -> float:
@@ -27,9 +36,11 @@ def evaluate(self) -> float:
 
 def maybe_eval(self) -> None:
     """The run's eval curve (``eval`` events): the global model as this learner holds it (its global
-    view Θ, not its local parameters) when ``eval_due`` says it is this learner's turn."""
-    step = self.core.step
-    if not eval_due(step, self.cfg.run.eval_every_steps, self.cfg.run.learners, self.m):
+    view Θ, not its local parameters) when ``eval_point`` says this learner owes one."""
+    step, last = self.core.step, self.eval_seen_step
+    self.eval_seen_step = step
+    due = eval_point(last, step, self.cfg.run.eval_every_steps, self.cfg.run.learners, self.m)
+    if due is None:
         return
     t0 = time.monotonic()
     flat = {n: v for fragment in self.core.base for n, v in fragment.items()}
@@ -38,5 +49,7 @@ def maybe_eval(self) -> None:
         loss = float(self.evaluate_params(global_params))
     else:
         self.state, loss = lk.evaluate_global_together(self.ls, self.evaluate_params, self.state, global_params)
-    emit({"event": "eval", "role": "learner", "learner": self.m, "step": step, "eval_loss": loss,
-          "versions": list(self.core.version), "tokens": self.tokens, "eval_s": round(time.monotonic() - t0, 3)})
+    # The point is the multiple it stands for; a jump may have carried this learner a few steps past it.
+    emit({"event": "eval", "role": "learner", "learner": self.m, "step": due, "taken_at_step": step,
+          "eval_loss": loss, "versions": list(self.core.version), "tokens": self.tokens,
+          "eval_s": round(time.monotonic() - t0, 3)})

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from wan_diloco.spec import RunSpec
+
 
 def rates(points: list[tuple[float, int]]) -> list[tuple[float, float]]:
     """(wall time, tokens trained so far) readings -> (time, tokens/s) between consecutive readings; a
@@ -16,9 +18,21 @@ def rates(points: list[tuple[float, int]]) -> list[tuple[float, float]]:
     return out
 
 
+def plot_labels(spec: RunSpec) -> dict[str, str]:
+    """``title`` and ``ylabel`` of ``spec``'s picture: the model's own name (a user's module, not the preset
+    its defaults came from), and the loss's unit: bytes only when text is read as bytes (no tokenizer;
+    .bin and .npy corpora hold token ids already, see wan_diloco.data)."""
+    where, _, factory = spec.model.module.rpartition(":")  # spec has made a file's path absolute: keep its name
+    name = f"{Path(where).name}:{factory}" if spec.model.module else spec.preset
+    corpora = {spec.data.corpus, *(c for _, c in spec.data.regions)}
+    as_bytes = not spec.data.tokenizer and not any(Path(c).suffix.lower() in (".bin", ".npy") for c in corpora)
+    return {"title": f"{spec.run.learners} learners, {spec.run.steps} steps ({name})",
+            "ylabel": f"loss (nats per {'byte' if as_bytes else 'token'})"}
+
+
 def plot_run(losses: dict[int, list[tuple[int, float]]], evals: list[dict], starts: list[float],
              finals: list[tuple[int, float]], path: str | Path, title: str = "",
-             tokens: dict[int, list[tuple[float, int]]] | None = None) -> None:
+             tokens: dict[int, list[tuple[float, int]]] | None = None, ylabel: str = "loss (nats per token)") -> None:
     """``losses``: learner -> (step, training loss) points; ``evals``: {step, eval_loss} of the global model
     (``run.eval_every_steps``); ``starts``/``finals``: eval losses at the start and (step, loss) at the end;
     ``tokens``: learner -> (wall time, tokens trained) readings, drawn as throughput below."""
@@ -50,7 +64,7 @@ def plot_run(losses: dict[int, list[tuple[int, float]]], evals: list[dict], star
     if curve:
         ax.plot(*zip(*curve), color="black", marker="o", linewidth=1.8, label="global model (held-out eval loss)")
     ax.set_xlabel("global step")
-    ax.set_ylabel("loss (nats per byte-token)")
+    ax.set_ylabel(ylabel)
     ax.set_title(title or "networked run")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)

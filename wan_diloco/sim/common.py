@@ -9,7 +9,7 @@ import numpy as np
 
 from wan_diloco.spec import SimulateConfig
 
-Progress = Callable[[float, dict], None]  # (share of the budget done, latest eval point)
+Progress = Callable[[float, dict], None]  # (share done, {step, and the latest eval point: eval_loss at eval_step})
 
 
 @dataclass

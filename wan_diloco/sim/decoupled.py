@@ -186,7 +186,9 @@ class Simulation(FaultReplay):
                 self.curve.append(point)
         if self.progress:
             budget = self.cfg.tokens or self.spec.run.steps
-            self.progress(min(1.0, (self.tokens if self.cfg.tokens else step) / budget), {**self.curve[-1], "step": step})
+            last = self.curve[-1]  # the latest eval point, taken at its own step
+            self.progress(min(1.0, (self.tokens if self.cfg.tokens else step) / budget),
+                          {**last, "eval_step": last["step"], "step": step})
 
     # ---- learners -------------------------------------------------------------------
 

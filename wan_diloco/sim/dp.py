@@ -60,7 +60,7 @@ def run_dp(spec: RunSpec, parts: Assembly, outages: list[Outage], progress: Prog
         if step % cfg.curve_every_steps == 0 or step == budget_steps:
             curve.append({"step": step, "tokens": tokens, "time_s": now, "eval_loss": parts.evaluate(state.params)})
         if progress:  # every step: the bar moves with the steps, the loss with the eval points
-            progress(step / budget_steps, {**curve[-1], "step": step})
+            progress(step / budget_steps, {**curve[-1], "eval_step": curve[-1]["step"], "step": step})
     return SimResult(
         config=to_document(spec), initial_eval_loss=curve[0]["eval_loss"], final_eval_loss=curve[-1]["eval_loss"],
         tokens=tokens, goodput=useful / (M * now), uptime=busy / now, fragment_syncs=[step],

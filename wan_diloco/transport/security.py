@@ -86,9 +86,10 @@ def require_bound_identity(address: str, transport) -> None:
         "speak for any learner; turn per_learner_tokens back on, or set allow_shared_token = true to run so anyway")
 
 
-def check_token(token: str) -> str:
+def check_token(token: str, where: str = "token") -> str:
+    """``token`` if it can be a bearer token; else a ConfigError naming ``where`` it came from."""
     if not isinstance(token, str) or len(token) < 8 or any(c.isspace() for c in token):
-        raise ConfigError("token: must be a string of at least 8 non-space characters")
+        raise ConfigError(f"{where}: must be a string of at least 8 non-space characters")
     return token
 
 

@@ -17,7 +17,7 @@ from typing import Callable
 from wan_diloco.checkpoint import SnapshotStore
 from wan_diloco.checkpoint.format import FAULT_ENV
 from wan_diloco.runtime.launch import Cluster, emulated_spec, last_line, run_spec, write_config
-from wan_diloco.spec import TOKEN_ENV, RunSpec
+from wan_diloco.spec import RunSpec
 from wan_diloco.runtime.chaos.processes import ChaosCluster, Spawner, disk_flag_path
 from wan_diloco.runtime.chaos.record import RunRecord
 from wan_diloco.runtime.chaos.schedule import Fault, Note, check_schedule, learner_index
@@ -375,7 +375,7 @@ def run_chaos(cfg: RunSpec, faults: list[Fault], run_dir: str | Path, options: C
     rdir = Path(run_dir)
     rdir.mkdir(parents=True, exist_ok=True)
     cfg = run_spec(cfg, rdir)
-    token = token or cfg.run.token or os.environ.get(TOKEN_ENV) or secrets.token_urlsafe(24)
+    token = token or cfg.given_token() or secrets.token_urlsafe(24)
     with contextlib.ExitStack() as stack:
         emu, wrap = None, None
         if options.emulate:
