@@ -193,7 +193,7 @@ def _supervise(cfg: RunSpec, rdir: Path, watch: Callable[[RunState], None] | Non
             plot_run(mon.losses, mon.evals, [s["eval_loss"] for s in first_starts(mon).values()],
                      [(f["steps"], f["final_eval_loss"]) for f in trained_finals(mon).values()], rdir / "loss.png",
                      tokens=mon.tokens, **plot_labels(cfg))
-            summary["loss_png"] = str(rdir / "loss.png")
+            summary["loss_png"] = str((rdir / "loss.png").absolute())  # whole in a log, wherever it is read
         except (OSError, ValueError) as e:  # a picture is not worth failing a finished run for
             summary["loss_png"] = None
             print(f"wan-diloco: could not draw the loss curve: {e}", file=sys.stderr)
