@@ -24,6 +24,7 @@ import sys
 import threading
 from pathlib import Path
 
+from wan_diloco.checkpoint import write_atomic
 from wan_diloco.config import ConfigError
 from wan_diloco.runtime.launch_names import is_learner_name, is_syncer, learner_process, shard_of
 from wan_diloco.spec import RunSpec, to_document
@@ -262,7 +263,7 @@ class Trackers:
             except Exception as e:  # noqa: BLE001 - whatever a tracker raises, the run goes on without it
                 self._fail(name, e)
         try:
-            ids_path.write_text(json.dumps({**ids, **{n: t.id for n, t in live.items() if t.id}}))
+            write_atomic(ids_path, json.dumps({**ids, **{n: t.id for n, t in live.items() if t.id}}).encode())
         except OSError as e:  # a resume starts new tracker runs; this one logs all the same
             print(f"wan-diloco: warning: {ids_path}: {e.strerror or e}", file=sys.stderr)
         done = False
