@@ -19,6 +19,7 @@ LAYERS: list[tuple[set[str], bool]] = [  # (units, may units of this layer impor
     ({"core", "compression", "transport", "regions", "checkpoint"}, False),
     ({"planning"}, False),  # models the run: the schedule (fragments) and the codec's bit widths
     ({"spec"}, False),
+    ({"host_tls"}, False),  # this host's TLS files over the run file's (flags, environment)
     ({"assemble"}, False),
     ({"sim", "runtime"}, False),
     ({"api"}, False),  # the Python entry points over the drivers; the CLI prints what they return

@@ -29,8 +29,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--coordinator", metavar="HOST:PORT",
                    help="process 0's address for the learner's processes to meet (jax.distributed); the same "
                         "for every process, reachable from each")
+    from wan_diloco.cli.args import add_tls_arguments
     from wan_diloco.cli.syncer import add_view_arguments
 
+    add_tls_arguments(p)
     add_view_arguments(p)
 
 
@@ -71,7 +73,9 @@ def multihost_config(args: argparse.Namespace, cfg: spec_lib.RunSpec):
 def run(args: argparse.Namespace) -> int:
     who = f"learner-{args.id}" + (f".p{args.process_id}" if args.process_id else "")
     logging.basicConfig(level=logging.WARNING, format=f"{who} %(levelname)s %(name)s: %(message)s")
-    cfg = spec_lib.load(args.config)
+    from wan_diloco.cli.args import host_tls
+
+    cfg, _ = host_tls(args, spec_lib.load(args.config), "learner")
     if args.devices:
         ids = args.devices.split(",")
         require(all(i.strip().isdigit() for i in ids), "devices", f"must be indices like 0,1, got {args.devices!r}")

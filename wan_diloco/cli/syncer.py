@@ -12,6 +12,7 @@ import sys
 import time
 
 from wan_diloco import spec as spec_lib
+from wan_diloco.cli.args import add_tls_arguments, host_tls
 from wan_diloco.runtime.events import emit
 from wan_diloco.transport import StatusServer, TransportMetrics, TransportServer, run as run_loop
 
@@ -29,6 +30,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shard-status", metavar="URL,...",
                    help="shard 0: the other shards' status URLs (shards 1.. in order); its /status then shows "
                         "the whole run")
+    add_tls_arguments(p)
     add_view_arguments(p)
 
 
@@ -39,10 +41,15 @@ def add_view_arguments(p: argparse.ArgumentParser) -> None:
 
 
 async def serve(cfg: spec_lib.RunSpec, token: str, port: int | None = None, resume: bool = False,
-                view=None, shard: int = 0, shard_status: list[str] | None = None) -> int:
+                view=None, shard: int = 0, shard_status: list[str] | None = None, config: str | None = None,
+                tls_origin: dict[str, str] | None = None) -> int:
     """Run the syncer; returns 0 after a completed final sync, 1 when its final parameters could not
     be written, 143 when stopped by a signal. ``view``
-    (cli.live.ProcessView) is shown the learners as the syncer sees them at each report."""
+    (cli.live.ProcessView) is shown the learners as the syncer sees them at each report. Once it listens
+    it says how learners join (``cli.join``; ``config``: the run file's path as given, ``tls_origin``:
+    where each TLS file came from, ``host_tls.resolve``)."""
+    from wan_diloco.cli import join
+
     from wan_diloco.runtime.syncer import SyncerService
 
     metrics = TransportMetrics()
@@ -82,10 +89,14 @@ async def serve(cfg: spec_lib.RunSpec, token: str, port: int | None = None, resu
     try:
         status_port = await status.start() if status is not None else None
         service.refresh_gauges()
+        said = join.announcement(cfg, config, server.port, status_port, tls_origin or {})
         emit({"event": "listening", "role": "syncer", "port": server.port, "status_port": status_port,
               "fragments": len(service.layout.fragments), "params": sum(service.layout.nbytes) // 4,
               "run_id": service.core.run_id, "epoch": service.core.epoch, "resumed": service.resumed,
-              "shard": shard, "owned": list(service.core.owned)})
+              "shard": shard, "owned": list(service.core.owned), **said})
+        if view is not None:  # a person reads the terminal (or a log): the JSON event has the same when piped
+            for line in join.lines(cfg, config, said, shard):
+                view.console.print(line, highlight=False, markup=False, soft_wrap=True)
         last_report = 0.0
         while not service.finished.is_set() and not stop.is_set():
             try:
@@ -131,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
     if args.port is not None:
         # Before the config and the model: a mistyped port should not cost the seconds of JAX start-up.
         check_port(args.port, "--port")  # ConfigError: one line from cli.main, exit code 2
-    cfg = spec_lib.load(args.config)
+    cfg, tls_origin = host_tls(args, spec_lib.load(args.config), "syncer")
     from wan_diloco.transport.security import require_bound_identity
 
     # Off loopback a learner's id must be bound to its credential unless the operator says otherwise.
@@ -167,7 +178,7 @@ def run(args: argparse.Namespace) -> int:
         name = f"syncer-{args.shard}" if cfg.syncer.shards > 1 else "syncer"
         with live.open_view(cfg, name, args) as view:
             return run_loop(serve(cfg, cfg.token(), args.port, args.resume, view, shard=args.shard,
-                                  shard_status=others))
+                                  shard_status=others, config=args.config, tls_origin=tls_origin))
     except ResumeError as e:
         print(f"wan-diloco syncer: cannot resume: {e}", file=sys.stderr)
         return 2
