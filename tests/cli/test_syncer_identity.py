@@ -12,14 +12,16 @@ token = "shared-token-0123456789"
 [transport]
 per_learner_tokens = false
 [transport.tls]
-cert_file = "/nonexistent/syncer.pem"
-key_file = "/nonexistent/syncer.key"
+cert_file = "{tls}/syncer.pem"
+key_file = "{tls}/syncer.key"
 '''
 
 
 def test_a_shared_token_off_loopback_is_refused_in_one_line(tmp_path, capsys):
     path = tmp_path / "run.toml"
-    path.write_text(RUN.format(host="192.0.2.10"))  # TEST-NET-1: not this host's, never bound
+    for name in ("syncer.pem", "syncer.key"):  # there (the files are checked first), never read: refused before
+        (tmp_path / name).write_text(name)
+    path.write_text(RUN.format(host="192.0.2.10", tls=tmp_path))  # TEST-NET-1: not this host's, never bound
     with pytest.raises(SystemExit) as e:
         main(["syncer", "--config", str(path), "--no-table"])
     err = capsys.readouterr().err.strip().splitlines()

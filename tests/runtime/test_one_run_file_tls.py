@@ -27,6 +27,11 @@ def start(args, out, env, cwd):
                             start_new_session=True)
 
 
+def events(path) -> list[dict]:
+    """The JSON events among a process's whole output lines (a last one without its newline is half written)."""
+    return [json.loads(line) for line in path.read_text().split("\n")[:-1] if line.startswith('{"')]
+
+
 def learner_args(join: str, n: int) -> tuple[list[str], list[str]]:
     """The syncer's printed command for learner ``n``: (its VAR=value words, the `wan-diloco` arguments)."""
     words = shlex.split(join.replace("learner-N", f"learner-{n}").replace("--id N", f"--id {n}"))
@@ -39,18 +44,17 @@ def test_one_run_file_a_syncer_and_two_learners_with_tls_from_flags_and_environm
     tls = tmp_path / "tls"
     assert main(["certs", "--dir", str(tls), "--syncer-host", "127.0.0.1", "--learners", "2"]) == 0
     capsys.readouterr()
-    path = micro_config(tmp_path, learners=2, steps=16, token="", extra="[transport.tls]\nmutual = true\n",
-                        run={"min_learners_to_start": 2}, checkpoint={"dir": str(tmp_path / "ckpt")})
+    micro_config(tmp_path, learners=2, steps=16, token="", extra="[transport.tls]\nmutual = true\n",
+                 run={"min_learners_to_start": 2}, checkpoint={"dir": str(tmp_path / "ckpt")})
     base = {k: v for k, v in launch_env().items() if k not in ENV.values()}
     procs = []
     try:
-        syncer = start(["syncer", "--config", "micro.toml", "--no-table", "--tls-cert", str(tls / "syncer.pem"),
+        # --plain: the events on stdout, and what a person reads (the join lines) on stderr, here one file.
+        syncer = start(["syncer", "--config", "micro.toml", "--plain", "--tls-cert", str(tls / "syncer.pem"),
                         "--tls-key", str(tls / "syncer.key"), "--tls-ca", str(tls / "ca.pem")],
                        tmp_path / "syncer.out", {**base, "WAN_DILOCO_TOKEN": TOKEN}, tmp_path)
         procs.append(syncer)
-        first = wait_for("the syncer's listening event", lambda: (tmp_path / "syncer.out").read_text().partition("\n")[1]
-                         and (tmp_path / "syncer.out").read_text().partition("\n")[0], 120)
-        said = json.loads(first)
+        said = wait_for("the syncer's listening event", lambda: next(iter(events(tmp_path / "syncer.out")), None), 120)
         assert said["event"] == "listening" and said["dial"] == f"127.0.0.1:{said['port']}", said
         assert said["status_url"] == f"https://127.0.0.1:{said['status_port']}/"
         # Learner 0: exactly the printed command, its own token where the command takes it from.
@@ -70,9 +74,12 @@ def test_one_run_file_a_syncer_and_two_learners_with_tls_from_flags_and_environm
         deadline = time.monotonic() + 300
         codes = [p.wait(max(1.0, deadline - time.monotonic())) for p in procs]
         logs = {p.name: p.read_text()[-2000:] for p in tmp_path.glob("*.out")}
-        assert codes == [0, 0, 0], logs  # a learner exits 0 only when its final model equals the syncer's
-        finals = [json.loads(line) for line in (tmp_path / "syncer.out").read_text().splitlines()
-                  if line.startswith("{") and '"event":"final"' in line]
+        # A learner exits 0 only when its final model equals the syncer's; one whose settings fingerprint
+        # differed (host paths in it, say) would have been refused with exit 3.
+        assert codes == [0, 0, 0], logs
+        printed = (tmp_path / "syncer.out").read_text()
+        assert f"syncer: listening on {said['dial']}\n" in printed and f"  {said['join']}\n" in printed, printed
+        finals = [e for e in events(tmp_path / "syncer.out") if e["event"] == "final"]
         assert finals and sorted(finals[-1]["final_learners"]) == [0, 1], finals
         assert (tmp_path / "ckpt" / "params.safetensors").is_file()
     finally:
