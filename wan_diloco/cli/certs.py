@@ -55,4 +55,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"keep ca.key off the learner hosts. Learners dial the syncer as {hosts[0]}:PORT "
           "(a name or address in its certificate).")
     print("a learner certificate's name (CN learner-N) is that learner's id: its host can speak only as learner N.")
+    print(f"or one run file for every host, saying only [transport.tls] mutual = true: each host names its own "
+          f"files, e.g. learner N: --tls-cert {where}/learner-N.pem --tls-key {where}/learner-N.key "
+          f"--tls-ca {where}/ca.pem (or $WAN_DILOCO_TLS_CERT, _KEY, _CA)")
     return 0
