@@ -49,7 +49,6 @@ async def serve(cfg: spec_lib.RunSpec, token: str, port: int | None = None, resu
     it says how learners join (``cli.join``; ``config``: the run file's path as given, ``tls_origin``:
     where each TLS file came from, ``host_tls.resolve``)."""
     from wan_diloco.cli import join
-
     from wan_diloco.runtime.syncer import SyncerService
 
     metrics = TransportMetrics()
