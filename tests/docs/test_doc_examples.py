@@ -59,6 +59,7 @@ def blocks(doc: str) -> list[Block]:
         i += 1
         body = []
         while not re.match(rf"^{indent}```\s*$", lines[i]):
+            assert i + 1 < len(lines), f"docs/{doc}:{start + 1}: a fence that is never closed"
             body.append(lines[i][len(indent):])
             i += 1
         prev = next((x for x in reversed(lines[:start]) if x.strip()), "")
@@ -100,7 +101,7 @@ def make_corpora(data: Path) -> None:
     (data / "shakespeare.txt").write_text("\n".join(docs))
     for i in range(40):
         (data / "books" / f"book-{i:02d}.txt").write_text("\n".join(docs[i::40]))
-    (data / "corpus.jsonl").write_text("".join(f'{{"content": {d!r}}}\n'.replace("'", '"') for d in docs[:50]))
+    (data / "corpus.jsonl").write_text("".join(json.dumps({"content": d}) + "\n" for d in docs[:50]))
     pq.write_table(pa.table({"text": docs[:50]}), data / "train-00000-of-00001.parquet")
     (data / "my_dataset").mkdir()
     for s in range(4):
