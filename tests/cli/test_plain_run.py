@@ -12,7 +12,7 @@ import pytest
 
 from tests.conftest import micro_config
 
-KEYS = "elapsed_s step tokens tokens_per_s eval_loss up down quorum learners eta_s".split()
+KEYS = "elapsed_s step tokens tokens_per_s eval_loss up down quorum learners final_sync eta_s".split()
 
 
 @pytest.mark.slow  # ~60 s on 2 shared cores: the processes' start-up, not the 40 steps

@@ -15,7 +15,8 @@ from wan_diloco.runtime.launch import RunState
 from tests.conftest import micro_spec
 
 LONG = "/data/" + "/".join(["a-rather-long-folder-name"] * 6) + "/checkpoints/params.safetensors"
-KEYS = ["elapsed_s", "step", "tokens", "tokens_per_s", "eval_loss", "up", "down", "quorum", "learners", "eta_s"]
+KEYS = ["elapsed_s", "step", "tokens", "tokens_per_s", "eval_loss", "up", "down", "quorum", "learners", "final_sync",
+        "eta_s"]
 
 
 def keys_and_values(line):
@@ -27,12 +28,12 @@ def keys_and_values(line):
 def test_a_progress_line_has_the_same_keys_in_the_same_order_known_or_not():
     known = progress.Progress(step=120, budget_steps=300, tokens=45_000, learners_training=3, learners=4,
                               eval_loss=3.21456, eval_step=100, up_bytes=1_234_000, down_bytes=5_600_000,
-                              mean_quorum=2.5)
+                              mean_quorum=2.5, learners_final_sync=1)
     _, got, order = keys_and_values(progress.progress_line(known, 65.4, 2345.6, 97.2))
     assert order == KEYS
     assert got == {"elapsed_s": "65", "step": "120/300", "tokens": "45000", "tokens_per_s": "2346",
                    "eval_loss": "3.2146@100", "up": "1.2MB", "down": "5.6MB", "quorum": "2.50", "learners": "3/4",
-                   "eta_s": "97"}
+                   "final_sync": "1", "eta_s": "97"}
     unknown = progress.Progress(step=0, budget_steps=300, tokens=0, learners_training=0, learners=4)
     prefix, got, order = keys_and_values(progress.progress_line(unknown, 3.0, None, None, prefix="syncer progress"))
     assert prefix == "syncer progress" and order == KEYS
@@ -56,6 +57,20 @@ def test_figures_read_a_runs_state_as_its_events_left_it():
     p = progress.figures(mon)
     assert (p.step, p.budget_steps, p.tokens, p.up_bytes, p.down_bytes, p.mean_quorum) == (17, 40, 1900, 4000, 9000, 1.5)
     assert (p.eval_loss, p.eval_step) == (4.25, 16)
+
+
+def test_learners_in_their_final_sync_count_as_in_the_run_and_are_counted_apart():
+    mon = RunState(micro_spec(run={"learners": 3, "steps": 40}))
+    for m in range(3):
+        mon.fold(f"learner-{m}", {"event": "start", "step": 0, "eval_loss": 5.5})
+    mon.fold("learner-0", {"event": "finishing", "step": 40})
+    mon.fold("learner-1", {"event": "finishing", "step": 40})
+    _, got, _ = keys_and_values(progress.progress_line(progress.figures(mon), 30.0, None, None))
+    assert (got["learners"], got["final_sync"]) == ("3/3", "2")  # not 1/3: two are syncing their last fragments
+    mon.fold("learner-2", {"event": "exit", "code": 1})
+    mon.fold("learner-0", {"event": "final", "steps": 40, "last_loss": 3.0, "tokens": 900, "bytes_sent": 5})
+    p = progress.figures(mon)
+    assert (p.learners_training, p.learners_final_sync, p.learners) == (1, 1, 3)  # one done, one died
 
 
 def test_figures_add_up_the_bytes_of_every_syncer_shard():

@@ -8,6 +8,8 @@ from wan_diloco.runtime.launch import Cluster
 from wan_diloco.spec import TOKEN_ENV
 from wan_diloco.transport import derive_token
 
+from tests.conftest import MICRO_TOML
+
 
 def test_a_learners_own_token_is_what_launch_hands_it(tmp_path, capsys):
     path = tmp_path / "run.toml"
@@ -41,3 +43,12 @@ def test_the_launcher_names_a_short_variable_too(tmp_path, monkeypatch):
     monkeypatch.setenv(TOKEN_ENV, "short")
     with pytest.raises(ConfigError, match=f"^{TOKEN_ENV}: must be"):
         Cluster(rt.load(None), tmp_path / "run.toml", tmp_path / "run")
+
+
+def test_launch_refuses_a_short_variable_before_it_makes_the_run_folder(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv(TOKEN_ENV, "short")
+    with pytest.raises(SystemExit) as e:
+        main(["launch", "--config", str(MICRO_TOML), "--run-dir", str(tmp_path / "run"), "--quiet"])
+    assert e.value.code == 2
+    assert f"{TOKEN_ENV}: must be a string of at least 8 non-space characters" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()  # no half-made run folder (config.toml and nothing else) left behind

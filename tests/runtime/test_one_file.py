@@ -1,7 +1,12 @@
 """One run file for every command: a file written for `simulate` launches unchanged, and the reverse."""
 import json
 
+import pytest
+
 from wan_diloco import cli
+from wan_diloco import spec as spec_lib
+from wan_diloco.assemble import preflight
+from wan_diloco.runtime.launch_prep import run_spec, write_config
 from wan_diloco.spec import TOKEN_ENV
 
 from .conftest import TOKEN, micro_config, micro_toml
@@ -12,6 +17,22 @@ FOR_SIMULATE = micro_toml(run={"learners": 2, "steps": 16}, codec={"bits": 8},
                                     "speeds": [1.0, 1.3]})
 
 
+def test_a_simulate_file_passes_what_launch_checks_and_writes_before_starting_processes(tmp_path, monkeypatch):
+    """The fast half of the check below: everything `launch` does with the file before a process starts."""
+    path = tmp_path / "sim.toml"
+    path.write_text(FOR_SIMULATE)
+    cfg = spec_lib.load(path)
+    preflight(cfg)  # fragments fit, the corpus is there
+    monkeypatch.setenv(TOKEN_ENV, TOKEN)
+    assert cfg.token() == TOKEN  # no run.token in the file: the launcher passes the variable's
+    child = run_spec(cfg, tmp_path / "run")
+    write_config(tmp_path / "config.toml", child)
+    read_back = spec_lib.load(tmp_path / "config.toml")  # what the syncer and learners read
+    assert read_back == child and read_back.codec.bits == 8 and read_back.simulate == cfg.simulate
+    assert read_back.run.min_learners_to_start == 2 and read_back.run.token == ""
+
+
+@pytest.mark.slow  # ~70 s on 2 shared cores: a simulate and a real launch of 2 learners
 def test_a_simulate_file_launches_unchanged(tmp_path, monkeypatch):
     path = tmp_path / "sim.toml"
     path.write_text(FOR_SIMULATE)

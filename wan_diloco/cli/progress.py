@@ -24,13 +24,14 @@ class Progress:
     step: int  # the furthest global step seen (the syncer's, or a learner's on the shared schedule)
     budget_steps: int
     tokens: int  # all learners together
-    learners_training: int
+    learners_training: int  # stepping now, or done stepping and in their final sync (still part of the run)
     learners: int
     eval_loss: float | None = None  # the global model's latest eval point, and its step
     eval_step: int | None = None
     up_bytes: int = 0  # learners -> syncer
     down_bytes: int = 0  # syncer -> learners
     mean_quorum: float | None = None  # learners per merge so far (the syncer's figure)
+    learners_final_sync: int = 0  # of learners_training, those past their last step, sending their last fragments
 
 
 def figures(mon: RunState) -> Progress:
@@ -48,7 +49,8 @@ def figures(mon: RunState) -> Progress:
             else sum(r.get("bytes_received") or 0 for r in rows))
     return Progress(
         step=step, budget_steps=mon.cfg.run.steps, tokens=sum(int(r.get("tokens") or 0) for r in rows),
-        learners_training=sum(r.get("status") == "training" for r in rows), learners=len(mon.learners),
+        learners_training=sum(r.get("status") in ("training", "final sync") for r in rows),
+        learners_final_sync=sum(r.get("status") == "final sync" for r in rows), learners=len(mon.learners),
         eval_loss=last["eval_loss"] if last else None, eval_step=last["step"] if last else None,
         up_bytes=int(up), down_bytes=int(down),
         mean_quorum=next((s["mean_quorum"] for s in syncers if s.get("mean_quorum")), None))
@@ -71,6 +73,7 @@ def progress_line(p: Progress, elapsed_s: float, tokens_per_s: float | None, eta
         ("down", size(p.down_bytes)),
         ("quorum", "-" if p.mean_quorum is None else f"{p.mean_quorum:.2f}"),
         ("learners", f"{p.learners_training}/{p.learners}"),
+        ("final_sync", str(p.learners_final_sync)),
         ("eta_s", "-" if eta_s is None else f"{eta_s:.0f}"),
     ]
     return " ".join([prefix, *(f"{k}={v}" for k, v in fields)])

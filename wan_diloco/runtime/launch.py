@@ -76,6 +76,7 @@ def launch(cfg: RunSpec, config_text: str, run_dir: str | None = None,
     from wan_diloco.assemble import preflight  # JAX and the model: not for `wan-diloco --help`
 
     preflight(cfg)  # a missing corpus or too many fragments: one ConfigError, before any process starts
+    cfg.given_token()  # a short run.token or $WAN_DILOCO_TOKEN: ConfigError before the run folder is made
     if cfg.run.trackers:
         from wan_diloco.runtime.trackers import check_installed
 
