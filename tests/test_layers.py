@@ -20,7 +20,7 @@ LAYERS: list[tuple[set[str], bool]] = [  # (units, may units of this layer impor
     ({"planning"}, False),  # models the run: the schedule (fragments) and the codec's bit widths
     ({"spec"}, False),
     ({"assemble"}, False),
-    ({"sim", "runtime"}, False),
+    ({"sim", "runtime", "export"}, False),  # export: launch files of a run (reads spec)
     ({"api"}, False),  # the Python entry points over the drivers; the CLI prints what they return
     ({"cli"}, False),
 ]
