@@ -55,7 +55,7 @@ def _container(dep: Deployment, name: str, argv: list[str], secret_name: str, gp
                "volumeMounts": [{"name": "run", "mountPath": f"{ETC}/run", "readOnly": True},
                                 {"name": "tls", "mountPath": f"{ETC}/tls", "readOnly": True}]}
     if gpus:
-        c["resources"] = {"limits": {"nvidia.com/gpu": gpus}}
+        c["resources"] = {"limits": {"nvidia.com/gpu": str(gpus)}}  # a quantity: a string in the API
     return c
 
 
