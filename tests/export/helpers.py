@@ -1,14 +1,8 @@
-"""A run file that can run across machines, and fakes of `wan-diloco` and `srun` that record how the
-generated scripts call them (the scripts themselves run for real, in bash)."""
+"""A run file that can run across machines, and what the tests of its exports share."""
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
-import pytest
 import tomli_w
 
 from wan_diloco.spec import RunSpec
@@ -31,52 +25,10 @@ def run_file(**tables: dict) -> tuple[RunSpec, str]:
     return RunSpec.from_dict(doc), text
 
 
-@pytest.fixture(scope="session")
-def parser():
-    from wan_diloco.cli import build_parser
-
-    return build_parser()
-
-
 def parse(parser, argv: list[str]):
     """Our own CLI's reading of a generated command line (SystemExit on anything it refuses)."""
     assert argv[0] == "wan-diloco", argv
     return parser.parse_args(argv[1:])
-
-
-FAKE = """#!{python}
-import json, os, sys
-with open(os.environ["CAPTURE"], "a") as f:
-    f.write(json.dumps({{"argv": ["wan-diloco"] + sys.argv[1:],
-                        "env": {{k: v for k, v in os.environ.items() if k.startswith("WAN_DILOCO_")}}}}) + "\\n")
-"""
-# srun runs its command once per task, as Slurm would, with that task's SLURM_PROCID
-SRUN = """#!/bin/bash
-while [[ "$1" == --* ]]; do shift; done
-for ((t = 0; t < FAKE_NTASKS; t++)); do SLURM_PROCID=$t "$@" || exit 1; done
-"""
-
-
-@pytest.fixture
-def fakes(tmp_path):
-    """run(script, env) -> the [{argv, env}] of every `wan-diloco` the bash script started."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    for name, text in (("wan-diloco", FAKE.format(python=sys.executable)), ("srun", SRUN)):
-        (bin_dir / name).write_text(text)
-        (bin_dir / name).chmod(0o755)
-    capture = tmp_path / "capture.jsonl"
-
-    def run(script: str, **env: str) -> list[dict]:
-        capture.write_text("")
-        path = tmp_path / "script.sh"
-        path.write_text(script)
-        full = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "CAPTURE": str(capture), **env}
-        proc = subprocess.run(["bash", str(path)], env=full, capture_output=True, text=True, timeout=60)
-        assert proc.returncode == 0, proc.stderr
-        return [json.loads(line) for line in capture.read_text().splitlines()]
-
-    return run
 
 
 def credentials(home: Path, learners: int) -> None:

@@ -101,7 +101,8 @@ def test_what_skypilot_cannot_guess_is_asked_for(options, tables, needle):
 
 
 def test_skypilots_own_loader_reads_every_task():
-    sky = pytest.importorskip("sky", reason="SkyPilot is not installed (pip install -e '.[skypilot]')")
+    sky = pytest.importorskip("sky", reason="SkyPilot is not installed: it is in the [export-check] "
+                              "extra, not [test] (its click pin conflicts with W&B's); docs/launchers.md")
     out = files(ExportOptions(cloud="aws", accelerators="H100:8"), run={"platform": "gpu"}, syncer={"shards": 2})
     for name, text in out.items():
         if not name.endswith(".yaml"):
