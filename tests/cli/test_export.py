@@ -39,6 +39,7 @@ def test_writes_the_files_owner_only_and_says_what_next(tmp_path, capsys):
                                         ["run.toml", "syncer.sbatch", "region-us-east-1.sbatch",
                                          "region-eu-west-1.sbatch", "launch.sh"]]
     assert io.out.splitlines()[-1].startswith(f"next: bash {out / 'launch.sh'}")
+    assert "note: run.min_learners_to_start is 0" in io.err and "set it to 2 (run.learners)" in io.err
     assert (out / "run.toml").read_text() == RUN
     assert stat.S_IMODE((out / "launch.sh").stat().st_mode) == 0o700
     assert stat.S_IMODE((out / "run.toml").stat().st_mode) == 0o600

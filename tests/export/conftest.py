@@ -15,11 +15,20 @@ def parser():
     return build_parser()
 
 
+# Records its command line and the environment the scripts set; answers as each tool would, just enough
+# for a launch script to go on (sky's IP of a cluster, sbatch's job id, squeue's node of a job).
 FAKE = """#!{python}
 import json, os, sys
+name, args = os.path.basename(sys.argv[0]), sys.argv[1:]
 with open(os.environ["CAPTURE"], "a") as f:
-    f.write(json.dumps({{"argv": ["wan-diloco"] + sys.argv[1:],
-                        "env": {{k: v for k, v in os.environ.items() if k.startswith("WAN_DILOCO_")}}}}) + "\\n")
+    f.write(json.dumps({{"argv": [name] + args, "env": {{k: v for k, v in os.environ.items()
+                                                     if k.startswith("WAN_DILOCO_") or k == "SYNCER"}}}}) + "\\n")
+if name == "sky" and args[:2] == ["status", "--ip"]:
+    print("ip-" + args[2])
+elif name == "sbatch":
+    print("job-" + args[-1].split(".")[0])
+elif name == "squeue":
+    print("node-" + args[args.index("-j") + 1])
 """
 # srun runs its command once per task, as Slurm would, with that task's SLURM_PROCID
 SRUN = """#!/bin/bash
@@ -30,10 +39,11 @@ for ((t = 0; t < FAKE_NTASKS; t++)); do SLURM_PROCID=$t "$@" || exit 1; done
 
 @pytest.fixture
 def fakes(tmp_path):
-    """run(script, env) -> the [{argv, env}] of every `wan-diloco` the bash script started."""
+    """run(script, env) -> the [{argv, env}] of every `wan-diloco` (sky, sbatch, ...) the bash script started."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    for name, text in (("wan-diloco", FAKE.format(python=sys.executable)), ("srun", SRUN)):
+    tools = {name: FAKE.format(python=sys.executable) for name in ("wan-diloco", "sky", "sbatch", "squeue", "kubectl")}
+    for name, text in {**tools, "srun": SRUN}.items():
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
     capture = tmp_path / "capture.jsonl"

@@ -136,3 +136,13 @@ def test_what_kubernetes_cannot_guess_is_asked_for(options, tables, needle):
     with pytest.raises(ConfigError) as e:
         files(options, **tables)
     assert needle in str(e.value)
+
+
+def test_launch_script_runs_in_order(fakes):
+    calls = fakes(files(ExportOptions(image="img:1", namespace="training"))["launch.sh"])
+    steps = [" ".join(c["argv"]) for c in calls]
+    assert steps[5].startswith("wan-diloco certs --dir tls")  # after the 5 learners' tokens
+    secrets = [i for i, s in enumerate(steps) if s.startswith("kubectl -n training create secret generic")]
+    assert len(secrets) == 6 and max(secrets) < steps.index("kubectl -n training apply -f syncer.yaml")
+    assert steps[-2:] == ["kubectl -n training apply -f region-us-east-1.yaml",
+                          "kubectl -n training apply -f region-eu-west-1.yaml"]

@@ -121,3 +121,18 @@ def test_skypilots_own_loader_reads_every_task():
     bad["resources"]["regoin"] = bad["resources"].pop("region")
     with pytest.raises(Exception, match="regoin"):
         sky.Task.from_yaml_config(bad, env_overrides=[("SYNCER", "x:1")])
+
+
+def test_launch_script_starts_the_syncers_then_the_regions_with_every_shards_ip(fakes):
+    calls = fakes(files(syncer={"shards": 2})["launch.sh"])
+    tools = [c["argv"] for c in calls if c["argv"][0] != "wan-diloco"]
+    assert tools == [
+        ["sky", "launch", "-y", "-d", "-c", "wd-syncer-0", "syncer-0.yaml"],
+        ["sky", "launch", "-y", "-d", "-c", "wd-syncer-1", "syncer-1.yaml"],
+        ["sky", "status", "--ip", "wd-syncer-0"], ["sky", "status", "--ip", "wd-syncer-1"],
+        ["sky", "launch", "-y", "-d", "-c", "wd-us-east-1", "region-us-east-1.yaml", "--env",
+         "SYNCER=ip-wd-syncer-0:7070,ip-wd-syncer-1:7070"],
+        ["sky", "launch", "-y", "-d", "-c", "wd-eu-west-1", "region-eu-west-1.yaml", "--env",
+         "SYNCER=ip-wd-syncer-0:7070,ip-wd-syncer-1:7070"]]
+    made = [c["argv"][1] for c in calls if c["argv"][0] == "wan-diloco"]
+    assert made == ["token"] * 5 + ["certs"]  # before any launch: the tasks mount what these write

@@ -108,3 +108,14 @@ def test_shards_each_get_a_script_and_a_given_host_is_the_default(fakes, parser,
 def test_without_a_syncer_host_the_run_file_must_expect_the_certificates_name():
     with pytest.raises(ConfigError, match=r"transport.tls.server_name: .* add server_name = \"wd-syncer\""):
         files(transport={"tls": {}})
+
+
+def test_launch_script_submits_the_syncer_then_each_region_with_its_node(fakes):
+    calls = fakes(files(syncer={"shards": 2})["launch.sh"])
+    tools = [(c["argv"], c["env"].get("SYNCER")) for c in calls if c["argv"][0] in ("sbatch", "squeue")]
+    assert tools == [
+        (["sbatch", "--parsable", "syncer-0.sbatch"], None), (["sbatch", "--parsable", "syncer-1.sbatch"], None),
+        (["squeue", "-h", "-j", "job-syncer-0", "-t", "R", "-o", "%N"], None),
+        (["squeue", "-h", "-j", "job-syncer-1", "-t", "R", "-o", "%N"], None),
+        (["sbatch", "region-us-east-1.sbatch"], "node-job-syncer-0:7070,node-job-syncer-1:7070"),
+        (["sbatch", "region-eu-west-1.sbatch"], "node-job-syncer-0:7070,node-job-syncer-1:7070")]

@@ -6,6 +6,7 @@ reads and a ``launch.sh`` showing the order; prints what it wrote and the comman
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from wan_diloco.config import ConfigError
@@ -61,6 +62,9 @@ def run(args: argparse.Namespace) -> int:
         # the run file copy and the scripts may be read by whoever can read the folder: owner only
         path.chmod(0o700 if rel.endswith(".sh") else 0o600)
         print(path)
+    if not spec.run.min_learners_to_start:  # launch sets it for its own learners; these start one by one
+        print(f"note: run.min_learners_to_start is 0, so the syncer starts training when the first learner joins; "
+              f"set it to {spec.run.learners} (run.learners) to wait for all of them", file=sys.stderr)
     print(f"next: bash {out / 'launch.sh'}   (it makes the tokens and certificates once, then launches in order; "
           f"docs/launchers.md)")
     return 0

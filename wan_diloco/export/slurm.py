@@ -67,7 +67,7 @@ def launch_script(dep: Deployment) -> str:
              "set -euo pipefail", 'cd "$(dirname "$0")"', "",
              credentials_script(dep), "",
              "node_of() {  # the node a job runs on, once it runs",
-             '  local n=""; while [ -z "$n" ]; do sleep 5; n=$(squeue -h -j "$1" -t R -o %N); done; echo "$n"',
+             '  local n; until n=$(squeue -h -j "$1" -t R -o %N) && [ -n "$n" ]; do sleep 5; done; echo "$n"',
              "}"]
     lines += [f"J{s}=$(sbatch --parsable {f})" for s, f in enumerate(names)]
     lines.append('SYNCER="' + ",".join(f"$(node_of $J{s}):{dep.port}" for s in range(dep.shards)) + '"')
