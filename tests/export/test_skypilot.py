@@ -24,7 +24,8 @@ def test_one_task_per_region_with_its_learners_and_one_for_the_syncer():
     assert east["num_nodes"] == 3 and east["resources"] == {"cloud": "aws", "region": "us-east-1"}
     assert east["envs"] == {"SYNCER": None}  # SkyPilot refuses to launch it without --env SYNCER=...
     mounts = east["file_mounts"]
-    assert mounts["~/wan-diloco/run.toml"] == "run.toml" and mounts["~/wan-diloco/tls/learner-4.key"] == "tls/learner-4.key"
+    assert mounts["~/wan-diloco/run.toml"] == "run.toml"
+    assert mounts["~/wan-diloco/tls/learner-4.key"] == "tls/learner-4.key"
     assert not any("learner-1" in src or src in ("token", "tls/ca.key") for src in mounts.values())  # not theirs
     syncer = yaml.safe_load(out["syncer.yaml"])
     assert syncer["num_nodes"] == 1 and syncer["resources"]["region"] == "us-east-1"

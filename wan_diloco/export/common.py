@@ -124,14 +124,14 @@ def command(argv: list[str], env: dict[str, str] | None = None) -> str:
 
 def learner_env(tls_dir: str, token_dir: str, learner: str) -> dict[str, str]:
     """The environment a learner process reads its own credentials from (files under the two folders)."""
-    return {TOKEN_ENV: f"$(cat {token_dir}/learner-{learner}.token)",
+    return {TOKEN_ENV: f'$(cat "{token_dir}/learner-{learner}.token")',
             **dict(zip(TLS_ENV, (f"{tls_dir}/learner-{learner}.pem", f"{tls_dir}/learner-{learner}.key",
                                  f"{tls_dir}/ca.pem")))}
 
 
 def syncer_env(tls_dir: str, token_file: str) -> dict[str, str]:
     """The syncer's: the run's token and its own certificate."""
-    return {TOKEN_ENV: f"$(cat {token_file})",
+    return {TOKEN_ENV: f'$(cat "{token_file}")',
             **dict(zip(TLS_ENV, (f"{tls_dir}/syncer.pem", f"{tls_dir}/syncer.key", f"{tls_dir}/ca.pem")))}
 
 
@@ -183,7 +183,8 @@ class _Dumper(yaml.SafeDumper):
     """Multi-line strings (scripts) as YAML literal blocks, as people write them, not one escaped line."""
 
 
-_Dumper.add_representer(str, lambda d, s: d.represent_scalar("tag:yaml.org,2002:str", s, style="|" if "\n" in s else None))
+_Dumper.add_representer(
+    str, lambda d, s: d.represent_scalar("tag:yaml.org,2002:str", s, style="|" if "\n" in s else None))
 
 
 def dump_yaml(*docs: dict) -> str:

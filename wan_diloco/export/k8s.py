@@ -110,7 +110,7 @@ def learner_job(dep: Deployment, m: int, syncer: str) -> dict:
 def launch_script(dep: Deployment, hosts: list[str]) -> str:
     ns = f" -n {dep.options.namespace}" if dep.options.namespace else ""
     def create(name: str, token: str, cert: str) -> str:
-        files = [f"--from-file=token={token}"] + [f"--from-file={k}=tls/{cert}.{e}" if e else f"--from-file={k}=tls/ca.pem"
+        files = [f"--from-file=token={token}"] + [f"--from-file={k}=" + (f"tls/{cert}.{e}" if e else "tls/ca.pem")
                                                   for k, e in SECRET_FILES]
         return (f"kubectl{ns} create secret generic {dep.job(name)} {' '.join(files)} "
                 f"--dry-run=client -o yaml | kubectl{ns} apply -f -")

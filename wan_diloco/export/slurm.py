@@ -47,7 +47,8 @@ def region_script(dep: Deployment, region: str) -> str:
     lines += [f"# learners {', '.join(map(str, ids))} of {RUN_FILE} (region {region})",
               "set -euo pipefail",
               (f'export SYNCER="${{SYNCER:-{given}}}"' if given else
-               ': "${SYNCER:?set SYNCER to the HOST:PORT of each syncer shard, comma-separated: SYNCER=host:port sbatch ...}"'),
+               ': "${SYNCER:?set SYNCER to the HOST:PORT of each syncer shard, comma-separated: '
+               'SYNCER=host:port sbatch ...}"'),
               "learner() {",
               f"  local IDS=({' '.join(map(str, ids))})  # task t runs learner IDS[t]",
               '  local ID="${IDS[$SLURM_PROCID]}"',
