@@ -61,7 +61,9 @@ def _container(dep: Deployment, name: str, argv: list[str], secret_name: str, gp
 
 def _volumes(dep: Deployment, secret_name: str) -> list[dict]:
     return [{"name": "run", "configMap": {"name": dep.job("run")}},
-            {"name": "tls", "secret": {"secretName": secret_name, "defaultMode": 0o400,
+            # the TLS files only: the token reaches the process as an environment variable, not a file. The
+            # default mode (0644) keeps them readable by an image that runs as a non-root user.
+            {"name": "tls", "secret": {"secretName": secret_name,
                                        "items": [{"key": k, "path": k} for k, _ in SECRET_FILES]}}]
 
 
