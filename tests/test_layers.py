@@ -21,7 +21,7 @@ LAYERS: list[tuple[set[str], bool]] = [  # (units, may units of this layer impor
     ({"spec"}, False),
     ({"host_tls"}, False),  # this host's TLS files over the run file's (flags, environment)
     ({"assemble"}, False),
-    ({"sim", "runtime"}, False),
+    ({"sim", "runtime", "export"}, False),  # export: launch files of a run (reads spec)
     ({"api"}, False),  # the Python entry points over the drivers; the CLI prints what they return
     ({"cli"}, False),
 ]

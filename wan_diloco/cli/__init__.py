@@ -34,6 +34,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "train": ("wan_diloco.cli.train", "the default local run: syncer + 4 learners in 2 regions on loopback"),
     "wan": ("wan_diloco.cli.wan", "emulated WAN between region namespaces on this machine (needs root)"),
     "chaos": ("wan_diloco.cli.chaos", "a real run under process kills and resumes, against a fault-free run"),
+    "export": ("wan_diloco.cli.export", "launch files for SkyPilot, Slurm or Kubernetes from one run file"),
 }
 
 
