@@ -305,6 +305,7 @@ SETTINGS_ARGS = {
     # The same without striping: each fragment on one stream of one connection (before wire version 5).
     "auto-unstriped": lambda rate, rtt_ms: ["--auto-channels", "--unstriped"],
     "tuned-unstriped": lambda rate, rtt_ms: ["--tuned", f"{rate},{rtt_ms}", "--unstriped"],
+    "8-channels": lambda rate, rtt_ms: ["--channels", "8"],  # default settings on 8 connections
 }
 
 

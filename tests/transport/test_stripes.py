@@ -284,3 +284,19 @@ def test_connections_opened_after_a_probe_use_window_sizes_for_the_measured_link
     assert after["grpc.http2.max_frame_size"] == tuned.max_frame_bytes
     assert after["grpc.max_receive_message_length"] == before["grpc.max_receive_message_length"]
     assert set(PROBE_TUNED) <= {f.name for f in dataclasses.fields(tuned)}
+
+
+def test_a_stripe_that_stalls_mid_way_fails_the_upload_after_the_idle_timeout():
+    async def sends(channel, frame, parts):
+        st, views = parts[1]
+        release = asyncio.Event()
+
+        async def stalled():
+            yield encode_message(Frame(frame.sender, frame.fragment, st.to_meta()))
+            yield bytes(views[0][:1000])
+            await release.wait()
+
+        call = channel.stream_unary(f"/{SERVICE}/Stripe")(stalled(), timeout=10.0, metadata=MD)
+        return [send(channel, frame, *parts[0]), asyncio.ensure_future(call)]
+    _refused(sends, grpc.StatusCode.DEADLINE_EXCEEDED, "no data for 0.5 s (stream_idle_timeout_s) in stripe 1",
+             config=dataclasses.replace(STRIPED, stream_idle_timeout_s=0.5))

@@ -162,32 +162,42 @@ class StripeAssembler:
         self.failed: dict[tuple[str, str], None] = {}
 
     async def receive(self, requests, bound: str | None, who: str) -> bytes:
-        """One Stripe call: its header, then its bytes into the upload's buffer; the upload's Ack bytes."""
+        """One Stripe call: its header, then its bytes into the upload's buffer; the upload's Ack bytes.
+
+        Each gRPC message must come within ``stream_idle_timeout_s``; waiting for a reassembly slot is not
+        timed (HTTP/2 flow control holds the sender back meanwhile), as for the Upload RPC."""
         idle_s, asm, nbytes = self.config.stream_idle_timeout_s, None, 0
         it = requests.__aiter__()
         try:
-            async with asyncio.timeout(idle_s) as quiet:
-                head = await anext(it, None)
-                if head is None:
-                    raise MessageError("stripe call ended before its header")
-                header = decode_message(head, max_bytes=self.config.grpc_message_bytes)
-                if not isinstance(header, Frame):
-                    raise MessageError(f"stripe header: expected Frame, got {type(header).__name__}")
-                self.bind(bound, header.sender)
-                st = Stripe.parse(header.meta, self.config.max_message_bytes)
-                asm = await self._join(who, st)
-                digest, at = xxhash.xxh3_64(), st.offset
-                async for chunk in it:
-                    quiet.reschedule(asyncio.get_running_loop().time() + idle_s)
-                    if asm.failed:  # its buffer may be someone else's now
-                        break
-                    if at + len(chunk) > st.offset + st.length:
-                        raise MessageError(f"stripe {st.index} of upload {st.upload}: more than its "
-                                           f"{st.length} bytes")
-                    asm.buf[at : at + len(chunk)] = chunk
-                    digest.update(chunk)
-                    at, nbytes = at + len(chunk), nbytes + len(chunk)
-                    asm.progress_at = asyncio.get_running_loop().time()
+            try:
+                head = await asyncio.wait_for(anext(it, None), idle_s)
+            except TimeoutError:
+                raise StripeTimeout(f"no stripe header within {idle_s:g} s (stream_idle_timeout_s)") from None
+            if head is None:
+                raise MessageError("stripe call ended before its header")
+            header = decode_message(head, max_bytes=self.config.grpc_message_bytes)
+            if not isinstance(header, Frame):
+                raise MessageError(f"stripe header: expected Frame, got {type(header).__name__}")
+            self.bind(bound, header.sender)
+            st = Stripe.parse(header.meta, self.config.max_message_bytes)
+            asm = await self._join(who, st)
+            digest, at, loop = xxhash.xxh3_64(), st.offset, asyncio.get_running_loop()
+            try:
+                async with asyncio.timeout(idle_s) as quiet:
+                    async for chunk in it:
+                        quiet.reschedule(loop.time() + idle_s)
+                        if asm.failed:  # its buffer may be someone else's now
+                            break
+                        if at + len(chunk) > st.offset + st.length:
+                            raise MessageError(f"stripe {st.index} of upload {st.upload}: more than its "
+                                               f"{st.length} bytes")
+                        asm.buf[at : at + len(chunk)] = chunk
+                        digest.update(chunk)
+                        at, nbytes = at + len(chunk), nbytes + len(chunk)
+                        asm.progress_at = loop.time()
+            except TimeoutError:
+                raise StripeTimeout(f"no data for {idle_s:g} s (stream_idle_timeout_s) in stripe {st.index} of "
+                                    f"upload {st.upload} after {nbytes} bytes; upload aborted") from None
             if not asm.failed:
                 if at != st.offset + st.length:
                     raise MessageError(f"stripe {st.index} of upload {st.upload}: ended after {at - st.offset} "
@@ -200,12 +210,9 @@ class StripeAssembler:
                     await self._complete(asm, bound)
             return await asm.result
         except BaseException as e:
-            if isinstance(e, TimeoutError) and asm is not None and not asm.result.done():
-                e = StripeTimeout(f"no data for {idle_s:g} s (stream_idle_timeout_s) in a stripe after "
-                                  f"{nbytes} bytes; upload aborted")
             if asm is not None:
                 self._fail(asm, e)
-            raise e from None
+            raise
 
     async def _join(self, who: str, st: Stripe) -> Assembly:
         key = (who, st.upload)
