@@ -44,6 +44,7 @@ fresh connections (``cold_gbit_s``), the row's figure is the median of the rest.
     python -m bench.wan --quick     # ~6 min: dp and decoupled int4 + transport at 1 Gbit/s
     python -m bench.wan             # every method, every bit width, every transport link, the link events
     python -m bench.wan --transport-only   # rerun the transport rows into an existing wan.json
+    python -m bench.wan --transport-only --case 2,50,4 --fragments 1   # one link, into transport_wan.json
 Needs root (network namespaces). Writes bench/results/wan.json (+ wan.png).
 """
 from __future__ import annotations
