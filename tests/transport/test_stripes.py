@@ -300,3 +300,34 @@ def test_a_stripe_that_stalls_mid_way_fails_the_upload_after_the_idle_timeout():
         return [send(channel, frame, *parts[0]), asyncio.ensure_future(call)]
     _refused(sends, grpc.StatusCode.DEADLINE_EXCEEDED, "no data for 0.5 s (stream_idle_timeout_s) in stripe 1",
              config=dataclasses.replace(STRIPED, stream_idle_timeout_s=0.5))
+
+
+def test_malformed_stripe_headers_over_the_wire_are_refused_and_the_server_goes_on():
+    frame = fragment(200_000)
+    rng = np.random.default_rng(1)
+    values = [None, True, -1, 0, 1, 3, 2**62, 1.5, "", "u1", "0" * 16, [], {}]
+
+    async def main():
+        codes = []
+        async with syncer(config=STRIPED) as (server, handler), raw_channel(server) as channel:
+            st, views = stripes_of(frame, 3)[1]
+            for _ in range(20):
+                meta = st.to_meta()
+                for k in rng.choice(STRIPE_FIELDS, size=2, replace=False):
+                    meta["stripe"][str(k)] = values[int(rng.integers(len(values)))]
+                chunks = [encode_message(Frame(frame.sender, frame.fragment, meta)), bytes(views[0][:100])]
+                try:
+                    await channel.stream_unary(f"/{SERVICE}/Stripe")(iter(chunks), timeout=5.0, metadata=MD)
+                    codes.append(grpc.StatusCode.OK)
+                except grpc.aio.AioRpcError as e:
+                    codes.append(e.code())
+            await until(lambda: not server._stripes.uploads)
+            clean = not server._uploads_by and server._slots_held == 0 and handler.fragments == []
+            async with client_for(server) as client:
+                await client.upload_fragment(frame)
+            return codes, clean, handler.fragments
+
+    codes, clean, got = arun(main())
+    # A header that happens to stay valid names a 3-stripe upload whose stripe is short: refused as well.
+    assert set(codes) <= {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED}, codes
+    assert clean and len(got) == 1 and got[0][1] == frame.payload
