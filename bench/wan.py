@@ -44,6 +44,7 @@ fresh connections (``cold_gbit_s``), the row's figure is the median of the rest.
     python -m bench.wan --quick     # ~6 min: dp and decoupled int4 + transport at 1 Gbit/s
     python -m bench.wan             # every method, every bit width, every transport link, the link events
     python -m bench.wan --transport-only   # rerun the transport rows into an existing wan.json
+    python -m bench.wan --transport-only --case 2,50,4 --fragments 1   # one link, into transport_wan.json
 Needs root (network namespaces). Writes bench/results/wan.json (+ wan.png).
 """
 from __future__ import annotations
@@ -302,17 +303,24 @@ SETTINGS_ARGS = {
     "default": lambda rate, rtt_ms: [],
     "tuned": lambda rate, rtt_ms: ["--tuned", f"{rate},{rtt_ms}"],  # transport.tune_for_link for the known link
     "auto": lambda rate, rtt_ms: ["--auto-channels"],  # connections widened from probes, as learners do
+    # The same without striping: each fragment on one stream of one connection (before wire version 5).
+    "auto-unstriped": lambda rate, rtt_ms: ["--auto-channels", "--unstriped"],
+    "tuned-unstriped": lambda rate, rtt_ms: ["--tuned", f"{rate},{rtt_ms}", "--unstriped"],
+    "8-channels": lambda rate, rtt_ms: ["--channels", "8"],  # default settings on 8 connections
 }
 
 
-def transport_rows(cases: list[tuple[float, float, int, tuple[str, ...]]], workdir: Path) -> list[dict]:
+def transport_rows(cases: list[tuple[float, float, int, tuple[str, ...]]], workdir: Path, fragments: int = 4,
+                   iperf: bool = False) -> list[dict]:
     """One row per (rate Gbit/s, RTT ms, host TCP buffer bytes) and setting of the case: a client in one
-    emulated region uploads 4 fragments at once to a server in the other, TRANSPORT_ROUNDS times."""
+    emulated region uploads ``fragments`` fragments at once to a server in the other, TRANSPORT_ROUNDS
+    times. With ``iperf``, each row also has iperf3's rate through the same emulated link, measured first."""
     rows = []
     for rate, rtt_ms, host_buffer, settings in cases:
         topo = regions_from_mapping({"names": ["hub", "far"], "link": {"rate_gbit_s": rate, "rtt_ms": rtt_ms},
                                      "tcp_buffer_max_bytes": host_buffer})
         with Emulator(topo, prefix=PREFIX) as emu:
+            iperf3_gbit_s = measure.iperf3(emu, "hub", "far", seconds=6.0, omit_s=2) if iperf else None
             host = emu.address_of("hub")
             tls = workdir / "tls"
             make_dev_certs(tls, hosts=(host,))
@@ -325,19 +333,25 @@ def transport_rows(cases: list[tuple[float, float, int, tuple[str, ...]]], workd
                     mib = max(16, int(rate * 1e9 / 8 * 1.0 / (1 << 20)))  # ~4 s of link in 4 fragments a round
                     pid, t0 = emu.forwarder_pid, time.monotonic()
                     cpu0, srv_cpu0 = (_cpu_s(pid) if pid else 0.0), _cpu_s(srv.pid)
+                    mib = max(16, mib * 4 // fragments)  # the same bytes a round whatever the fragments
                     res = emu.exec("far", [sys.executable, PEER, "upload", "--target", f"{host}:{port}",
-                                           "--tls", str(tls), "--mib", str(mib), "--fragments", "4",
+                                           "--tls", str(tls), "--mib", str(mib), "--fragments", str(fragments),
                                            "--rounds", str(TRANSPORT_ROUNDS), *extra],
                                    timeout=300)
                     got = json.loads(res.stdout.strip().splitlines()[-1])
                     wall = time.monotonic() - t0
                     got["forwarder_cores"] = (_cpu_s(pid) - cpu0) / wall if pid else None
                     got["server_cores"] = (_cpu_s(srv.pid) - srv_cpu0) / wall
+                    # Probes and handshakes included: an upper bound of the receiver's cost per GiB uploaded.
+                    got["server_cpu_s_per_gib"] = (_cpu_s(srv.pid) - srv_cpu0) / (
+                        TRANSPORT_ROUNDS * got["bytes_per_round"] / (1 << 30))
                 finally:
                     srv.stdin.close()
                     srv.wait(10)
                 row = {"rate_gbit_s": rate, "rtt_ms": rtt_ms, "host_tcp_buffer_bytes": host_buffer,
-                       "settings": name, **got, "fraction_of_link": got["gbit_s"] / rate}
+                       "settings": name, "fragments": fragments, **got, "fraction_of_link": got["gbit_s"] / rate}
+                if iperf3_gbit_s is not None:
+                    row["iperf3_gbit_s"] = iperf3_gbit_s
                 print(f"  transport {rate:g} Gbit/s {rtt_ms:g} ms, hosts {host_buffer >> 20} MiB, {name:<8} "
                       f"{got['gbit_s']:.3f} Gbit/s ({row['fraction_of_link']:.0%}; cold {got['cold_gbit_s']:.3f}), "
                       f"{got['channels']} channels", flush=True)
@@ -371,6 +385,12 @@ def main(argv=None) -> int:
     ap.add_argument("--events-only", action="store_true", help="rerun only the link events into an existing --out")
     ap.add_argument("--transport-only", action="store_true",
                     help="rerun only the transport rows (full list) into an existing --out")
+    ap.add_argument("--case", action="append", default=[], metavar="RATE_GBIT_S,RTT_MS,HOST_BUFFER_MIB",
+                    help="with --transport-only: only this link (repeatable), every setting of --settings, "
+                         "iperf3 through it first; rows go to bench/results/transport_wan.json, not --out")
+    ap.add_argument("--settings", default="default,tuned,auto,auto-unstriped",
+                    help=f"with --case: comma-separated, of {', '.join(SETTINGS_ARGS)}")
+    ap.add_argument("--fragments", type=int, default=4, help="with --case: concurrent uploads per round")
     args = ap.parse_args(argv)
     if (why := unavailable_reason()) is not None:
         print(f"bench/wan.py: the emulated WAN {why}", file=sys.stderr)
@@ -397,6 +417,22 @@ def main(argv=None) -> int:
         with tempfile.TemporaryDirectory(prefix="wan-bench-") as tmp:
             out["events"] = run_events(link, Path(tmp), tau)
         save(out, args.out)
+        return 0
+    if args.transport_only and args.case:
+        settings = tuple(args.settings.split(","))
+        unknown = sorted(set(settings) - set(SETTINGS_ARGS))
+        if unknown:
+            ap.error(f"--settings: unknown {', '.join(unknown)}; known: {', '.join(SETTINGS_ARGS)}")
+        try:
+            cases = [(float(r), float(t), int(b) << 20, settings) for r, t, b in (c.split(",") for c in args.case)]
+        except ValueError:
+            ap.error(f"--case takes RATE_GBIT_S,RTT_MS,HOST_BUFFER_MIB, got {args.case}")
+        with tempfile.TemporaryDirectory(prefix="wan-bench-") as tmp:
+            rows = transport_rows(cases, Path(tmp), args.fragments, iperf=True)
+        save({"benchmark": "transport through the emulated WAN (bench/wan.py --transport-only --case)",
+              "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
+                          "loadavg_1m_at_end": round(os.getloadavg()[0], 2)},
+              "rounds": TRANSPORT_ROUNDS, "transport": rows}, ROOT / "bench" / "results" / "transport_wan.json")
         return 0
     if args.transport_only:
         out = json.loads(args.out.read_text())

@@ -8,6 +8,7 @@ TLS, channels and HTTP/2 settings a run uses.
     wan_peer.py server --host H --tls DIR [--tuned RATE,RTT]      prints {"ready": port}, serves until stdin closes
     wan_peer.py probe  --target H:P --tls DIR --samples N           prints the link samples
     wan_peer.py upload --target H:P --tls DIR --mib M --fragments F [--rounds R] [--tuned RATE,RTT] [--auto-channels]
+                       [--unstriped]
 """
 from __future__ import annotations
 
@@ -53,6 +54,8 @@ def config(args) -> TransportConfig:
         rate, rtt_ms = (float(x) for x in args.tuned.split(","))
         # For this host's TCP buffers (the emulator's [regions] tcp_buffer_max_bytes in its namespaces).
         base = tune_for_link(rate, rtt_ms / 1e3, base, socket_buffer_bytes=host_socket_buffer_bytes())
+    if args.unstriped:  # every fragment on one HTTP/2 stream (the transport before striping)
+        base = dataclasses.replace(base, stripe_min_bytes=0)
     return dataclasses.replace(base, channels=args.channels) if args.channels else base
 
 
@@ -135,6 +138,7 @@ def main() -> int:
     p.add_argument("--auto-channels", action="store_true",
                    help="upload: first widen the connections from link probes, as a learner does")
     p.add_argument("--rounds", type=int, default=1, help="upload: timed rounds on the same connections")
+    p.add_argument("--unstriped", action="store_true", help="upload: never stripe a fragment over connections")
     args = p.parse_args()
     run({"server": serve, "probe": probe, "upload": upload}[args.mode](args))
     return 0

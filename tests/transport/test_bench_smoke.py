@@ -13,10 +13,18 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_bench_transport_tiny_run(tmp_path):
     out = tmp_path / "transport.json"
     subprocess.run([sys.executable, str(ROOT / "bench" / "transport.py"), "--quick", "--rounds", "1",
-                    "--total-mib", "16", "--fragment-mib", "4", "--out", str(out)],
+                    "--total-mib", "32", "--fragment-mib", "16", "--out", str(out)],
                    check=True, timeout=300, capture_output=True)
     report = json.loads(out.read_text())
     assert report["rows"][0]["name"] == "raw asyncio tcp" and report["rows"][0]["ratio_vs_tcp"] == 1.0
     assert all(r["gbit_s"] > 0 and r["cpu_s_per_gib"] > 0 for r in report["rows"])
-    assert set(report["targets"]) == {"best_cleartext_ratio", "tls_ratio", "int4_end_to_end_gbit_s"}
+    assert all(r["cpu_s_per_gib"] == pytest.approx(r["sender_cpu_s_per_gib"] + r["receiver_cpu_s_per_gib"], abs=2e-3)
+               for r in report["rows"])
+    assert all("receiver_cpu_vs_tls_tcp" in r for r in report["rows"] if r["tls"] and r["kind"] == "grpc")
+    assert not report["partial"]
+    striped, unstriped = ({r["name"]: r["striped"] for r in report["rows"]}[n] for n in reversed(
+        report["striping"]["rows"]))
+    assert striped and not unstriped and report["striping"]["striped_over_unstriped_gbit_s"] > 0
+    assert set(report["targets"]) == {"best_cleartext_ratio", "best_cleartext_cpu_vs_tcp", "tls_ratio",
+                                      "tls_receiver_cpu_vs_tls_tcp", "int4_end_to_end_gbit_s"}
     assert out.with_suffix(".png").stat().st_size > 0

@@ -14,14 +14,13 @@ import asyncio
 import dataclasses
 import itertools
 import math
-import random
 import secrets
 import time
 from typing import AsyncIterator
 
 import grpc
 
-from .config import MAX_CHANNELS, TransportConfig
+from .config import MAX_CHANNELS, PROBE_TUNED, TransportConfig, tune_for_link
 from .framing import BufferPool, MessageReader, iter_chunks
 from .messages import (
     Ack, BulkChunk, BulkRequest, Frame, MessageError, Subscribe, TRAILER_BYTES, decode_message,
@@ -29,38 +28,12 @@ from .messages import (
 )
 from .metrics import TransportMetrics
 from .probe import LinkSample, rate_from_transfer
+from .retry import RETRYABLE, Backoff, TransportError
 from .security import bearer_metadata, call_token, channel_credentials, check_token, require_secure_or_loopback
 from .server import SERVICE, sender_metadata
+from .stripes import MAX_STRIPES, send_striped
 
-RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE})
-
-
-class TransportError(Exception):
-    """A call failed for good; ``code`` is the gRPC status code, the text says why."""
-
-    def __init__(self, rpc: str, code: grpc.StatusCode, details: str):
-        super().__init__(f"{rpc} failed: {code.name}: {details}")
-        self.rpc, self.code, self.details = rpc, code, details
-
-
-class Backoff:
-    """Exponential backoff with full jitter, bounded by a total time budget."""
-
-    def __init__(self, config: TransportConfig) -> None:
-        self.config = config
-        self.reset()
-
-    def reset(self) -> None:
-        self.delay_s = self.config.backoff_initial_s
-        self.started = time.monotonic()
-
-    async def wait(self) -> bool:
-        """Sleep before the next try; False once the budget is spent."""
-        if time.monotonic() - self.started > self.config.retry_budget_s:
-            return False
-        await asyncio.sleep(random.uniform(0.5, 1.0) * self.delay_s)
-        self.delay_s = min(self.config.backoff_max_s, self.delay_s * self.config.backoff_multiplier)
-        return True
+__all__ = ["Backoff", "SyncerClient", "TransportError"]  # Backoff and TransportError live in retry.py
 
 
 class SyncerClient:
@@ -90,9 +63,19 @@ class SyncerClient:
         self._upload_slots = asyncio.Semaphore(min(self.config.max_inflight_uploads,
                                                    self.config.max_uploads_per_sender))
         self._closed = False
+        self.link: LinkSample | None = None  # the last probe's measurement: sizes later connections
+
+    def channel_options(self) -> list[tuple[str, int]]:
+        """gRPC options of the next connection opened: after a probe, the HTTP/2 window, frame and read
+        sizes ``tune_for_link`` picks for the measured rate x RTT. The message size stays ``chunk_bytes``
+        (the syncer refuses larger gRPC messages than its own)."""
+        if self.link is None:
+            return self.config.client_options()
+        tuned = tune_for_link(self.link.rate_gbit_s, self.link.rtt_s, self.config)
+        return dataclasses.replace(self.config, **{k: getattr(tuned, k) for k in PROBE_TUNED}).client_options()
 
     def _open_channel(self) -> grpc.aio.Channel:
-        options = self.config.client_options()
+        options = self.channel_options()
         tls = self.config.tls
         if tls is None:
             return grpc.aio.insecure_channel(self.target, options=options)
@@ -185,7 +168,9 @@ class SyncerClient:
         return self._decode_ack(await self._retry("Metadata", attempt))
 
     async def upload_fragment(self, frame: Frame) -> Ack:
-        """Stream one Frame in chunks of ``chunk_bytes`` over the next channel (the Upload RPC).
+        """Stream one Frame in chunks of ``chunk_bytes`` over the next channel (the Upload RPC), or, when
+        it is at least twice ``stripe_min_bytes`` and there are several channels, striped over them
+        (the Stripe RPC, ``stripes.py``).
 
         At most ``max_inflight_uploads`` (and ``max_uploads_per_sender``) run at once;
         more callers wait here, so a learner never queues more than that many
@@ -200,11 +185,17 @@ class SyncerClient:
 
         metadata = self._metadata(frame.sender)
 
+        stripes = min(len(self._channels), MAX_STRIPES, size // (self.config.stripe_min_bytes or size + 1))
+
         async def attempt():
-            call = self._channel().stream_unary(f"/{SERVICE}/Upload")
-            reply = await call(iter_chunks(head, payload, self.config.chunk_bytes),
-                               timeout=self.config.upload_deadline_s(size),
-                               metadata=metadata, wait_for_ready=True)
+            if stripes > 1:  # one stream per connection: one fragment can use them all
+                reply = await send_striped(self._channels, next(self._next_channel), f"/{SERVICE}/Stripe", frame,
+                                           head, payload, stripes, self.config.chunk_bytes,
+                                           self.config.upload_deadline_s(size), metadata)
+            else:
+                call = self._channel().stream_unary(f"/{SERVICE}/Upload")
+                reply = await call(iter_chunks(head, payload, self.config.chunk_bytes),
+                                   timeout=self.config.upload_deadline_s(size), metadata=metadata, wait_for_ready=True)
             self.metrics.sent("Upload", size)
             return reply
 
@@ -307,7 +298,10 @@ class SyncerClient:
         for t in done:
             t.result()  # a failed call fails the probe
         rate, transfer_s = rate_from_transfer(got[0], wall_s, rtt_s)
-        return LinkSample(rtt_s=rtt_s, rate_gbit_s=rate, nbytes=got[0], transfer_s=transfer_s, at_s=time.monotonic())
+        sample = LinkSample(rtt_s=rtt_s, rate_gbit_s=rate, nbytes=got[0], transfer_s=transfer_s, at_s=time.monotonic())
+        if rate > 0:
+            self.link = sample
+        return sample
 
     async def fetch_bulk(self, request: BulkRequest) -> AsyncIterator[BulkChunk]:
         """Chunks of a bulk object in order; checks offsets, total size and version (etag).

@@ -47,6 +47,9 @@ class TransportConfig:
     chunk_bytes: int = 4 * MiB  # gRPC message size for fragment/update/bulk streams
     max_message_bytes: int = 512 * MiB  # largest encoded message accepted (one fragment)
     channels: int = 2  # HTTP/2 connections per peer; uploads round-robin over them
+    # client: an upload of at least twice this many bytes is striped over the channels (one stripe per
+    # channel, each at least this big) instead of riding one connection; 0: never striped
+    stripe_min_bytes: int = 8 * MiB
     max_inflight_uploads: int = 8  # client: fragment uploads in flight at once (capped by max_uploads_per_sender)
     max_concurrent_uploads: int = 16  # server: uploads reassembled at once (memory bound)
     max_uploads_per_sender: int = 4  # server: open uploads of one sender; more are refused (RESOURCE_EXHAUSTED)
@@ -90,6 +93,8 @@ class TransportConfig:
             "max_message_bytes",
             f"must be >= chunk_bytes ({self.chunk_bytes}), got {self.max_message_bytes}",
         )
+        require(self.stripe_min_bytes == 0 or self.stripe_min_bytes >= 64 * 1024, "stripe_min_bytes",
+                f"must be 0 (never stripe) or >= 65536, got {self.stripe_min_bytes}")
         require(1 <= self.channels <= 64, "channels", f"must be in [1, 64], got {self.channels}")
         require(self.max_inflight_uploads >= 1, "max_inflight_uploads", "must be >= 1")
         require(self.max_concurrent_uploads >= 1, "max_concurrent_uploads", "must be >= 1")
@@ -171,6 +176,9 @@ class TransportConfig:
 
 
 MAX_CHANNELS = 16
+# What a client applies to connections it opens after a probe (``SyncerClient.channel_options``):
+# per-connection HTTP/2 and socket sizes, which the peer need not agree on.
+PROBE_TUNED = ("bdp_probe", "lookahead_bytes", "max_frame_bytes", "read_chunk_bytes")
 WINDOW_BOUND = 0.8  # a probe this close to its connections' window ceiling may not have seen the link
 
 

@@ -46,7 +46,8 @@ import xxhash
 # 2: one generic Frame replaced the protocol-specific kinds of version 1
 # 3: Subscribe names the subscribing process (``instance``)
 # 4: bulk transfers resume from an offset (BulkRequest.offset/etag, BulkChunk.etag)
-WIRE_VERSION = 4
+# 5: an upload may be striped over several calls (the Stripe RPC, ``stripes.py``)
+WIRE_VERSION = 5
 MESSAGE_MAGIC = b"WDLC"
 PRELUDE = struct.Struct("<4sBBHIQ")
 PRELUDE_BYTES = PRELUDE.size  # 20

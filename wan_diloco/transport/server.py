@@ -13,12 +13,11 @@ plugs in is ``handler.py`` (both re-exported here).
 Uploads hold one of ``max_concurrent_uploads`` reassembly slots; one sender (its
 authenticated identity) may have ``max_uploads_per_sender`` open, and an upload
 that stops sending for ``stream_idle_timeout_s`` is aborted, so idle streams
-cannot keep the slots.
+cannot keep the slots. One upload striped over several Stripe calls (``stripes.py``) counts as one.
 """
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from typing import Callable
@@ -37,6 +36,7 @@ from .messages import (
 from .metrics import TransportMetrics
 from .probe import MAX_CONCURRENT_PROBES, MAX_PROBE_BYTES, PROBE_MESSAGE_MIN_BYTES, finite_positive
 from .security import certificate_identity, check_token, require_secure_or_loopback, server_credentials, why_not_listening
+from .stripes import StripeAssembler, StripeTimeout
 
 # Re-exported: callers and applications import these from here.
 __all__ = ["BulkSource", "Handler", "IDENTITY_REASONS", "MAX_PEER_LINKS", "Rejected", "SENDER_HEADER", "SERVICE",
@@ -45,7 +45,7 @@ __all__ = ["BulkSource", "Handler", "IDENTITY_REASONS", "MAX_PEER_LINKS", "Rejec
 log = logging.getLogger(__name__)
 
 SERVICE = "wan_diloco.Syncer"
-METHODS = ("Metadata", "Upload", "Subscribe", "Bulk", "Probe")
+METHODS = ("Metadata", "Upload", "Stripe", "Subscribe", "Bulk", "Probe")
 SLOTS_BUSY_WARN_S = 5.0  # every upload slot held this long: one warning per episode
 
 
@@ -86,6 +86,8 @@ class TransportServer:
         self._subscribers: dict[str, list] = {}
         # Idle receive buffers kept for reuse: never more than the uploads in flight.
         self._pool = BufferPool(keep=self.config.max_concurrent_uploads)
+        self._stripes = StripeAssembler(self.config, self._pool, self._begin_upload, self._end_upload,
+                                        self._deliver, self.callers.bind, self.metrics)
         self._probes = 0
         # sender -> its latest link measurement as it reported it (``Probe`` meta): for /status.
         self.peer_links: dict[str, dict] = {}
@@ -95,6 +97,7 @@ class TransportServer:
         handlers = {
             "Metadata": grpc.unary_unary_rpc_method_handler(self._metadata),
             "Upload": grpc.stream_unary_rpc_method_handler(self._upload),
+            "Stripe": grpc.stream_unary_rpc_method_handler(self._stripe),
             "Subscribe": grpc.unary_stream_rpc_method_handler(self._subscribe),
             "Bulk": grpc.unary_stream_rpc_method_handler(self._bulk),
             "Probe": grpc.unary_stream_rpc_method_handler(self._probe),
@@ -178,25 +181,41 @@ class TransportServer:
             await self._guard(context, "Metadata", e)
 
 
-    @contextlib.asynccontextmanager
-    async def _upload_slot(self):
-        """Hold one of ``max_concurrent_uploads`` slots. When every slot stays held for SLOTS_BUSY_WARN_S,
-        one warning names who holds them: whether or not an upload is waiting here, a learner's own
-        uploads may be held back on its side, and merges stop."""
-        await self._upload_slots.acquire()
+    async def _begin_upload(self, who: str) -> None:
+        """Count an upload of ``who`` (Rejected over ``max_uploads_per_sender``), then hold one of
+        ``max_concurrent_uploads`` slots. When every slot stays held for SLOTS_BUSY_WARN_S, one warning
+        names who holds them: whether or not an upload is waiting here, a learner's own uploads may be
+        held back on its side, and merges stop."""
+        limit = self.config.max_uploads_per_sender
+        if self._uploads_by.get(who, 0) >= limit:
+            raise Rejected(f"{who} has {limit} uploads open already, the limit (max_uploads_per_sender); "
+                           "wait for one to finish", grpc.StatusCode.RESOURCE_EXHAUSTED)
+        self._uploads_by[who] = self._uploads_by.get(who, 0) + 1
+        try:
+            # The slot bounds memory (max_concurrent_uploads x max_message_bytes); while a
+            # call waits for one, HTTP/2 flow control holds its sender back.
+            await self._upload_slots.acquire()
+        except BaseException:
+            self._uncount(who)
+            raise
         self._slots_held += 1
         self.metrics.gauge("upload_slots_in_use", "Upload reassembly slots held").set(self._slots_held)
         if self._slots_held >= self.config.max_concurrent_uploads and self._slots_busy_timer is None:
             self._slots_busy_timer = asyncio.get_running_loop().call_later(SLOTS_BUSY_WARN_S, self._warn_slots_busy)
-        try:
-            yield
-        finally:
-            self._slots_held -= 1
-            self.metrics.gauge("upload_slots_in_use", "Upload reassembly slots held").set(self._slots_held)
-            if self._slots_busy_timer is not None:  # a slot is free: this episode is over
-                self._slots_busy_timer.cancel()
-                self._slots_busy_timer = None
-            self._upload_slots.release()
+
+    def _uncount(self, who: str) -> None:
+        self._uploads_by[who] -= 1
+        if not self._uploads_by[who]:
+            del self._uploads_by[who]
+
+    def _end_upload(self, who: str) -> None:
+        self._slots_held -= 1
+        self.metrics.gauge("upload_slots_in_use", "Upload reassembly slots held").set(self._slots_held)
+        if self._slots_busy_timer is not None:  # a slot is free: this episode is over
+            self._slots_busy_timer.cancel()
+            self._slots_busy_timer = None
+        self._upload_slots.release()
+        self._uncount(who)
 
     def _warn_slots_busy(self) -> None:
         top = sorted(self._uploads_by.items(), key=lambda kv: -kv[1])[:8]
@@ -209,21 +228,28 @@ class TransportServer:
 
     async def _upload(self, request_iterator, context) -> bytes:
         bound = await self.callers.auth(context, "Upload")  # before a slot or a byte: a stranger takes neither
-        who, limit = bound or uploader(context), self.config.max_uploads_per_sender
-        if self._uploads_by.get(who, 0) >= limit:
-            await self._fail(context, "Upload", grpc.StatusCode.RESOURCE_EXHAUSTED,
-                             f"{who} has {limit} uploads open already, the limit (max_uploads_per_sender); "
-                             "wait for one to finish")
-        self._uploads_by[who] = self._uploads_by.get(who, 0) + 1
+        who = bound or uploader(context)
         try:
-            # The slot bounds memory (max_concurrent_uploads x max_message_bytes); while a
-            # call waits for one, HTTP/2 flow control holds its sender back.
-            async with self._upload_slot():
-                return await self._receive_upload(request_iterator, context, bound)
+            await self._begin_upload(who)
+        except Rejected as e:
+            await self._fail(context, "Upload", e.code, str(e))
+        try:
+            return await self._receive_upload(request_iterator, context, bound)
         finally:
-            self._uploads_by[who] -= 1
-            if not self._uploads_by[who]:
-                del self._uploads_by[who]
+            self._end_upload(who)
+
+    async def _stripe(self, request_iterator, context) -> bytes:
+        """One stripe of an upload striped over several calls (``stripes.py``)."""
+        bound = await self.callers.auth(context, "Stripe")
+        try:
+            return await self._stripes.receive(request_iterator, bound, bound or uploader(context))
+        except StripeTimeout as e:
+            await self._fail(context, "Stripe", grpc.StatusCode.DEADLINE_EXCEEDED, str(e))
+        except BaseException as e:
+            await self._guard(context, "Stripe", e)
+
+    async def _deliver(self, msg: Frame) -> bytes:
+        return self._ack("Upload", await self.handler.on_fragment(msg))
 
     async def _receive_upload(self, request_iterator, context, bound: str | None) -> bytes:
         idle_s, quiet, nbytes = self.config.stream_idle_timeout_s, None, 0
@@ -245,7 +271,7 @@ class TransportServer:
                 raise MessageError(f"expected Frame, got {type(msg).__name__}")
             self.callers.bind(bound, msg.sender)
             self.metrics.received("Upload", nbytes, 1)
-            return self._ack("Upload", await self.handler.on_fragment(msg))
+            return await self._deliver(msg)
         except BaseException as e:
             if isinstance(e, TimeoutError) and quiet is not None and quiet.expired():
                 await self._fail(context, "Upload", grpc.StatusCode.DEADLINE_EXCEEDED,
