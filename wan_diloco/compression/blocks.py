@@ -87,20 +87,26 @@ def _pair_luts(codebook: str) -> tuple[np.ndarray, np.ndarray]:
 
 
 def dequantize_host(codes: np.ndarray, scales: np.ndarray, fmt: Format) -> np.ndarray:
-    """numpy twin of ``quantize.dequantize`` on whole blocks: -> (n_blocks, block_size) float32.
+    """numpy twin of ``quantize.dequantize`` on whole blocks: -> (n_blocks, block_size) float32."""
+    out = np.empty((codes.shape[0], fmt.block_size), np.float32)
+    dequantize_into(codes, scales, fmt, out)
+    return out
+
+
+def dequantize_into(codes: np.ndarray, scales: np.ndarray, fmt: Format, out: np.ndarray) -> None:
+    """``dequantize_host`` into ``out`` (n_blocks, block_size) float32: no temporaries the size of
+    the output, so a caller that decodes a chunk at a time keeps it in cache.
 
     ``codes`` is (n_blocks, code bytes) uint8; 4-bit decoding gathers two
     levels per lookup from a pair table (even block sizes only, as all are).
     """
-    nb, bs = codes.shape[0], fmt.block_size
-    out = np.empty((nb, bs), np.float32)
     if fmt.bits == 8:
         np.multiply(codes.view(np.int8), scales[:, None], out=out)
-        return out
+        return
     lut_lo, lut_hi = _pair_luts(fmt.codebook)
     pairs = codes.view("<u2")
-    half = bs // 2
-    out[:, :half].view("<u8")[...] = lut_lo[pairs]
-    out[:, half:].view("<u8")[...] = lut_hi[pairs]
+    half = fmt.block_size // 2
+    # mode="clip" (a no-op: every u16 indexes the 64K table) lets take write into ``out`` unbuffered.
+    np.take(lut_lo, pairs, out=out[:, :half].view("<u8"), mode="clip")
+    np.take(lut_hi, pairs, out=out[:, half:].view("<u8"), mode="clip")
     out *= scales[:, None]
-    return out
