@@ -25,7 +25,7 @@ from wan_diloco.core.protocol import (
 from wan_diloco.core.syncer_config import SyncerConfig
 from wan_diloco.core.syncer_state import LearnerInfo, SyncerStats
 from wan_diloco.fragments import Encoded
-from wan_diloco.merge import Accumulator, Workers, chunks, sum_squares, token_weights
+from wan_diloco.merge import Accumulator, Workers, chunk_sum_squares, chunks, per_tensor, token_weights
 from wan_diloco.outer import OuterOptimizer
 
 Timing = Callable[[str], AbstractContextManager[Any]]
@@ -83,9 +83,9 @@ def outer_step(outer: OuterOptimizer, codec: Codec, p: int, theta: Tensors, delt
     # The codec refuses a non-finite update (an outer step that overflowed).
     with timing("encode"):
         enc = encode_or_refuse(codec, update, f"update of fragment {p}")
-    # New arrays, not in place: a snapshot being written shares the old ones (``export``).
-    new = add(theta, enc.values, workers)
-    theta_sq = float(sum_squares(list(new.values()), workers).sum())  # the next norm check's
+    # Not in place: a snapshot being written shares Θ_p's arrays (``export``). Into the update's arrays
+    # instead (encoded, it is not needed again), with the next norm check's ||Θ_p||² from the same pass.
+    new, theta_sq = add(theta, enc.values, workers, out=update)
     if not math.isfinite(theta_sq):
         raise ProtocolError("the outer step overflowed (non-finite result)")
     return enc, new, theta_sq
@@ -124,19 +124,23 @@ def combine(a: FragmentUpload, b: FragmentUpload) -> FragmentUpload:
     )
 
 
-def add(a: Tensors, b: Tensors, workers: Workers) -> dict[str, np.ndarray]:
-    """{n: a[n] + b[n]} in fresh float32 arrays, chunk by chunk on ``workers``."""
+def add(a: Tensors, b: Tensors, workers: Workers, out: Mapping[str, np.ndarray] | None = None
+        ) -> tuple[dict[str, np.ndarray], float]:
+    """({n: a[n] + b[n]} as float32, in ``out``'s arrays or fresh ones, Σ of its squares), chunk by
+    chunk on ``workers``: each chunk's squares are summed while it is in cache (NaN/Inf: non-finite)."""
     names = list(a)
     xs, ys = [np.ravel(a[n]) for n in names], [np.ravel(b[n]) for n in names]
-    out = [np.empty(x.size, np.float32) for x in xs]
+    res = [np.empty(x.size, np.float32) if out is None else out[n].reshape(-1) for n, x in zip(names, xs)]
+    items = chunks([x.size for x in xs])
 
-    def run(it) -> None:
+    def run(it) -> float:
         i, lo, hi = it
-        np.add(xs[i][lo:hi], ys[i][lo:hi], out=out[i][lo:hi])
+        np.add(xs[i][lo:hi], ys[i][lo:hi], out=res[i][lo:hi])
+        return chunk_sum_squares(res[i][lo:hi])
 
     with np.errstate(over="ignore", invalid="ignore"):
-        workers.map(run, chunks([x.size for x in xs]))
-    return {n: o.reshape(np.shape(a[n])) for n, o in zip(names, out)}
+        sq = float(per_tensor(len(names), items, workers.map(run, items)).sum())
+    return {n: o.reshape(np.shape(a[n])) for n, o in zip(names, res)}, sq
 
 
 class SyncerRounds:
