@@ -121,22 +121,29 @@ def shard_owners(layout, shards: int) -> list[int]:
 # ---- stage timing -----------------------------------------------------------------------------
 
 class Stages:
-    """Wall and CPU seconds (``process_time``: every thread of this process) per named stage."""
+    """Wall and CPU seconds (``process_time``: every thread of this process) per named stage; a stage
+    entered inside "close" also counts as "close/<name>" (the merge both folds each arriving Δ and
+    finishes at the close)."""
 
     def __init__(self) -> None:
         self.wall: dict[str, float] = {}
         self.cpu: dict[str, float] = {}
         self.calls: dict[str, int] = {}
+        self.open: list[str] = []
 
     @contextlib.contextmanager
     def time(self, name: str):
+        names = [name, f"close/{name}"] if "close" in self.open else [name]
+        self.open.append(name)
         w, c = time.perf_counter(), time.process_time()
         try:
             yield
         finally:
-            self.wall[name] = self.wall.get(name, 0.0) + time.perf_counter() - w
-            self.cpu[name] = self.cpu.get(name, 0.0) + time.process_time() - c
-            self.calls[name] = self.calls.get(name, 0) + 1
+            self.open.pop()
+            for n in names:
+                self.wall[n] = self.wall.get(n, 0.0) + time.perf_counter() - w
+                self.cpu[n] = self.cpu.get(n, 0.0) + time.process_time() - c
+                self.calls[n] = self.calls.get(n, 0) + 1
 
     def wrap(self, name: str, fn):
         @functools.wraps(fn)
@@ -155,7 +162,7 @@ def split_of(cpu: dict[str, float], total_cpu: float | None = None) -> dict[str,
     g = lambda k: cpu.get(k, 0.0)  # noqa: E731
     merge, encode = g("merge"), g("encode")
     split = {"decode": g("decode") + g("validate_upload") + g("validate_norm"), "merge": merge,
-             "outer": max(0.0, g("close") - merge - encode), "encode": encode}
+             "outer": max(0.0, g("close") - g("close/merge") - encode), "encode": encode}
     split["transport"] = max(0.0, total_cpu - sum(split.values())) if total_cpu is not None else 0.0
     return {k: split[k] for k in ("transport", "decode", "merge", "outer", "encode")}
 
@@ -164,7 +171,7 @@ def detail_of(cpu: dict[str, float]) -> dict[str, float]:
     g = lambda k: cpu.get(k, 0.0)  # noqa: E731
     return {"decode": g("decode"), "validate": g("validate_upload") + g("validate_norm"),
             "validate_norm": g("validate_norm"), "merge": g("merge"), "outer_step": g("outer_step"),
-            "apply_and_bookkeeping": max(0.0, g("close") - g("merge") - g("encode") - g("outer_step")),
+            "apply_and_bookkeeping": max(0.0, g("close") - g("close/merge") - g("encode") - g("outer_step")),
             "encode": g("encode")}
 
 

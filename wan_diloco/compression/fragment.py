@@ -43,7 +43,8 @@ class FragmentCodec:
     """
 
     def __init__(self, cfg: CodecConfig, layout: Layout, workers: Workers = SERIAL):
-        """``workers``: the threads a decode runs its chunks on (a syncer's pool; the same bits on any)."""
+        """``workers``: the threads decode and the quantizing of host arrays run their chunks on (a
+        syncer's pool; the same bits on any number)."""
         cfg.validate()
         self.workers = workers
         self.cfg, self.layout = cfg, layout
@@ -75,7 +76,7 @@ class FragmentCodec:
         if stochastic and key is None:
             raise EncodeError("stochastic_rounding needs a PRNG key: encode(values, key=...)")
         parts = pack.pack(fmt, self.layout.fragments[p], arrays, impl=self._impl,
-                          key=key if stochastic else None)
+                          key=key if stochastic else None, workers=self.workers)
         raw_len = sum(memoryview(a).nbytes for a in parts)
         raw = packed = None
         if self.cfg.zstd:

@@ -53,7 +53,7 @@ class _Float32:
     def raw_nbytes(self, fmt: Format, sizes: Sequence[int]) -> int:
         return 4 * sum(sizes)
 
-    def pack(self, fmt, names, arrays, impl, key) -> list[np.ndarray]:
+    def pack(self, fmt, names, arrays, impl, key, workers=SERIAL) -> list[np.ndarray]:
         parts = []
         for name, x in zip(names, arrays):
             v = np.ascontiguousarray(np.asarray(x), "<f4").reshape(-1)
@@ -81,7 +81,7 @@ class _BFloat16:
     def raw_nbytes(self, fmt: Format, sizes: Sequence[int]) -> int:
         return 2 * sum(sizes)
 
-    def pack(self, fmt, names, arrays, impl, key) -> list[np.ndarray]:
+    def pack(self, fmt, names, arrays, impl, key, workers=SERIAL) -> list[np.ndarray]:
         parts = []
         for name, x in zip(names, arrays):
             v = np.asarray(_bf16_bits(x)).astype("<u2", copy=False).reshape(-1)
@@ -106,9 +106,9 @@ class _Blockwise:
         nb = sum(n_blocks(n, fmt.block_size) for n in sizes)
         return nb * (2 + code_bytes_per_block(fmt.bits, fmt.block_size))
 
-    def pack(self, fmt, names, arrays, impl, key) -> list[np.ndarray]:
+    def pack(self, fmt, names, arrays, impl, key, workers=SERIAL) -> list[np.ndarray]:
         sizes = [int(np.size(x)) for x in arrays]
-        per_tensor = blocks.quantize_fragment(arrays, sizes, fmt, impl, key)
+        per_tensor = blocks.quantize_fragment(arrays, sizes, fmt, impl, key, workers)
         scale_bits, code_parts = [], []
         for name, x, (codes, scales) in zip(names, arrays, per_tensor):
             if not np.isfinite(scales).all():
@@ -185,9 +185,10 @@ def raw_nbytes(fmt: Format, sizes: Sequence[int]) -> int:
 
 
 def pack(fmt: Format, names: Sequence[str], arrays: Sequence[Any], *, impl: str = "jnp",
-         key=None) -> list[np.ndarray]:
-    """Raw payload parts of ``arrays`` (layout order); NonFiniteError names a refused tensor."""
-    return packer(fmt).pack(fmt, names, arrays, impl, key)
+         key=None, workers: Workers = SERIAL) -> list[np.ndarray]:
+    """Raw payload parts of ``arrays`` (layout order); NonFiniteError names a refused tensor. ``workers``:
+    the threads that quantize host arrays (any number: the same bytes)."""
+    return packer(fmt).pack(fmt, names, arrays, impl, key, workers)
 
 
 def unpack(fmt: Format, raw, sizes: Sequence[int], workers: Workers = SERIAL) -> tuple[list[np.ndarray], np.ndarray]:
