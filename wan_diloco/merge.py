@@ -2,7 +2,9 @@
 
 Outer gradients of different learners are nearly orthogonal, so a plain mean
 shrinks like 1/sqrt(M); radial-directional averaging (RDA) averages norm and
-direction separately so the merged norm is the weighted mean norm for any M.
+direction separately so the merged norm is the weighted mean norm for any M. Both are sums
+over the learners, so ``Accumulator`` folds each Δ in as it arrives (the syncer's rounds);
+``merge_tensors`` and the functions after it merge a list at once through it.
 
 The syncer merges hundreds of MB per round, so the work is cut into chunks of at most
 ``CHUNK`` values (tensor boundaries kept) that a thread pool runs on every core: numpy
