@@ -121,22 +121,29 @@ def shard_owners(layout, shards: int) -> list[int]:
 # ---- stage timing -----------------------------------------------------------------------------
 
 class Stages:
-    """Wall and CPU seconds (``process_time``: every thread of this process) per named stage."""
+    """Wall and CPU seconds (``process_time``: every thread of this process) per named stage; a stage
+    entered inside "close" also counts as "close/<name>" (the merge both folds each arriving Δ and
+    finishes at the close)."""
 
     def __init__(self) -> None:
         self.wall: dict[str, float] = {}
         self.cpu: dict[str, float] = {}
         self.calls: dict[str, int] = {}
+        self.open: list[str] = []
 
     @contextlib.contextmanager
     def time(self, name: str):
+        names = [name, f"close/{name}"] if "close" in self.open else [name]
+        self.open.append(name)
         w, c = time.perf_counter(), time.process_time()
         try:
             yield
         finally:
-            self.wall[name] = self.wall.get(name, 0.0) + time.perf_counter() - w
-            self.cpu[name] = self.cpu.get(name, 0.0) + time.process_time() - c
-            self.calls[name] = self.calls.get(name, 0) + 1
+            self.open.pop()
+            for n in names:
+                self.wall[n] = self.wall.get(n, 0.0) + time.perf_counter() - w
+                self.cpu[n] = self.cpu.get(n, 0.0) + time.process_time() - c
+                self.calls[n] = self.calls.get(n, 0) + 1
 
     def wrap(self, name: str, fn):
         @functools.wraps(fn)
@@ -155,7 +162,7 @@ def split_of(cpu: dict[str, float], total_cpu: float | None = None) -> dict[str,
     g = lambda k: cpu.get(k, 0.0)  # noqa: E731
     merge, encode = g("merge"), g("encode")
     split = {"decode": g("decode") + g("validate_upload") + g("validate_norm"), "merge": merge,
-             "outer": max(0.0, g("close") - merge - encode), "encode": encode}
+             "outer": max(0.0, g("close") - g("close/merge") - encode), "encode": encode}
     split["transport"] = max(0.0, total_cpu - sum(split.values())) if total_cpu is not None else 0.0
     return {k: split[k] for k in ("transport", "decode", "merge", "outer", "encode")}
 
@@ -164,7 +171,7 @@ def detail_of(cpu: dict[str, float]) -> dict[str, float]:
     g = lambda k: cpu.get(k, 0.0)  # noqa: E731
     return {"decode": g("decode"), "validate": g("validate_upload") + g("validate_norm"),
             "validate_norm": g("validate_norm"), "merge": g("merge"), "outer_step": g("outer_step"),
-            "apply_and_bookkeeping": max(0.0, g("close") - g("merge") - g("encode") - g("outer_step")),
+            "apply_and_bookkeeping": max(0.0, g("close") - g("close/merge") - g("encode") - g("outer_step")),
             "encode": g("encode")}
 
 
@@ -181,8 +188,12 @@ def sample_fragments(layout) -> list[int]:
     return [emb] if mid == emb else [emb, mid]
 
 
-def inprocess(layout, learners: list[int], reps: int, log) -> list[dict]:
-    """Per sampled fragment and M: median stage times of one round (M uploads decoded and merged)."""
+def inprocess(layout, learners: list[int], reps: int, log, threads: list[int] = (1,),
+              on_row=lambda rows: None) -> tuple[list[dict], dict]:
+    """Per syncer thread count, sampled fragment and M: median stage times of one round (M uploads
+    decoded and merged; ``on_row(rows)`` after each); and the hot path against memcpy and a round's
+    peak memory (``syncer_hotpath``)."""
+    from bench import syncer_hotpath as hotpath
     from wan_diloco import model as model_lib
     from wan_diloco.clock import VectorClock
     from wan_diloco.core import FragmentUpload, SyncerConfig, SyncerCore
@@ -198,8 +209,8 @@ def inprocess(layout, learners: list[int], reps: int, log) -> list[dict]:
         log(f"inprocess: fragment {p}: {sub.nbytes[i] / 1e6:.0f} MB fp32, {len(sub.fragments[i])} tensors, "
             f"payload {len(payloads[i][0]) / 1e6:.1f} MB")
     rows = []
-    for M in learners:
-        cfg = SyncerConfig(num_learners=M, quorum=M, grace=False, liveness_timeout_s=1e6)
+    for T, M in itertools.product(threads, learners):
+        cfg = SyncerConfig(num_learners=M, quorum=M, grace=False, liveness_timeout_s=1e6, threads=T)
         core = SyncerCore(cfg, sub.fragments, theta0(sub), model_lib.is_embedding, wire_codec(sub))
         for i, p in enumerate(sample):
             per_rep = []
@@ -230,7 +241,7 @@ def inprocess(layout, learners: list[int], reps: int, log) -> list[dict]:
             wall_stage = {k: med([r["stages"]["wall"].get(k, 0.0) for r in per_rep]) for k in names}
             merged = M * sub.nbytes[i]
             row = {
-                "fragment": p, "learners": M, "fragment_fp32_bytes": sub.nbytes[i],
+                "threads": T, "fragment": p, "learners": M, "fragment_fp32_bytes": sub.nbytes[i],
                 "tensors": len(sub.fragments[i]), "payload_bytes": len(payloads[i][0]),
                 "embedding": any(model_lib.is_embedding(n) for n in sub.fragments[i]),
                 "round_wall_ms": 1e3 * med([r["wall_s"] for r in per_rep]),
@@ -247,11 +258,30 @@ def inprocess(layout, learners: list[int], reps: int, log) -> list[dict]:
                 "reps": reps,
             }
             rows.append(row)
-            log(f"inprocess: M={M} fragment {p}: round {row['round_wall_ms']:.0f} ms wall, "
+            on_row(rows)
+            log(f"inprocess: threads={T} M={M} fragment {p}: round {row['round_wall_ms']:.0f} ms wall, "
                 f"{row['round_cpu_ms']:.0f} ms CPU; CPU ms " + ", ".join(
                     f"{k} {v:.0f}" for k, v in row["stage_cpu_ms"].items()))
         del core
-    return rows
+
+    i = next((j for j in range(len(sample)) if not rows[j]["embedding"]), 0)  # the RDA fragment
+    refs = hotpath.references(wire_codec(sub), i, payloads[i][0], sub.nbytes[i], reps=max(3, reps))
+    log("inprocess: CPU s per GB: np.copy {np_copy:.3f}, codec decode (1 thread) {codec_decode_1_thread:.3f}, "
+        "zstd alone {zstd_decompress:.3f}".format(**refs))
+
+    def make_core(M):
+        cfg = SyncerConfig(num_learners=M, quorum=M, grace=False, liveness_timeout_s=1e6, threads=max(threads))
+        return SyncerCore(cfg, sub.fragments, theta0(sub), model_lib.is_embedding, wire_codec(sub))
+
+    def upload_of(core, m, rep):
+        return FragmentUpload(learner=m, fragment=i, due_step=rep + 1, base_version=core.version[i], c_steps=8,
+                              c_tokens=8 * TOKENS_PER_STEP, clock=VectorClock({f"learner-{m}": rep + 1}),
+                              delta=core.codec.decode(i, payloads[i][m]), nbytes=len(payloads[i][m]))
+
+    memory = hotpath.round_memory(make_core, upload_of, sub.nbytes[i], learners)
+    log("inprocess: a round's peak memory above Θ + momentum, in fragments: " + ", ".join(
+        f"{m} {v['fragments']:.2f}" for m, v in memory.items()))
+    return rows, {"per_stage_cpu_s_per_gb": hotpath.per_stage(rows, refs), "round_memory_fragments": memory}
 
 
 def inprocess_summary(layout, rows: list[dict]) -> dict[int, dict]:
@@ -259,8 +289,9 @@ def inprocess_summary(layout, rows: list[dict]) -> dict[int, dict]:
     weighted by its bytes, the middle one standing for every other fragment)."""
     total = sum(layout.nbytes)
     out = {}
+    most = max(r["threads"] for r in rows)
     for M in sorted({r["learners"] for r in rows}):
-        rs = [r for r in rows if r["learners"] == M]
+        rs = [r for r in rows if r["learners"] == M and r["threads"] == most]
         emb = [r for r in rs if r["embedding"]]
         rest = [r for r in rs if not r["embedding"]]
         if emb and rest:  # the embedding fragment for its bytes, the other sample for every other fragment
@@ -750,6 +781,9 @@ def main(argv=None) -> int:
     p.add_argument("--idle-timeout-s", type=float, default=STREAM_IDLE_TIMEOUT_S[0],
                    help="the syncer's transport.stream_idle_timeout_s (the default config's is 30)")
     p.add_argument("--skip-inprocess", action="store_true")
+    p.add_argument("--skip-end-to-end", action="store_true", help="the in-process part only")
+    p.add_argument("--threads", default=None,
+                   help="syncer.threads values for the in-process part, comma-separated (default 1 and every core)")
     p.add_argument("--out", default=None, help="default bench/results/syncer.json (--quick: syncer_quick.json)")
     p.add_argument("--role", help=argparse.SUPPRESS)
     p.add_argument("--role-args", help=argparse.SUPPRESS)
@@ -776,18 +810,29 @@ def main(argv=None) -> int:
     log(f"layout {args.layout}: {params / 1e6:.1f}M params, P={len(layout.fragments)}, "
         f"fragments {min(layout.nbytes) / 1e6:.0f}..{max(layout.nbytes) / 1e6:.0f} MB fp32")
 
+    from wan_diloco.merge import host_cores
+    threads = [int(x) for x in args.threads.split(",")] if args.threads else sorted({1, host_cores()})
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    def partial(**parts) -> None:  # rows on disk as each finishes; the whole document replaces them at the end
+        out.write_text(json.dumps({"benchmark": "syncer", "partial": True, **parts}, indent=1) + "\n")
+
     t1 = time.perf_counter()
-    inproc = [] if args.skip_inprocess else inprocess(layout, learners, args.reps, log)
+    inproc, hot = ([], {}) if args.skip_inprocess else inprocess(
+        layout, learners, args.reps, log, threads, on_row=lambda rows: partial(inprocess=rows))
     inproc_s = time.perf_counter() - t1
     inproc_model = inprocess_summary(layout, inproc) if inproc else {}
 
     t2 = time.perf_counter()
     shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else None
+    rows, failed, wire_total = [], [], None
     with tempfile.TemporaryDirectory(prefix="wd-bench-syncer-", dir=shm) as tmp:
         payloads = Path(tmp) / "payloads.bin"
-        index, wire_total = write_payloads(layout, payloads, log)
-        rows, failed = [], []
-        for S, M in itertools.product(shard_counts, learners):
+        if not args.skip_end_to_end:
+            index, wire_total = write_payloads(layout, payloads, log)
+        for S, M in itertools.product([] if args.skip_end_to_end else shard_counts, learners):
+            partial(inprocess=inproc, **hot, rows=rows, failed_rows=failed)
             try:
                 row = end_to_end(args.layout, layout, S, M, payloads, index, args, log)
             except (RuntimeError, TimeoutError) as e:  # e.g. a shard killed for memory: say so, go on
@@ -805,7 +850,7 @@ def main(argv=None) -> int:
     e2e_s = time.perf_counter() - t2
     for r in rows:
         r["learners_cpu_cores_busy"] = r["learners_cpu_s"] / r["elapsed_s"]
-    wire_bpp = wire_total / params
+    wire_bpp = wire_total / params if wire_total else None
     # Θ + outer momentum + a round's transients: the syncer's peak RSS over what it held before building
     # its state, per parameter (the largest M's row).
     one = [r for r in rows if r["shards"] == 1]
@@ -829,7 +874,8 @@ def main(argv=None) -> int:
                    "model": dataclasses.asdict(model_config(args.layout))},
         "codec": {"bits": 4, "codebook": "nf4", "block_size": 256, "zstd": True,
                   "wire_bytes_per_param": wire_bpp},
-        "settings": {"learners": learners, "shards": shard_counts, "reps": args.reps,
+        "settings": {"learners": learners, "shards": [] if args.skip_end_to_end else shard_counts,
+                     "inprocess_threads": threads, "reps": args.reps,
                      "warmup_rounds": args.warmup_rounds, "rounds": args.rounds or len(layout.fragments),
                      "max_seconds": args.max_seconds, "uploads_in_flight_per_learner": UPLOADS_IN_FLIGHT,
                      "quorum": "M (no grace)", "merge": "rda", "delta_std": DELTA_STD,
@@ -840,6 +886,7 @@ def main(argv=None) -> int:
         "failed_rows": failed,
         "inprocess": inproc,
         "inprocess_model": {str(m): v for m, v in inproc_model.items()},
+        **hot,
         "ceiling": ceil,
         "planner": {
             "merged_fp32_gb_s_one_shard_by_learners": {str(r["learners"]): r["merged_gb_s"] for r in rows
@@ -851,8 +898,6 @@ def main(argv=None) -> int:
                      "(shards on separate hosts or cores; on one box, C(S, M) as measured)",
         },
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=1) + "\n")
     if rows:
         plot(doc, out.with_suffix(".png"))

@@ -128,3 +128,64 @@ def test_chunks_cover_every_value_once():
 def test_workers_must_be_positive():
     with pytest.raises(ValueError, match="workers"):
         merge.Workers(0)
+
+
+@pytest.mark.parametrize("method", ["rda", "mean"])
+def test_accumulating_deltas_as_they_arrive_gives_the_formulas_and_the_same_bits_on_any_threads(method):
+    # Weights grow then shrink, so later Δs rescale the running sums (coefficients stay <= 1).
+    cs = _fragments(5)
+    w = [0.5, 4.0, 1.0, 9.0, 2.0]
+    names = list(cs[0])
+    use_rda = [method == "rda" and not n.startswith("embed") for n in names]
+    ref = _reference(cs, w, method)
+    outs = []
+    for n_workers in (1, 2, 4):
+        acc = merge.Accumulator([cs[0][n].shape for n in names], use_rda, merge.Workers(n_workers))
+        for c, wm in zip(cs, w):
+            acc.add([c[n] for n in names], wm)
+        assert acc.count == 5 and len(acc.sums) == len(names)  # one set of sums, whatever M
+        outs.append(dict(zip(names, acc.result())))
+    for n in names:
+        np.testing.assert_allclose(outs[0][n], ref[n], rtol=2e-5, atol=1e-6 * np.abs(ref[n]).max())
+        for other in outs[1:]:
+            np.testing.assert_array_equal(outs[0][n].view(np.uint32), other[n].view(np.uint32))
+
+
+def test_zero_weights_count_only_while_every_weight_is_zero():
+    a, b, c = np.float32([1, 0]), np.float32([0, 3]), np.float32([5, 5])
+    for method in (True, False):
+        acc = merge.Accumulator([(2,)], [method])
+        acc.add([a], 0.0)
+        acc.add([b], 0.0)
+        expected = merge.merge_tensors([[a], [b]], [1, 1], [method])[0]
+        np.testing.assert_allclose(acc.result()[0], expected, rtol=1e-6)
+        acc = merge.Accumulator([(2,)], [method])
+        acc.add([a], 0.0)  # folded with weight 1 until a positive weight comes ...
+        acc.add([c], 2.0)  # ... then it stops counting
+        acc.add([b], 0.0)
+        np.testing.assert_allclose(acc.result()[0], c, rtol=1e-6)
+
+
+def test_absorbing_another_rounds_sums_is_adding_its_deltas():
+    cs, w = _fragments(4), [1.0, 3.0, 0.5, 2.0]
+    names = list(cs[0])
+    shapes, use_rda = [cs[0][n].shape for n in names], [not n.startswith("embed") for n in names]
+    one, first, second = (merge.Accumulator(shapes, use_rda) for _ in range(3))
+    for i, (c, wm) in enumerate(zip(cs, w)):
+        one.add([c[n] for n in names], wm)
+        (first if i < 2 else second).add([c[n] for n in names], wm)
+    first.absorb(second)
+    for x, y in zip(one.result(), first.result()):
+        np.testing.assert_allclose(y, x, rtol=2e-5, atol=1e-6 * np.abs(x).max())  # float32 rounding apart
+
+
+def test_a_bad_weight_or_size_is_refused_before_the_sums_change():
+    acc = merge.Accumulator([(3,)], [True])
+    for bad in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="weights"):
+            acc.add([np.ones(3, np.float32)], bad)
+    with pytest.raises(ValueError, match="sizes"):
+        acc.add([np.ones(4, np.float32)], 1.0)
+    assert acc.count == 0 and acc.sums is None
+    with pytest.raises(ValueError, match="no contributions"):
+        acc.result()

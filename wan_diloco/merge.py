@@ -2,7 +2,9 @@
 
 Outer gradients of different learners are nearly orthogonal, so a plain mean
 shrinks like 1/sqrt(M); radial-directional averaging (RDA) averages norm and
-direction separately so the merged norm is the weighted mean norm for any M.
+direction separately so the merged norm is the weighted mean norm for any M. Both are sums
+over the learners, so ``Accumulator`` folds each Δ in as it arrives (the syncer's rounds);
+``merge_tensors`` and the functions after it merge a list at once through it.
 
 The syncer merges hundreds of MB per round, so the work is cut into chunks of at most
 ``CHUNK`` values (tensor boundaries kept) that a thread pool runs on every core: numpy
@@ -12,6 +14,7 @@ on the number of workers.
 """
 from __future__ import annotations
 
+import math
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -26,6 +29,14 @@ MergeMethod = Literal["rda", "mean"]
 CHUNK = 1 << 18
 
 
+def host_cores() -> int:
+    """The cores this process may run on (its CPU affinity, e.g. a container's or taskset's share)."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
 class Workers:
     """Runs a function over work items on ``n`` threads (None: one per core; 1: inline, no threads)."""
 
@@ -34,7 +45,7 @@ class Workers:
 
     def __init__(self, n: int | None = None):
         if n is None:
-            n = os.cpu_count() or 1
+            n = host_cores()
         if not isinstance(n, int) or n < 1:
             raise ValueError(f"workers must be an integer >= 1, got {n!r}")
         self.n = n
@@ -57,14 +68,14 @@ def chunks(sizes: Sequence[int]) -> list[tuple[int, int, int]]:
     return [(t, a, min(a + CHUNK, n)) for t, n in enumerate(sizes) for a in range(0, n, CHUNK)]
 
 
-def _per_tensor(n: int, items: Sequence[tuple[int, int, int]], parts: Sequence[float]) -> np.ndarray:
-    """Sum the items' partial results per tensor, in item order (deterministic)."""
+def per_tensor(n: int, items: Sequence[tuple], parts: Sequence[float]) -> np.ndarray:
+    """Sum the items' partial results per tensor (an item's first field), in item order (deterministic)."""
     out = np.zeros(n, np.float64)
-    np.add.at(out, np.fromiter((t for t, _, _ in items), np.intp, len(items)), np.asarray(parts, np.float64))
+    np.add.at(out, np.fromiter((it[0] for it in items), np.intp, len(items)), np.asarray(parts, np.float64))
     return out
 
 
-def _sumsq(x: np.ndarray) -> float:
+def chunk_sum_squares(x: np.ndarray) -> float:
     """Σx² of one chunk: float32 einsum (SIMD, no temporary; a BLAS dot would spin up its threads),
     in float64 where float32 overflows so that finite values always give a finite sum."""
     s = float(np.einsum("i,i->", x, x))
@@ -77,7 +88,7 @@ def sum_squares(arrays: Sequence[np.ndarray], workers: Workers = SERIAL) -> np.n
     """Σx² per array (float64); NaN or Inf in an array gives a non-finite sum."""
     flats = [np.ravel(a) for a in arrays]
     items = chunks([f.size for f in flats])
-    return _per_tensor(len(flats), items, workers.map(lambda it: _sumsq(flats[it[0]][it[1]:it[2]]), items))
+    return per_tensor(len(flats), items, workers.map(lambda it: chunk_sum_squares(flats[it[0]][it[1]:it[2]]), items))
 
 
 def token_weights(c_tokens: Sequence[float], c_steps: Sequence[float]) -> np.ndarray:
@@ -122,60 +133,166 @@ def _buffer(n: int) -> np.ndarray:
     return buf[:n]
 
 
+class Accumulator:
+    """One merge's running sums: each Δ is folded in as it arrives (``add``), so a round holds one
+    fragment of float32 sums, not M decoded Δs; ``result`` gives the merge (``merge_tensors``).
+
+    Per tensor t it keeps S_t = Σ (c_m / r_t)·Δ_m in float32, where c_m is w_m for the weighted mean
+    and w_m / ‖Δ_m,t‖ for RDA, and r_t the largest c_m so far (coefficients stay ≤ 1: no overflow;
+    a larger one rescales S_t first), plus Σ w_m and, for RDA, Σ w_m·‖Δ_m,t‖ in float64. Then the mean
+    is S_t·r_t / Σ w and RDA is (Σ w‖Δ‖ / Σ w)·S_t/‖S_t‖. Zero-norm Δs carry no direction and are
+    skipped by RDA; weight-0 Δs count only while every weight so far is 0 (then all weigh 1: the
+    rounds' fallback). Every chunk is computed the same way on any thread: the same bits for any
+    number of workers.
+    """
+
+    def __init__(self, shapes: Sequence[tuple[int, ...]], use_rda: Sequence[bool], workers: Workers = SERIAL):
+        self.shapes, self.use_rda, self.workers = [tuple(s) for s in shapes], list(use_rda), workers
+        self.sizes = [int(np.prod(s, dtype=np.int64)) for s in self.shapes]
+        self.items = chunks(self.sizes)
+        T = len(self.sizes)
+        self.sums: list[np.ndarray] | None = None  # allocated at the first add
+        self.ref = np.zeros(T)  # r_t; 0: S_t holds nothing yet
+        self.w_sum = np.zeros(T)
+        self.norm_sum = np.zeros(T)
+        self.count = 0
+        self.equal = True  # no positive weight seen yet: weight-0 Δs fold with weight 1
+
+    def add(self, delta: Sequence[np.ndarray], weight: float, sum_squares_t: Sequence[float] | None = None) -> None:
+        """Fold one Δ (its tensors in order, any shape of the right size) in with ``weight``;
+        ``sum_squares_t``: its ‖Δ_t‖² (the checks computed them; None: computed here where RDA needs them)."""
+        w = float(weight)
+        if not (math.isfinite(w) and w >= 0):
+            raise ValueError(f"merge: weights must be finite and non-negative, got {weight!r}")
+        flats = [np.ravel(d) for d in delta]
+        if [f.size for f in flats] != self.sizes:
+            raise ValueError(f"merge: Δ of sizes {[f.size for f in flats][:4]}..., expected {self.sizes[:4]}...")
+        if w > 0 and self.equal:  # the first positive weight: Δs of weight 0 stop counting
+            if self.count:
+                self.ref[:], self.w_sum[:], self.norm_sum[:] = 0, 0, 0
+            self.equal = False
+        elif w == 0:
+            if not self.equal:
+                self.count += 1
+                return
+            w = 1.0
+        self.count += 1
+        if any(self.use_rda) and sum_squares_t is None:
+            sum_squares_t = sum_squares(flats, self.workers)
+        coef = np.full(len(flats), w)
+        for t, rda_t in enumerate(self.use_rda):
+            if rda_t:
+                norm = math.sqrt(sum_squares_t[t])
+                coef[t] = w / norm if norm > 0 else 0.0
+                self.norm_sum[t] += w * norm if norm > 0 else 0.0
+            if coef[t] > 0:
+                self.w_sum[t] += w
+        new_ref = np.maximum(self.ref, coef)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            k = np.where(coef > 0, coef / new_ref, 0.0).astype(np.float32)
+            rescale = np.where(self.ref > 0, self.ref / new_ref, 0.0).astype(np.float32)
+        started = self.ref > 0
+        if self.sums is None:
+            self.sums = [np.empty(n, np.float32) for n in self.sizes]
+        sums = self.sums
+
+        def fold(it) -> None:
+            t, a, b = it
+            if k[t] == 0:
+                return
+            s = sums[t][a:b]
+            if not started[t]:
+                np.multiply(flats[t][a:b], k[t], out=s)
+                return
+            if rescale[t] != 1:
+                s *= rescale[t]
+            tmp = _buffer(b - a)
+            np.multiply(flats[t][a:b], k[t], out=tmp)
+            s += tmp
+
+        self.workers.map(fold, self.items)
+        self.ref = new_ref
+
+    def absorb(self, other: "Accumulator") -> None:
+        """Fold another merge's running sums (of the same tensors) into this one, as if its Δs had
+        been added here one by one (up to float32 rounding); ``other`` is spent."""
+        if other.count == 0:
+            return
+        if other.equal and not self.equal:  # weight-0 Δs among weighted ones count, add nothing
+            self.count += other.count
+            return
+        if self.equal and not other.equal and self.count:  # the same switch as ``add``'s
+            self.ref[:], self.w_sum[:], self.norm_sum[:] = 0, 0, 0
+        self.equal = self.equal and other.equal
+        if self.sums is None:
+            self.sums = [np.empty(n, np.float32) for n in self.sizes]
+        new_ref = np.maximum(self.ref, other.ref)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            mine = np.where(self.ref > 0, self.ref / new_ref, 0.0).astype(np.float32)
+            theirs = np.where(other.ref > 0, other.ref / new_ref, 0.0).astype(np.float32)
+        sums, extra = self.sums, other.sums
+
+        def fold(it) -> None:
+            t, a, b = it
+            if theirs[t] == 0:
+                return
+            s = sums[t][a:b]
+            if mine[t] == 0:
+                np.multiply(extra[t][a:b], theirs[t], out=s)
+                return
+            if mine[t] != 1:
+                s *= mine[t]
+            tmp = _buffer(b - a)
+            np.multiply(extra[t][a:b], theirs[t], out=tmp)
+            s += tmp
+
+        self.workers.map(fold, self.items)
+        self.ref, self.count = new_ref, self.count + other.count
+        self.w_sum += other.w_sum
+        self.norm_sum += other.norm_sum
+        other.sums, other.count = None, 0
+
+    def result(self) -> list[np.ndarray]:
+        """The merge, one float32 array per tensor (in place over the sums: call once)."""
+        if self.count == 0:
+            raise ValueError("merge: no contributions")
+        sums = self.sums
+        T = len(self.sizes)
+        out = [np.zeros(n, np.float32) if self.ref[t] == 0 else sums[t] for t, n in enumerate(self.sizes)]
+        factor = np.zeros(T)
+        rda = [it for it in self.items if self.use_rda[it[0]] and self.ref[it[0]] > 0]
+        dsq = per_tensor(T, rda, self.workers.map(lambda it: chunk_sum_squares(out[it[0]][it[1]:it[2]]), rda))
+        for t in range(T):
+            if self.ref[t] == 0:
+                continue
+            if self.use_rda[t]:
+                factor[t] = self.norm_sum[t] / self.w_sum[t] / math.sqrt(dsq[t]) if dsq[t] > 0 else 0.0
+            else:
+                factor[t] = self.ref[t] / self.w_sum[t]
+        f32 = factor.astype(np.float32)
+
+        def scale(it) -> None:
+            t, a, b = it
+            out[t][a:b] *= f32[t]
+
+        self.workers.map(scale, [it for it in self.items if self.ref[it[0]] > 0 and f32[it[0]] != 1])
+        self.sums = None
+        return [o.reshape(s) for o, s in zip(out, self.shapes)]
+
+
 def merge_tensors(deltas: Sequence[Sequence[np.ndarray]], weights, use_rda: Sequence[bool],
                   workers: Workers = SERIAL) -> list[np.ndarray]:
     """Merge ``deltas[m][t]`` (learner m's Δ of tensor t) into one float32 array per tensor:
-    RDA where ``use_rda[t]``, else the weighted mean Σ w_m Δ_m / Σ w_m.
+    RDA where ``use_rda[t]``, else the weighted mean Σ w_m Δ_m / Σ w_m (``Accumulator``).
 
     RDA: Δ = (Σ w‖Δ_m‖ / Σ w) · unit(Σ w·unit(Δ_m)); zero-norm Δ_m are skipped (they carry no
-    direction); all-zero input, or directions that cancel exactly, give zeros. Sums run in float32
-    with the coefficients scaled to at most 1 (no overflow); norms accumulate in float64.
+    direction); all-zero input, or directions that cancel exactly, give zeros.
     """
     w = _check_weights(len(deltas), weights)
-    M, T = len(deltas), len(use_rda)
-    flats = [[np.ravel(d) for d in ds] for ds in deltas]
-    sizes = [f.size for f in flats[0]]
-    coeffs = np.tile(w / w.sum(), (T, 1))  # (T, M)
-    rda_t = [t for t in range(T) if use_rda[t]]
-    mean_norm = np.zeros(T)
-    if rda_t:
-        sq = sum_squares([flats[m][t] for t in rda_t for m in range(M)], workers).reshape(len(rda_t), M)
-        norms = np.sqrt(sq)
-        for row, t in zip(norms, rda_t):  # per tensor, M scalars: no array work here
-            keep = (row > 0) & (w > 0)
-            inv = np.where(keep, w / np.where(keep, row, 1.0), 0.0)
-            coeffs[t] = inv / inv.max() if keep.any() else 0.0
-            mean_norm[t] = (w[keep] * row[keep]).sum() / w[keep].sum() if keep.any() else 0.0
-    c32 = coeffs.astype(np.float32)
-    out = [np.empty(n, np.float32) for n in sizes]
-    items = chunks(sizes)
-
-    def accumulate(it) -> float:
-        t, a, b = it
-        o = out[t][a:b]
-        ms = [m for m in range(M) if c32[t, m] != 0]
-        if not ms:
-            o.fill(0.0)
-            return 0.0
-        np.multiply(flats[ms[0]][t][a:b], c32[t, ms[0]], out=o)
-        tmp = _buffer(b - a)
-        for m in ms[1:]:
-            np.multiply(flats[m][t][a:b], c32[t, m], out=tmp)
-            o += tmp
-        return _sumsq(o) if use_rda[t] else 0.0
-
-    dsq = _per_tensor(T, items, workers.map(accumulate, items))
-    factor = np.ones(T, np.float32)
-    for t in rda_t:
-        factor[t] = mean_norm[t] / np.sqrt(dsq[t]) if dsq[t] > 0 else 0.0
-    rescale = [it for it in items if use_rda[it[0]]]
-
-    def scale(it) -> None:
-        t, a, b = it
-        out[t][a:b] *= factor[t]
-
-    workers.map(scale, rescale)
-    return [o.reshape(np.shape(ds)) for o, ds in zip(out, deltas[0])]
+    acc = Accumulator([np.shape(d) for d in deltas[0]], use_rda, workers)
+    for d, wm in zip(deltas, w):
+        acc.add(d, wm)
+    return acc.result()
 
 
 def weighted_mean(deltas: Sequence[np.ndarray], weights: Sequence[float]) -> np.ndarray:

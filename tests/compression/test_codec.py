@@ -304,3 +304,31 @@ def test_a_refused_payload_changes_nothing():
             c.decode(0, bad)
     after = c.decode(0, good)
     assert all(before[k].tobytes() == after[k].tobytes() for k in FRAG)
+
+
+@pytest.mark.parametrize("bits", [32, 16, 8, 4])
+def test_decode_gives_the_same_bits_on_any_threads_and_each_tensors_sum_of_squares(bits):
+    from wan_diloco.merge import CHUNK, Workers
+    big = {"w": RNG.standard_normal(2 * CHUNK + 77).astype(np.float32), "b": RNG.standard_normal(5).astype(np.float32)}
+    layout = Layout([tuple(big)], {n: a.shape for n, a in big.items()})
+    payload = FragmentCodec(CodecConfig(bits=bits, block_size=256, impl="jnp"), layout).encode(big)
+    outs = [FragmentCodec(CodecConfig(bits=bits, block_size=256, impl="jnp"), layout, Workers(n)).decode(0, payload)
+            for n in (1, 2, 4)]
+    for out in outs:
+        np.testing.assert_array_equal(out.sum_squares, outs[0].sum_squares)
+        for n in big:
+            np.testing.assert_array_equal(out[n].view(np.uint32), outs[0][n].view(np.uint32))
+    want = [float(np.sum(outs[0][n].astype(np.float64) ** 2)) for n in big]
+    np.testing.assert_allclose(outs[0].sum_squares, want, rtol=1e-5)
+
+
+def test_block_padding_codes_do_not_count_in_the_sum_of_squares():
+    c = codec(bits=8, zstd=False)
+    layout_sizes = [int(np.prod(np.shape(v))) for v in FRAG.values()]
+    payload = bytearray(c.encode(FRAG))
+    honest = c.decode(0, bytes(payload)).sum_squares
+    # The last code byte of the fragment is padding ("huge" has 40 values in two 32-value blocks).
+    assert sum(-(-n // B) * B for n in layout_sizes) > sum(layout_sizes)
+    payload[-1] = 100
+    forged = c.decode(0, bytes(payload))
+    np.testing.assert_array_equal(forged.sum_squares, honest)

@@ -84,11 +84,12 @@ def test_pack_unpack(fmt):
     parts = pack.pack(fmt, ["a", "b", "c", "d"], arrays)
     raw = b"".join(parts)
     assert len(raw) == pack.raw_nbytes(fmt, [a.size for a in arrays])
-    out = pack.unpack(fmt, raw, [a.size for a in arrays])
+    out, sums = pack.unpack(fmt, raw, [a.size for a in arrays])
     tol = {32: 0, 16: 2**-8, 8: 0.01, 4: 0.15}[fmt.bits]
-    for a, b in zip(arrays, out):
+    for a, b, sq in zip(arrays, out, sums):
         assert b.dtype == np.float32 and b.shape == a.shape
         assert np.linalg.norm(b - a) <= tol * np.linalg.norm(a)
+        assert sq == pytest.approx(float(np.sum(b.astype(np.float64) ** 2)), rel=1e-6)  # the padding excluded
     if fmt.quantized:  # scale planes first: high bytes of all 6 blocks, then low bytes
         nb = 6
         scales = np.concatenate([np.asarray(quantize(a, bits=fmt.bits, block_size=64,

@@ -3,9 +3,13 @@ import dataclasses
 import numpy as np
 import pytest
 
+from wan_diloco.clock import VectorClock
+from wan_diloco.compression import CodecConfig, FragmentCodec
 from wan_diloco.core import (
-    FINAL_TIMER, Broadcast, LearnerConfig, LearnerCore, ProtocolError, SetTimer, SyncerConfig, SyncerCore,
+    FINAL_TIMER, Broadcast, FragmentUpload, LearnerConfig, LearnerCore, ProtocolError, SetTimer, SyncerConfig,
+    SyncerCore,
 )
+from wan_diloco.fragments import Layout
 from wan_diloco.outer import OuterConfig
 
 from .helpers import CODEC, FRAGS, PARAMS, is_embedding, meta, upload
@@ -356,3 +360,59 @@ def test_a_syncer_with_worker_threads_merges_bit_identically():
     assert out[0][0] == out[1][0]
     np.testing.assert_array_equal(out[0][1], out[1][1])
     np.testing.assert_array_equal(out[0][2], out[1][2])
+
+
+def test_a_round_folds_each_delta_into_its_sums_as_it_arrives():
+    s = make(quorum=3, grace=False)
+    for m in range(2):
+        assert s.on_fragment(0.0, upload(m)) == []
+    rnd = s.rounds[(0, 8)]
+    assert rnd.sums is not None and rnd.sums.count == 2 and rnd.held == set()
+    assert all(u.delta == {} for u in rnd.contributions.values())  # no decoded Δ held
+    [b] = s.on_fragment(0.1, upload(2))
+    assert b.msg.contributors == (0, 1, 2)
+
+
+def test_a_learners_delta_waits_whole_while_its_late_one_is_carried_and_both_merge_as_one():
+    s = make(quorum=1, grace=False, merge="mean", outer=OuterConfig(lr=1.0, momentum=0.0))
+    s.on_fragment(1.0, upload(0, due=8, delta=np.zeros(3, np.float32)))
+    assert s.on_fragment(1.5, upload(1, due=8, delta=np.full(3, 0.3, np.float32))) == []  # late: carried
+    theta = s.theta[0]["block_0/w"].copy()
+    [b] = s.on_fragment(9.0, upload(1, due=16, delta=np.full(3, 0.2, np.float32), base_version=1))
+    assert b.msg.contributors == (1,) and s.carried[0] == {} and s.stats.late_carried == 1
+    np.testing.assert_allclose(s.theta[0]["block_0/w"], theta - 0.5, rtol=1e-6)  # its whole displacement
+
+
+def test_the_syncer_gives_the_same_bits_on_any_number_of_threads():
+    from wan_diloco.merge import CHUNK
+    frags = [("block_0/w", "block_0/b")]
+    params = {"block_0/w": np.zeros(2 * CHUNK + 9, np.float32), "block_0/b": np.ones(7, np.float32)}
+    codec = FragmentCodec(CodecConfig(bits=4), Layout(frags, {n: a.shape for n, a in params.items()}))
+    rng = np.random.default_rng(3)
+    payloads = [codec.encode({n: (rng.standard_normal(a.shape) * 1e-2).astype(np.float32) for n, a in params.items()})
+                for _ in range(6)]
+    thetas, sent = [], []
+    for threads in (1, 2, 4):
+        s = SyncerCore(SyncerConfig(num_learners=3, quorum=3, grace=False, threads=threads), frags, params,
+                       is_embedding, codec)
+        out = []
+        for r in range(2):
+            for m in range(3):
+                delta = codec.decode(0, payloads[3 * r + m])
+                up = FragmentUpload(learner=m, fragment=0, due_step=8 * (r + 1), base_version=r, c_steps=8,
+                                    c_tokens=800 * (m + 1), clock=VectorClock({f"learner-{m}": 8 * (r + 1)}),
+                                    delta=delta, nbytes=1)
+                out = s.on_fragment(float(r), up)
+        thetas.append({n: a.view(np.uint32) for n, a in s.theta[0].items()})
+        sent.append(out[0].msg.payload)
+    for t, p in zip(thetas[1:], sent[1:]):
+        assert p == sent[0]
+        for n in t:
+            np.testing.assert_array_equal(t[n], thetas[0][n])
+
+
+def test_threads_must_be_a_count_of_cores():
+    SyncerConfig(threads=0).validate()
+    for bad in (-1, 1.5, True):
+        with pytest.raises(Exception, match="threads"):
+            SyncerConfig(threads=bad).validate()

@@ -39,14 +39,23 @@ def test_an_outer_gradient_past_the_ratio_of_thetas_norm_names_its_fragment():
     assert norm_excess(0, delta_sq=0.81, theta_sq=0.0, max_delta_ratio=1.0) is None  # max(|Θ|, 1): never below 1
 
 
-def test_carried_deltas_join_a_learners_own_and_stale_ones_are_dropped():
-    rnd = Round(opened_s=0.0, contributions={0: upload(0, base_version=3, c_steps=8, c_tokens=800)})
+def test_carried_deltas_join_a_learners_held_own_and_stale_ones_are_dropped():
+    rnd = Round(opened_s=0.0, contributions={0: upload(0, base_version=3, c_steps=8, c_tokens=800)}, held={0})
     carried = {0: upload(0, base_version=2, c_steps=2, c_tokens=200), 1: upload(1, base_version=0)}
-    assert fold_carried(rnd, carried, oldest_base=1) == (1, 1)  # learner 1's is based before version 1
+    fold, keep, stale = fold_carried(rnd, carried, oldest_base=1)  # learner 1's is based before version 1
+    assert (len(fold), keep, stale) == (1, {}, 1)
     mine = rnd.contributions[0]
-    assert sorted(rnd.contributions) == [0]
+    assert sorted(rnd.contributions) == [0] and fold[0] is mine
     assert (mine.c_steps, mine.c_tokens, mine.base_version) == (10, 1000, 2)
     np.testing.assert_allclose(mine.delta["block_0/w"], 0.2)
+
+
+def test_a_late_delta_whose_learner_is_already_in_the_sums_waits_for_the_next_round():
+    rnd = Round(opened_s=0.0, contributions={0: upload(0, base_version=3)})  # folded: not held
+    late = upload(0, base_version=2)
+    fold, keep, stale = fold_carried(rnd, {0: late, 1: upload(1, base_version=2)}, oldest_base=1)
+    assert keep == {0: late} and [u.learner for u in fold] == [1] and stale == 0
+    assert sorted(rnd.contributions) == [0, 1]
 
 
 def test_the_final_sync_has_one_round_per_owned_fragment_at_its_latest_due_step():

@@ -15,8 +15,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from wan_diloco.compression.config import CODEBOOKS, INT4_QMAX, Format
+from wan_diloco.compression.host_quantize import quantize_host
 from wan_diloco.compression.pallas_kernels import default_interpret, quantize_pallas
 from wan_diloco.compression.quantize import code_bytes_per_block, n_blocks, quantize, to_blocks
+from wan_diloco.merge import SERIAL, Workers
 
 # Tensors up to this size share one quantizer call: a dispatch costs ~20 us,
 # more than quantizing a few thousand values.
@@ -44,13 +46,17 @@ def _concat_blocks(xs, block_size: int):
 
 
 def quantize_fragment(arrays: Sequence[Any], sizes: Sequence[int], fmt: Format, impl: str,
-                      key=None) -> list[tuple[np.ndarray, np.ndarray]]:
+                      key=None, workers: Workers = SERIAL) -> list[tuple[np.ndarray, np.ndarray]]:
     """(codes, scales) per tensor, as host arrays: codes ``(n_blocks, code bytes)``
     (int8 for 8 bits, packed uint8 for 4), scales ``(n_blocks,)`` float32.
 
     A scale is NaN for a block holding NaN/Inf and +Inf where a float16 scale
     overflows; the caller refuses those. ``key`` switches on stochastic rounding.
+    numpy arrays on a CPU run are quantized where they lie, in chunks on ``workers``
+    (``host_quantize``: the same bits).
     """
+    if key is None and resolve_impl(impl) == "jnp" and all(isinstance(x, np.ndarray) for x in arrays):
+        return quantize_host(arrays, sizes, fmt, workers)
     qfn = _quantizer(fmt, impl)
     small = [i for i, n in enumerate(sizes) if 0 < n <= _SMALL_TENSOR_VALUES]
     batch_small = len(small) >= 2
@@ -87,20 +93,26 @@ def _pair_luts(codebook: str) -> tuple[np.ndarray, np.ndarray]:
 
 
 def dequantize_host(codes: np.ndarray, scales: np.ndarray, fmt: Format) -> np.ndarray:
-    """numpy twin of ``quantize.dequantize`` on whole blocks: -> (n_blocks, block_size) float32.
+    """numpy twin of ``quantize.dequantize`` on whole blocks: -> (n_blocks, block_size) float32."""
+    out = np.empty((codes.shape[0], fmt.block_size), np.float32)
+    dequantize_into(codes, scales, fmt, out)
+    return out
+
+
+def dequantize_into(codes: np.ndarray, scales: np.ndarray, fmt: Format, out: np.ndarray) -> None:
+    """``dequantize_host`` into ``out`` (n_blocks, block_size) float32: no temporaries the size of
+    the output, so a caller that decodes a chunk at a time keeps it in cache.
 
     ``codes`` is (n_blocks, code bytes) uint8; 4-bit decoding gathers two
     levels per lookup from a pair table (even block sizes only, as all are).
     """
-    nb, bs = codes.shape[0], fmt.block_size
-    out = np.empty((nb, bs), np.float32)
     if fmt.bits == 8:
         np.multiply(codes.view(np.int8), scales[:, None], out=out)
-        return out
+        return
     lut_lo, lut_hi = _pair_luts(fmt.codebook)
     pairs = codes.view("<u2")
-    half = bs // 2
-    out[:, :half].view("<u8")[...] = lut_lo[pairs]
-    out[:, half:].view("<u8")[...] = lut_hi[pairs]
+    half = fmt.block_size // 2
+    # mode="clip" (a no-op: every u16 indexes the 64K table) lets take write into ``out`` unbuffered.
+    np.take(lut_lo, pairs, out=out[:, :half].view("<u8"), mode="clip")
+    np.take(lut_hi, pairs, out=out[:, half:].view("<u8"), mode="clip")
     out *= scales[:, None]
-    return out

@@ -23,6 +23,15 @@ from wan_diloco.compression.blocks import resolve_impl
 from wan_diloco.compression.config import CodecConfig, Format
 from wan_diloco.compression.errors import CodecError, EncodeError
 from wan_diloco.fragments import Encoded, Layout
+from wan_diloco.merge import SERIAL, Workers
+
+
+class Decoded(dict):
+    """A decoded fragment's tensors {name: float32 array}, with ``sum_squares``: Σx² of each (float64,
+    in the dict's order), computed by the decoding pass itself so the receiver's finiteness and norm
+    checks need not read the values again. Set by this codec only, never taken from the wire."""
+
+    sum_squares: np.ndarray
 
 
 class FragmentCodec:
@@ -33,8 +42,11 @@ class FragmentCodec:
     ``decode`` refuses a malformed payload with a CodecError and changes no state.
     """
 
-    def __init__(self, cfg: CodecConfig, layout: Layout):
+    def __init__(self, cfg: CodecConfig, layout: Layout, workers: Workers = SERIAL):
+        """``workers``: the threads decode and the quantizing of host arrays run their chunks on (a
+        syncer's pool; the same bits on any number)."""
         cfg.validate()
+        self.workers = workers
         self.cfg, self.layout = cfg, layout
         self._fmt = cfg.format
         self._impl = resolve_impl(cfg.impl)
@@ -64,7 +76,7 @@ class FragmentCodec:
         if stochastic and key is None:
             raise EncodeError("stochastic_rounding needs a PRNG key: encode(values, key=...)")
         parts = pack.pack(fmt, self.layout.fragments[p], arrays, impl=self._impl,
-                          key=key if stochastic else None)
+                          key=key if stochastic else None, workers=self.workers)
         raw_len = sum(memoryview(a).nbytes for a in parts)
         raw = packed = None
         if self.cfg.zstd:
@@ -103,8 +115,8 @@ class FragmentCodec:
         return p, arrays
 
     # ------------------------------------------------------------ decode
-    def decode(self, fragment: int, payload: bytes | bytearray | memoryview) -> dict[str, np.ndarray]:
-        """Tensors of ``fragment`` (layout names and shapes, float32) from its payload.
+    def decode(self, fragment: int, payload: bytes | bytearray | memoryview) -> Decoded:
+        """Tensors of ``fragment`` (layout names and shapes, float32) from its payload, with their Σx².
 
         Without zstd, fp32 tensors are read-only views into ``payload``: do not
         mutate a buffer passed in while its tensors are in use.
@@ -133,9 +145,10 @@ class FragmentCodec:
         raw = entropy.decompress(body, h.raw_len) if h.zstd else body
         return self._unpack(fragment, h.fmt, raw)
 
-    def _unpack(self, p: int, fmt: Format, raw) -> dict[str, np.ndarray]:
-        flats = pack.unpack(fmt, raw, self._sizes[p])
-        out = {}
+    def _unpack(self, p: int, fmt: Format, raw) -> Decoded:
+        flats, sums = pack.unpack(fmt, raw, self._sizes[p], self.workers)
+        out = Decoded()
+        out.sum_squares = sums
         for n, flat in zip(self.layout.fragments[p], flats):
             a = flat.reshape(self.layout.shapes[n])
             a.flags.writeable = False  # decoded values are shared: the sender's and everyone's

@@ -25,6 +25,7 @@ from wan_diloco.compression import blocks
 from wan_diloco.compression.config import BITS, INT4_QMAX, INT8_QMAX, MIN_SCALE, Format
 from wan_diloco.compression.errors import CodecError, EncodeError, NonFiniteError
 from wan_diloco.compression.quantize import code_bytes_per_block, n_blocks
+from wan_diloco.merge import CHUNK, SERIAL, Workers, chunk_sum_squares, per_tensor, sum_squares
 
 _BF16_EXP = 0x7F80
 
@@ -37,9 +38,13 @@ def _non_finite(name: str, x, why: str) -> NonFiniteError:
     return NonFiniteError(f"tensor {name!r}: magnitude {float(np.max(np.abs(v))):.3g} {why}")
 
 
-def _check_finite(flat: np.ndarray, i: int) -> None:
-    if not np.isfinite(flat).all():
-        raise CodecError(f"tensor {i} of the fragment holds NaN/Inf values")
+def _checked_sums(flats: Sequence[np.ndarray], workers: Workers) -> np.ndarray:
+    """Σx² per tensor, refusing NaN/Inf (a non-finite sum: ``merge.chunk_sum_squares``)."""
+    sums = sum_squares(flats, workers)
+    bad = np.flatnonzero(~np.isfinite(sums))
+    if bad.size:
+        raise CodecError(f"tensor {int(bad[0])} of the fragment holds NaN/Inf values")
+    return sums
 
 
 class _Float32:
@@ -48,7 +53,7 @@ class _Float32:
     def raw_nbytes(self, fmt: Format, sizes: Sequence[int]) -> int:
         return 4 * sum(sizes)
 
-    def pack(self, fmt, names, arrays, impl, key) -> list[np.ndarray]:
+    def pack(self, fmt, names, arrays, impl, key, workers=SERIAL) -> list[np.ndarray]:
         parts = []
         for name, x in zip(names, arrays):
             v = np.ascontiguousarray(np.asarray(x), "<f4").reshape(-1)
@@ -57,14 +62,12 @@ class _Float32:
             parts.append(v)
         return parts
 
-    def unpack(self, fmt, raw, sizes) -> list[np.ndarray]:
+    def unpack(self, fmt, raw, sizes, workers) -> tuple[list[np.ndarray], np.ndarray]:
         out, pos = [], 0
-        for i, n in enumerate(sizes):
-            flat = np.frombuffer(raw, "<f4", n, pos)
-            _check_finite(flat, i)
-            out.append(flat)
+        for n in sizes:
+            out.append(np.frombuffer(raw, "<f4", n, pos))
             pos += 4 * n
-        return out
+        return out, _checked_sums(out, workers)
 
 
 @jax.jit
@@ -78,7 +81,7 @@ class _BFloat16:
     def raw_nbytes(self, fmt: Format, sizes: Sequence[int]) -> int:
         return 2 * sum(sizes)
 
-    def pack(self, fmt, names, arrays, impl, key) -> list[np.ndarray]:
+    def pack(self, fmt, names, arrays, impl, key, workers=SERIAL) -> list[np.ndarray]:
         parts = []
         for name, x in zip(names, arrays):
             v = np.asarray(_bf16_bits(x)).astype("<u2", copy=False).reshape(-1)
@@ -87,14 +90,13 @@ class _BFloat16:
             parts.append(v)
         return parts
 
-    def unpack(self, fmt, raw, sizes) -> list[np.ndarray]:
+    def unpack(self, fmt, raw, sizes, workers) -> tuple[list[np.ndarray], np.ndarray]:
         flat = (np.frombuffer(raw, "<u2").astype(np.uint32) << 16).view(np.float32)
         out, pos = [], 0
-        for i, n in enumerate(sizes):
+        for n in sizes:
             out.append(flat[pos:pos + n])
-            _check_finite(out[-1], i)
             pos += n
-        return out
+        return out, _checked_sums(out, workers)
 
 
 class _Blockwise:
@@ -104,9 +106,9 @@ class _Blockwise:
         nb = sum(n_blocks(n, fmt.block_size) for n in sizes)
         return nb * (2 + code_bytes_per_block(fmt.bits, fmt.block_size))
 
-    def pack(self, fmt, names, arrays, impl, key) -> list[np.ndarray]:
+    def pack(self, fmt, names, arrays, impl, key, workers=SERIAL) -> list[np.ndarray]:
         sizes = [int(np.size(x)) for x in arrays]
-        per_tensor = blocks.quantize_fragment(arrays, sizes, fmt, impl, key)
+        per_tensor = blocks.quantize_fragment(arrays, sizes, fmt, impl, key, workers)
         scale_bits, code_parts = [], []
         for name, x, (codes, scales) in zip(names, arrays, per_tensor):
             if not np.isfinite(scales).all():
@@ -119,18 +121,32 @@ class _Blockwise:
         sb = np.concatenate(scale_bits) if scale_bits else np.zeros(0, np.uint16)
         return [(sb >> 8).astype(np.uint8), (sb & 0xFF).astype(np.uint8), *code_parts]
 
-    def unpack(self, fmt, raw, sizes) -> list[np.ndarray]:
+    def unpack(self, fmt, raw, sizes, workers) -> tuple[list[np.ndarray], np.ndarray]:
+        """One pass per chunk of blocks on ``workers``: table lookup, times the scales, and the
+        chunk's Σx² while it is in cache (values are finite: ``_scales`` bounds every scale)."""
         raw = np.frombuffer(raw, np.uint8)
-        nb = sum(n_blocks(n, fmt.block_size) for n in sizes)
+        bs = fmt.block_size
+        nb = sum(n_blocks(n, bs) for n in sizes)
         bits16 = (raw[:nb].astype(np.uint16) << 8) | raw[nb:2 * nb]
         scales = _scales(bits16, fmt)
-        codes = raw[2 * nb:].reshape(nb, code_bytes_per_block(fmt.bits, fmt.block_size))
-        flat = blocks.dequantize_host(codes, scales, fmt).reshape(-1)
-        out, pos = [], 0
-        for n in sizes:
-            out.append(flat[pos:pos + n])
-            pos += n_blocks(n, fmt.block_size) * fmt.block_size
-        return out
+        codes = raw[2 * nb:].reshape(nb, code_bytes_per_block(fmt.bits, bs))
+        blocks2d = np.empty((nb, bs), np.float32)
+        step = max(1, CHUNK // bs)
+        items, out, first = [], [], 0  # (tensor, first block, end block, its values in the chunk)
+        for t, n in enumerate(sizes):
+            k = n_blocks(n, bs)
+            items += [(t, first + a, first + min(a + step, k), min(n, (a + step) * bs) - a * bs)
+                      for a in range(0, k, step)]
+            out.append(blocks2d[first:first + k].reshape(-1)[:n])
+            first += k
+
+        def run(it) -> float:
+            _, a, b, n = it
+            chunk = blocks2d[a:b]
+            blocks.dequantize_into(codes[a:b], scales[a:b], fmt, chunk)
+            return chunk_sum_squares(chunk.reshape(-1)[:n])  # block padding is not a value
+
+        return out, per_tensor(len(sizes), items, workers.map(run, items))
 
 
 def _scales(bits16: np.ndarray, fmt: Format) -> np.ndarray:
@@ -155,7 +171,8 @@ _PACKERS = {32: _Float32(), 16: _BFloat16(), 8: _Blockwise(), 4: _Blockwise()}
 
 def packer(fmt: Format):
     """The packer for ``fmt.bits``: ``raw_nbytes(fmt, sizes)``, ``pack(fmt, names,
-    arrays, impl, key) -> [byte-like arrays]``, ``unpack(fmt, raw, sizes) -> [flat float32]``."""
+    arrays, impl, key) -> [byte-like arrays]``, ``unpack(fmt, raw, sizes, workers) -> ([flat float32],
+    Σx² per tensor)``."""
     try:
         return _PACKERS[fmt.bits]
     except KeyError:
@@ -168,11 +185,13 @@ def raw_nbytes(fmt: Format, sizes: Sequence[int]) -> int:
 
 
 def pack(fmt: Format, names: Sequence[str], arrays: Sequence[Any], *, impl: str = "jnp",
-         key=None) -> list[np.ndarray]:
-    """Raw payload parts of ``arrays`` (layout order); NonFiniteError names a refused tensor."""
-    return packer(fmt).pack(fmt, names, arrays, impl, key)
+         key=None, workers: Workers = SERIAL) -> list[np.ndarray]:
+    """Raw payload parts of ``arrays`` (layout order); NonFiniteError names a refused tensor. ``workers``:
+    the threads that quantize host arrays (any number: the same bytes)."""
+    return packer(fmt).pack(fmt, names, arrays, impl, key, workers)
 
 
-def unpack(fmt: Format, raw, sizes: Sequence[int]) -> list[np.ndarray]:
-    """Flat float32 arrays from raw payload bytes of exactly ``raw_nbytes(fmt, sizes)``."""
-    return packer(fmt).unpack(fmt, raw, sizes)
+def unpack(fmt: Format, raw, sizes: Sequence[int], workers: Workers = SERIAL) -> tuple[list[np.ndarray], np.ndarray]:
+    """Flat float32 arrays from raw payload bytes of exactly ``raw_nbytes(fmt, sizes)``, and their Σx²
+    (float64, per array: the norm checks' input, computed in the same pass); CodecError for NaN/Inf."""
+    return packer(fmt).unpack(fmt, raw, sizes, workers)

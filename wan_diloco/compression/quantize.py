@@ -26,7 +26,7 @@ import numpy as np
 
 from wan_diloco.compression.config import CODEBOOKS, INT4_QMAX, INT8_QMAX, MIN_SCALE
 
-_BF16_MAX = float(np.frombuffer(np.uint32(0x7F7F0000).tobytes(), np.float32)[0])
+BF16_MAX = float(np.frombuffer(np.uint32(0x7F7F0000).tobytes(), np.float32)[0])
 
 
 def n_blocks(size: int, block_size: int) -> int:
@@ -50,7 +50,7 @@ def block_scale(absmax, qmax: float, scale_dtype: str):
         # Adding 0xFFFF then truncating to the top 16 bits rounds a positive
         # float up to the next bf16 value; clamp the one case that hits Inf.
         up = (jax.lax.bitcast_convert_type(s, jnp.uint32) + jnp.uint32(0xFFFF)) & jnp.uint32(0xFFFF0000)
-        s = jnp.minimum(jax.lax.bitcast_convert_type(up, jnp.float32), _BF16_MAX)
+        s = jnp.minimum(jax.lax.bitcast_convert_type(up, jnp.float32), BF16_MAX)
     else:
         h = s.astype(jnp.float16)
         bumped = jax.lax.bitcast_convert_type(
@@ -73,7 +73,7 @@ def codebook_codes(y, levels: np.ndarray, noise=None):
     the upper neighbour with probability (y - lo) / (hi - lo). Both use only
     compares and selects (no gathers), so they lower on every Pallas backend.
     """
-    lv = [float(v) for v in levels[:_n_levels(levels)]]
+    lv = [float(v) for v in levels[:n_levels(levels)]]
     y = jnp.clip(y, lv[0], lv[-1])
     k = jnp.zeros(y.shape, jnp.int32)
     if noise is None:
@@ -92,7 +92,7 @@ def codebook_codes(y, levels: np.ndarray, noise=None):
     return k + (noise < p).astype(jnp.int32)
 
 
-def _n_levels(levels: np.ndarray) -> int:
+def n_levels(levels: np.ndarray) -> int:
     # Uniform int4 has 15 real levels; its 16th table entry (0) is padding.
     return 15 if levels[-1] == 0 else 16
 

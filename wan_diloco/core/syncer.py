@@ -46,8 +46,9 @@ from wan_diloco.merge import Workers, sum_squares
 from wan_diloco.outer import OuterOptimizer
 
 
-# The stages ``SyncerCore(timing=...)`` is entered around: an upload's checks (shape and clock; NaN and norm),
-# a round's whole close, and within it the merge, the outer step (update and commit) and encoding the update.
+# The stages ``SyncerCore(timing=...)`` is entered around: an upload's checks (shape and clock; NaN and norm) and
+# its fold into the round's running merge ("merge"), a round's whole close, and within it the end of the merge,
+# the outer step (update and commit) and encoding the update.
 TIMED_STAGES = ("validate_upload", "validate_norm", "close", "merge", "outer_step", "encode")
 
 
@@ -89,7 +90,9 @@ class SyncerCore(SyncerRounds):
         # ||Θ_p||² for the norm check: Θ_p changes only in ``_close`` and ``restore``, which set it
         # (None: compute on the next upload).
         self.theta_sq: list[float | None] = [None] * len(fragments)
-        self.workers = Workers(workers)
+        self.workers = Workers(workers if workers is not None else cfg.threads or None)
+        if hasattr(codec, "workers"):
+            codec.workers = self.workers
         self.outer = OuterOptimizer(cfg.outer, {p: self.theta[p] for p in self.owned})
         self.rounds: dict[tuple[int, int], Round] = {}
         self.carried: list[dict[int, FragmentUpload]] = [{} for _ in fragments]  # per fragment, per learner
@@ -187,7 +190,7 @@ class SyncerCore(SyncerRounds):
             raise ProtocolError(f"fragment upload from learner {msg.learner}: due step {msg.due_step} is past what "
                                 f"its pace allows now ({bound})", "upload.due_step")
         with self.timing("validate_norm"):
-            self._check_norm(now_s, msg)
+            delta_sq = self._check_norm(now_s, msg)
         self._seen(now_s, msg.learner)
         self.clock = self.clock.merge(msg.clock)
         self.stats.bytes_in += msg.nbytes
@@ -211,7 +214,7 @@ class SyncerCore(SyncerRounds):
         rnd = self.rounds.setdefault(key, Round(opened_s=now_s))
         if msg.learner in rnd.contributions:
             return []  # a resend after a reconnect
-        rnd.contributions[msg.learner] = msg
+        self._contribute(rnd, msg, delta_sq)
         rnd.received_s[msg.learner] = now_s
         return self._maybe_close(now_s, key)
 
@@ -284,14 +287,14 @@ class SyncerCore(SyncerRounds):
         limit = guards.syncer_clock_limit(self.clock_restored, self.syncer_ticks, self.clock_leeway, shard)
         guards.check_clock(learner, clock, self.clock, self.nodes, self.cfg.num_learners, limit)
 
-    def _check_norm(self, now_s: float, msg: FragmentUpload) -> None:
+    def _check_norm(self, now_s: float, msg: FragmentUpload) -> dict[str, float]:
         """Refuse NaN/Inf in Δ, and an absurd Δ (see ``max_delta_ratio``), quarantining the learner that
-        sent the latter."""
-        delta_sq = guards.delta_sum_squares(msg, self.workers)
+        sent the latter. Returns ‖Δ_t‖² by tensor name (RDA's norms)."""
+        delta_sq = dict(zip(msg.delta, guards.delta_sum_squares(msg, self.workers).tolist()))
         p = msg.fragment
         if self.theta_sq[p] is None:
             self.theta_sq[p] = float(sum_squares(list(self.theta[p].values()), self.workers).sum())
-        why = guards.norm_excess(p, delta_sq, self.theta_sq[p], self.cfg.max_delta_ratio)
+        why = guards.norm_excess(p, sum(delta_sq.values()), self.theta_sq[p], self.cfg.max_delta_ratio)
         if why is not None:
             self.quarantine(now_s, msg.learner, why)
             raise ProtocolError(f"learner {msg.learner}: {why}; quarantined for {self.cfg.quarantine_s:g} s",

@@ -49,6 +49,9 @@ class SyncerConfig:
     # A learner sends its final uploads once it reached the run's budget: one flagged final from earlier
     # would start the end-of-run sync for everyone. None: not checked (the simulator ends its learners itself).
     final_min_step: int | None = None
+    # Threads of the syncer's hot path (decoding uploads with their checks, the merge, the outer step):
+    # 0 = every core this process may run on. Any number gives the same bits (chunks are cut the same way).
+    threads: int = 0
 
     def validate(self) -> None:
         require(self.num_learners >= 1, "num_learners", f"must be >= 1, got {self.num_learners}")
@@ -78,4 +81,6 @@ class SyncerConfig:
                 f"must be >= 1, got {self.max_tokens_per_step}")
         require(isinstance(self.max_refusals, int) and not isinstance(self.max_refusals, bool)
                 and self.max_refusals >= 1, "max_refusals", f"must be an integer >= 1, got {self.max_refusals!r}")
+        require(isinstance(self.threads, int) and not isinstance(self.threads, bool) and self.threads >= 0,
+                "threads", f"must be an integer >= 0 (0: every core), got {self.threads!r}")
         self.outer.validate()

@@ -186,14 +186,18 @@ def check_upload(cfg: SyncerConfig, msg: FragmentUpload, owned: Sequence[int], e
                                 "upload.shape")
 
 
-def delta_sum_squares(msg: FragmentUpload, workers: Workers) -> float:
-    """||Δ||² of an upload; NaN or Inf in Δ refused (it makes its sum of squares non-finite, so one
-    pass over Δ serves both the finiteness and the norm check)."""
-    sq = sum_squares(list(msg.delta.values()), workers)
+def delta_sum_squares(msg: FragmentUpload, workers: Workers) -> np.ndarray:
+    """||Δ_t||² of each tensor of an upload (float64, in ``msg.delta``'s order); NaN or Inf in Δ refused
+    (it makes its sum of squares non-finite, so one pass over Δ serves both the finiteness and the
+    norm check). A Δ the codec decoded carries its sums from the decoding pass (``Decoded``): no
+    second pass over it here."""
+    sq = getattr(msg.delta, "sum_squares", None)
+    if sq is None or len(sq) != len(msg.delta):
+        sq = sum_squares(list(msg.delta.values()), workers)
     if not np.all(np.isfinite(sq)):
         bad = next(n for n, x in zip(msg.delta, sq) if not math.isfinite(x))
         raise ProtocolError(f"{bad!r} from learner {msg.learner}: NaN or Inf in the outer gradient", "upload.delta")
-    return float(sq.sum())
+    return np.asarray(sq, np.float64)
 
 
 def norm_excess(p: int, delta_sq: float, theta_sq: float, max_delta_ratio: float) -> str | None:

@@ -1,6 +1,11 @@
 """A syncer's rounds: what one holds, when it closes (quorum, then the grace window), late Δs folded
 into the next, the merge and outer step that close it, and the end-of-run sync. ``SyncerRounds`` keeps
 the books (versions, clock, stats) around the functions of plain values ahead of it.
+
+A round merges as its Δs arrive (``merge.Accumulator``): each is folded into the round's running sums
+and dropped, so a round holds one fragment of sums whatever M. Where the method needs a Δ whole, it is
+held until the close: a learner's Δ while a late Δ of the same learner waits in the carry (the two merge
+as one Δ, whose norm RDA needs). docs/method.md, "Merging as Δs arrive", has what this changes.
 """
 from __future__ import annotations
 
@@ -20,7 +25,7 @@ from wan_diloco.core.protocol import (
 from wan_diloco.core.syncer_config import SyncerConfig
 from wan_diloco.core.syncer_state import LearnerInfo, SyncerStats
 from wan_diloco.fragments import Encoded
-from wan_diloco.merge import MergeMethod, Workers, chunks, merge_fragment, sum_squares, token_weights
+from wan_diloco.merge import Accumulator, Workers, chunk_sum_squares, chunks, per_tensor, token_weights
 from wan_diloco.outer import OuterOptimizer
 
 Timing = Callable[[str], AbstractContextManager[Any]]
@@ -28,9 +33,13 @@ Timing = Callable[[str], AbstractContextManager[Any]]
 
 @dataclass
 class Round:
-    """One fragment's round for one due step: the Δs in, when each came, its quorum and grace."""
+    """One fragment's round for one due step: the Δs in, when each came, its quorum and grace.
+    ``contributions``: every learner's upload in it, its Δ emptied once folded into ``sums`` (the
+    running merge); those in ``held`` keep theirs until the close."""
     opened_s: float
     contributions: dict[int, FragmentUpload] = field(default_factory=dict)
+    sums: Accumulator | None = None
+    held: set[int] = field(default_factory=set)
     received_s: dict[int, float] = field(default_factory=dict)
     quorum_s: float | None = None
     deadline_s: float | None = None
@@ -38,28 +47,29 @@ class Round:
     timer_set: bool = False
 
 
-def fold_carried(rnd: Round, carried: Mapping[int, FragmentUpload], oldest_base: int) -> tuple[int, int]:
-    """Late Δs of this fragment joined into ``rnd`` (one learner's with its own Δ there, as one);
-    those based before ``oldest_base`` dropped. Returns (carried, dropped as stale)."""
-    taken = stale = 0
+def upload_weight(u: FragmentUpload) -> float:
+    """A Δ's merge weight: tokens times tokens per step (``merge.token_weights``); a round where every
+    weight is 0 weighs its Δs equally (``Accumulator``)."""
+    return float(token_weights([u.c_tokens], [u.c_steps])[0])
+
+
+def fold_carried(rnd: Round, carried: Mapping[int, FragmentUpload], oldest_base: int
+                 ) -> tuple[list[FragmentUpload], dict[int, FragmentUpload], int]:
+    """Late Δs of this fragment at ``rnd``'s close: (the Δs to fold in now, each learner's held Δ
+    combined with its late one, as one; the late Δs to keep carrying: their learner's Δ in ``rnd``
+    is in its sums already; how many were dropped as based before ``oldest_base``)."""
+    fold, keep, stale = [], {}, 0
     for m, msg in carried.items():
         if msg.base_version < oldest_base:
             stale += 1
-            continue
-        taken += 1
-        mine = rnd.contributions.get(m)
-        rnd.contributions[m] = msg if mine is None else combine(msg, mine)
-    return taken, stale
-
-
-def merged_delta(ups: Sequence[FragmentUpload], method: MergeMethod, is_embedding: Callable[[str], bool],
-                 workers: Workers, timing: Timing) -> dict[str, np.ndarray]:
-    """The Δs of one round merged, weighted by tokens (equally where no learner counted any)."""
-    weights = token_weights([u.c_tokens for u in ups], [u.c_steps for u in ups])
-    if weights.sum() <= 0:
-        weights = np.ones(len(ups))
-    with timing("merge"):
-        return merge_fragment([u.delta for u in ups], weights, method, is_embedding, workers)
+        elif m in rnd.contributions and m not in rnd.held:
+            keep[m] = msg
+        else:
+            fold.append(msg if m not in rnd.held else combine(msg, rnd.contributions[m]))
+            rnd.contributions[m] = fold[-1]
+    taken = {m.learner for m in fold}
+    fold += [rnd.contributions[m] for m in sorted(rnd.held) if m not in taken]
+    return fold, keep, stale
 
 
 def outer_step(outer: OuterOptimizer, codec: Codec, p: int, theta: Tensors, delta: Mapping[str, np.ndarray],
@@ -73,9 +83,9 @@ def outer_step(outer: OuterOptimizer, codec: Codec, p: int, theta: Tensors, delt
     # The codec refuses a non-finite update (an outer step that overflowed).
     with timing("encode"):
         enc = encode_or_refuse(codec, update, f"update of fragment {p}")
-    # New arrays, not in place: a snapshot being written shares the old ones (``export``).
-    new = add(theta, enc.values, workers)
-    theta_sq = float(sum_squares(list(new.values()), workers).sum())  # the next norm check's
+    # Not in place: a snapshot being written shares Θ_p's arrays (``export``). Into the update's arrays
+    # instead (encoded, it is not needed again), with the next norm check's ||Θ_p||² from the same pass.
+    new, theta_sq = add(theta, enc.values, workers, out=update)
     if not math.isfinite(theta_sq):
         raise ProtocolError("the outer step overflowed (non-finite result)")
     return enc, new, theta_sq
@@ -100,6 +110,7 @@ def final_rounds(finals: Mapping[tuple[int, int], FragmentUpload], owned: Sequen
         for u in ups:
             rnd.contributions[u.learner] = u
             rnd.received_s[u.learner] = now_s
+            rnd.held.add(u.learner)  # merged at once, at the close
         rounds.append(((p, max(u.due_step for u in ups)), rnd))
     return rounds
 
@@ -113,19 +124,23 @@ def combine(a: FragmentUpload, b: FragmentUpload) -> FragmentUpload:
     )
 
 
-def add(a: Tensors, b: Tensors, workers: Workers) -> dict[str, np.ndarray]:
-    """{n: a[n] + b[n]} in fresh float32 arrays, chunk by chunk on ``workers``."""
+def add(a: Tensors, b: Tensors, workers: Workers, out: Mapping[str, np.ndarray] | None = None
+        ) -> tuple[dict[str, np.ndarray], float]:
+    """({n: a[n] + b[n]} as float32, in ``out``'s arrays or fresh ones, Σ of its squares), chunk by
+    chunk on ``workers``: each chunk's squares are summed while it is in cache (NaN/Inf: non-finite)."""
     names = list(a)
     xs, ys = [np.ravel(a[n]) for n in names], [np.ravel(b[n]) for n in names]
-    out = [np.empty(x.size, np.float32) for x in xs]
+    res = [np.empty(x.size, np.float32) if out is None else out[n].reshape(-1) for n, x in zip(names, xs)]
+    items = chunks([x.size for x in xs])
 
-    def run(it) -> None:
+    def run(it) -> float:
         i, lo, hi = it
-        np.add(xs[i][lo:hi], ys[i][lo:hi], out=out[i][lo:hi])
+        np.add(xs[i][lo:hi], ys[i][lo:hi], out=res[i][lo:hi])
+        return chunk_sum_squares(res[i][lo:hi])
 
     with np.errstate(over="ignore", invalid="ignore"):
-        workers.map(run, chunks([x.size for x in xs]))
-    return {n: o.reshape(np.shape(a[n])) for n, o in zip(names, out)}
+        sq = float(per_tensor(len(names), items, workers.map(run, items)).sum())
+    return {n: o.reshape(np.shape(a[n])) for n, o in zip(names, res)}, sq
 
 
 class SyncerRounds:
@@ -237,19 +252,59 @@ class SyncerRounds:
             return [SetTimer(key, rnd.deadline_s)]
         return []
 
+    def _contribute(self, rnd: Round, msg: FragmentUpload, delta_sq: Mapping[str, float]) -> None:
+        """``msg`` joins ``rnd``: folded into its sums now (``delta_sq``: ‖Δ_t‖² by name, from the checks),
+        or held whole while a late Δ of the same learner waits in the carry."""
+        if msg.learner in self.carried[msg.fragment]:
+            rnd.contributions[msg.learner] = msg
+            rnd.held.add(msg.learner)
+            return
+        self._fold(self._sums(rnd, msg.fragment), msg, delta_sq)
+        rnd.contributions[msg.learner] = replace(msg, delta={}, payload=None)  # its counters; Δ is in the sums
+
+    def _sums(self, rnd: Round, p: int) -> Accumulator:
+        if rnd.sums is None:
+            names = self.fragments[p]
+            rnd.sums = Accumulator([self.theta[p][n].shape for n in names],
+                                   [self.cfg.merge == "rda" and not self.is_embedding(n) for n in names], self.workers)
+        return rnd.sums
+
+    def _fold(self, sums: Accumulator, msg: FragmentUpload, delta_sq: Mapping[str, float] | None) -> None:
+        names = self.fragments[msg.fragment]
+        with self.timing("merge"):
+            sums.add([msg.delta[n] for n in names], upload_weight(msg),
+                     None if delta_sq is None else [delta_sq[n] for n in names])
+
     def _close(self, now_s: float, key: tuple[int, int], final: bool = False) -> list:
         p, due = key
         rnd = self.rounds.pop(key)
-        # Older open rounds of this fragment are now late: their Θ has moved on.
+        sums = self._sums(rnd, p)
+        # Older open rounds of this fragment are now late: their Θ has moved on. Their held Δs are
+        # carried; the rest, already in their sums, join this merge as they are (each its own Δ).
         for old in [k for k in self.rounds if k[0] == p and k[1] < due]:
-            self._late(self.rounds.pop(old).contributions.values())
-        carried, stale = fold_carried(rnd, self.carried[p], self.version[p] - self.cfg.max_staleness)
-        self.stats.late_carried += carried
+            older = self.rounds.pop(old)
+            self._late([older.contributions[m] for m in sorted(older.held)])
+            folded = {m: u for m, u in older.contributions.items() if m not in older.held}
+            if not folded:
+                continue
+            if not self.cfg.carry_late:
+                self.stats.late_dropped += len(folded)
+                continue
+            with self.timing("merge"):
+                sums.absorb(older.sums)
+            self.stats.late_carried += len(folded)
+            for m, u in folded.items():
+                rnd.contributions.setdefault(m, u)
+        carried = self.carried[p]
+        fold, self.carried[p], stale = fold_carried(rnd, carried, self.version[p] - self.cfg.max_staleness)
+        self.stats.late_carried += len(carried) - len(self.carried[p]) - stale
         self.stats.stale_dropped += stale
-        self.carried[p] = {}
+        for u in fold:
+            self._fold(sums, u, None)
         learners = sorted(rnd.contributions)
         ups = [rnd.contributions[m] for m in learners]
-        delta = merged_delta(ups, self.cfg.merge, self.is_embedding, self.workers, self.timing)
+        with self.timing("merge"):
+            delta = dict(zip(self.fragments[p], sums.result()))
         try:
             enc, new, theta_sq = outer_step(self.outer, self.codec, p, self.theta[p], delta, self.workers, self.timing)
         except ProtocolError as e:

@@ -1,0 +1,102 @@
+"""The syncer's hot path against memcpy, in one run (issue #26): bench/syncer.py's in-process part calls these.
+
+- ``references``: CPU seconds per GB (fp32-equivalent bytes) of ``np.copyto`` of the fragment into a
+  reused buffer, of the codec's decode alone on one thread (zstd + NF4 lookup x scales + the sums of
+  squares it now computes) and of zstd's decompression alone, on the same payload.
+- ``per_stage``: the ``per_stage_cpu_s_per_gb`` block: each stage of the in-process rows per thread
+  count and M, the references, and the ratios the issue asks for.
+- ``round_memory``: a round's peak of Python-tracked memory (numpy reports its buffers to
+  ``tracemalloc``) above what the core held before it, in fragments' worth, for each M.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+import tracemalloc
+
+import numpy as np
+
+GB = 1e9
+
+
+def _cpu_s(fn, reps: int) -> float:
+    """Median CPU seconds (this process, every thread) of ``fn()`` over ``reps`` runs after a warm-up."""
+    fn()
+    out = []
+    for _ in range(reps):
+        c = time.process_time()
+        fn()
+        out.append(time.process_time() - c)
+    return statistics.median(out)
+
+
+def references(codec, fragment: int, payload: bytes, fp32_bytes: int, reps: int) -> dict:
+    """CPU s per GB fp32 of a copy, the codec's decode (one thread) and zstd alone, on one payload."""
+    from wan_diloco.compression import entropy, frame
+    from wan_diloco.merge import SERIAL
+    values = codec.decode(fragment, payload)
+    src = np.concatenate([np.ravel(v) for v in values.values()])
+    dst = np.empty_like(src)
+    workers, codec.workers = codec.workers, SERIAL
+    try:
+        decode_s = _cpu_s(lambda: codec.decode(fragment, payload), reps)
+    finally:
+        codec.workers = workers
+    header = frame.parse_header(memoryview(payload))
+    body = memoryview(payload)[frame.HEADER_BYTES:]
+    zstd_s = _cpu_s(lambda: entropy.decompress(body, header.raw_len), reps) if header.zstd else 0.0
+    copy_s = _cpu_s(lambda: np.copyto(dst, src), reps)
+    per_gb = GB / fp32_bytes
+    return {"np_copy": copy_s * per_gb, "codec_decode_1_thread": decode_s * per_gb,
+            "zstd_decompress": zstd_s * per_gb, "fp32_bytes": fp32_bytes, "payload_bytes": len(payload)}
+
+
+def per_stage(rows: list[dict], refs: dict) -> dict:
+    """The block the issue names: CPU s per GB merged per stage (the RDA fragment's rows; decode
+    includes the upload checks), by thread count and M, with the references and their ratios."""
+    out: dict = {"unit": "CPU seconds per GB of fp32-equivalent Δ merged (decoded, for the references)",
+                 "references": refs, "by_threads": {}, "ratios": {}}
+    rda = [r for r in rows if not r["embedding"]] or rows
+    for r in rda:
+        per = {k: v for k, v in r["cpu_s_per_gb"].items() if k != "transport"}
+        d = r["detail_cpu_ms"]
+        gb = r["learners"] * r["fragment_fp32_bytes"] / GB
+        per["decode_only"] = d["decode"] / 1e3 / gb
+        per["checks_only"] = d["validate"] / 1e3 / gb
+        per["total"] = sum(r["cpu_s_per_gb"][k] for k in ("decode", "merge", "outer", "encode"))
+        per["merged_gb_per_cpu_s"] = 1.0 / per["total"]
+        per["round_wall_ms"] = r["round_wall_ms"]
+        out["by_threads"].setdefault(str(r["threads"]), {})[f"M={r['learners']}"] = per
+    ratios = out["ratios"]
+    one = out["by_threads"].get("1", {})
+    for m, per in one.items():
+        ratios[f"{m}: runtime decode + checks / codec decode (1 thread)"] = per["decode"] / refs["codec_decode_1_thread"]
+        ratios[f"{m}: runtime decode + checks / np.copy"] = per["decode"] / refs["np_copy"]
+        for t, by_m in out["by_threads"].items():
+            if t != "1" and m in by_m:
+                ratios[f"{m}: round wall, {t} threads vs 1 (speed-up)"] = per["round_wall_ms"] / by_m[m]["round_wall_ms"]
+    ratios["codec decode / np.copy"] = refs["codec_decode_1_thread"] / refs["np_copy"]
+    ratios["codec decode GB per CPU s"] = 1.0 / refs["codec_decode_1_thread"]
+    return out
+
+
+def round_memory(make_core, upload_of, fp32_bytes: int, learners: list[int]) -> dict:
+    """Per M: the peak memory a round allocates above the core's own state (Θ, momentum), in
+    fragments' worth: ``make_core(M)`` builds a core, ``upload_of(core, m, rep)`` decodes learner m's Δ
+    for round ``rep`` (as the runtime does, one upload at a time) and returns its FragmentUpload."""
+    out = {}
+    for M in learners:
+        core = make_core(M)
+        for m in range(M):  # a warm-up round: the outer state and the thread pools exist
+            core.on_fragment(0.0, upload_of(core, m, 0))
+        tracemalloc.start()
+        try:
+            base = tracemalloc.get_traced_memory()[0]
+            for m in range(M):
+                core.on_fragment(1.0, upload_of(core, m, 1))
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        out[f"M={M}"] = {"peak_above_state_bytes": peak - base, "fragments": (peak - base) / fp32_bytes}
+        del core
+    return out
