@@ -14,7 +14,7 @@ The variants run in alternating blocks of whole rounds, so drift of a shared mac
 Per stage, the training thread's wall and CPU seconds per step, and the worker thread's CPU.
 
     python -m bench.train_throughput --sync                      # tiny, int4, H = 8 and 100
-    python -m bench.learner_sync --preset base --sync-every 8 --batch-size 1 --blocks 2
+    python -m bench.learner_sync --preset base --sync-every 8 --batch-size 1 --steps 16
 """
 from __future__ import annotations
 
@@ -187,7 +187,7 @@ def close(lrn: Learner) -> None:
     lrn.writer.shutdown(wait=True)
 
 
-def sync_row(preset: str, sync_every: int, batch_size: int, bits: int, fragments: int, tau: int, blocks: int,
+def sync_row(preset: str, sync_every: int, batch_size: int, bits: int, fragments: int, tau: int, steps: int,
              warmup: int) -> dict:
     variants = {"off": (OFF_H, 0), "on_training_thread": (sync_every, 0), "on_worker": (sync_every, 2)}
     built = {}
@@ -196,24 +196,27 @@ def sync_row(preset: str, sync_every: int, batch_size: int, bits: int, fragments
         lrn = local_learner(spec_for(preset, H, inflight, batch_size, bits, fragments, tau), stages)
         for _ in range(warmup):
             lrn.train_step()
-        built[name] = (lrn, stages, [])
+        built[name] = (lrn, stages, [], [])
         stages.reset()
         if lrn.sync is not None:
             lrn.sync.busy_s = lrn.sync.stall_s = 0.0
     block = sync_every * max(1, -(-16 // sync_every))  # whole rounds, at least 16 steps
+    blocks = max(2, -(-steps // block))
     for _ in range(blocks):
-        for name, (lrn, stages, times) in built.items():
+        for name, (lrn, stages, times, cpu) in built.items():
             for _ in range(block):
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()  # the process: worker and XLA threads too
                 lrn.train_step()
                 times.append(time.perf_counter() - t0)
+                cpu.append(time.process_time() - c0)
     out = {"preset": preset, "sync_every": sync_every, "num_fragments": fragments, "tau": tau, "bits": bits,
            "batch_size": batch_size, "steps_per_variant": blocks * block, "warmup_steps": warmup, "variants": {}}
-    for name, (lrn, stages, times) in built.items():
+    for name, (lrn, stages, times, cpu) in built.items():
         t = np.array(times)
         out["variants"][name] = {
             "step_ms_median": 1e3 * float(np.median(t)), "step_ms_p90": 1e3 * float(np.percentile(t, 90)),
-            "step_ms_mean": 1e3 * float(t.mean()), "uploads": lrn.uploads, "payload_bytes": lrn.payload_bytes,
+            "step_ms_mean": 1e3 * float(t.mean()), "cpu_ms_per_step": 1e3 * float(np.mean(cpu)),
+            "uploads": lrn.uploads, "payload_bytes": lrn.payload_bytes,
             "stages": stages.report(len(t)),
             "worker_cpu_ms_per_step": 1e3 * lrn.sync.busy_s / len(t) if lrn.sync else 0.0,
             "stall_ms_per_step": 1e3 * lrn.sync.stall_s / len(t) if lrn.sync else 0.0,
@@ -224,6 +227,8 @@ def sync_row(preset: str, sync_every: int, batch_size: int, bits: int, fragments
         v = out["variants"][name]
         v["ratio_median"] = v["step_ms_median"] / off["step_ms_median"]
         v["ratio_mean"] = v["step_ms_mean"] / off["step_ms_mean"]
+        v["ratio_p90"] = v["step_ms_p90"] / off["step_ms_p90"]
+        v["ratio_cpu"] = v["cpu_ms_per_step"] / off["cpu_ms_per_step"]
     return out
 
 
@@ -235,22 +240,24 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--bits", type=int, default=4)
     ap.add_argument("--fragments", type=int, default=4)
     ap.add_argument("--tau", type=int, default=2)
-    ap.add_argument("--blocks", type=int, default=3, help="alternating blocks of whole rounds per variant")
+    ap.add_argument("--steps", type=int, default=96, help="timed steps per variant (at least: whole rounds, "
+                    "in alternating blocks of at least 16 steps, two blocks or more)")
     ap.add_argument("--warmup", type=int, default=5, help="steps per variant before timing (the compile included)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "train_throughput_sync.json"))
     args = ap.parse_args(argv)
     doc = {"devices": [str(d) for d in jax.local_devices()], "cpu_count": os.cpu_count(),
            "machine": platform.machine(), "jax": jax.__version__, "rows": []}
     for H in args.sync_every:
-        row = sync_row(args.preset, H, args.batch_size, args.bits, args.fragments, args.tau, args.blocks, args.warmup)
+        row = sync_row(args.preset, H, args.batch_size, args.bits, args.fragments, args.tau, args.steps, args.warmup)
         row["load_avg_1min_at_end"] = os.getloadavg()[0]
         doc["rows"].append(row)
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(doc, indent=2) + "\n")  # each row as it finishes
         v = row["variants"]
-        print(f"{args.preset} H={H} int{args.bits}: off {v['off']['step_ms_median']:.1f} ms/step; on, training "
-              f"thread {v['on_training_thread']['ratio_median']:.3f}x (mean {v['on_training_thread']['ratio_mean']:.3f}x);"
-              f" on, worker {v['on_worker']['ratio_median']:.3f}x (mean {v['on_worker']['ratio_mean']:.3f}x)", flush=True)
+        print(f"{args.preset} H={H} int{args.bits}: off {v['off']['step_ms_median']:.1f} ms/step, "
+              f"{v['off']['cpu_ms_per_step']:.1f} CPU-ms/step; on/off median, p90, CPU: " + "; ".join(
+                  f"{k} {v[k]['ratio_median']:.3f}x {v[k]['ratio_p90']:.3f}x {v[k]['ratio_cpu']:.3f}x"
+                  for k in ("on_training_thread", "on_worker")), flush=True)
     print(f"wrote {args.out}")
 
 

@@ -71,6 +71,8 @@ _RESIDUALS = (SaveState, SendState, LoadPart, InstallPart, RecoverFromPeer, Rejo
 
 
 class Learner:
+    sync: SyncWorker | None = None  # set in __init__ unless learner.sync_in_flight is 0
+
     def __init__(self, cfg: RunSpec, learner: int, target: str, token: str, parts: Assembly | None = None,
                  resume: bool = False, lockstep: lk.Lockstep | None = None):
         """``lockstep``: this is the leader of a multi-process learner (``parts`` on the global mesh)."""
