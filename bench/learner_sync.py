@@ -14,7 +14,7 @@ The variants run in alternating blocks of whole rounds, so drift of a shared mac
 Per stage, the training thread's wall and CPU seconds per step, and the worker thread's CPU.
 
     python -m bench.train_throughput --sync                      # tiny, int4, H = 8 and 100
-    python -m bench.learner_sync --preset base --sync-every 8 --batch-size 1 --steps 16
+    python -m bench.learner_sync --preset base --sync-every 8 --batch-size 1 --steps 16 --block-steps 8
 """
 from __future__ import annotations
 
@@ -188,7 +188,7 @@ def close(lrn: Learner) -> None:
 
 
 def sync_row(preset: str, sync_every: int, batch_size: int, bits: int, fragments: int, tau: int, steps: int,
-             warmup: int) -> dict:
+             warmup: int, block_steps: int = 16) -> dict:
     variants = {"off": (OFF_H, 0), "on_training_thread": (sync_every, 0), "on_worker": (sync_every, 2)}
     built = {}
     for name, (H, inflight) in variants.items():
@@ -200,7 +200,7 @@ def sync_row(preset: str, sync_every: int, batch_size: int, bits: int, fragments
         stages.reset()
         if lrn.sync is not None:
             lrn.sync.busy_s = lrn.sync.stall_s = 0.0
-    block = sync_every * max(1, -(-16 // sync_every))  # whole rounds, at least 16 steps
+    block = sync_every * max(1, -(-block_steps // sync_every))  # whole rounds, at least block_steps
     blocks = max(2, -(-steps // block))
     for _ in range(blocks):
         for name, (lrn, stages, times, cpu) in built.items():
@@ -241,14 +241,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--fragments", type=int, default=4)
     ap.add_argument("--tau", type=int, default=2)
     ap.add_argument("--steps", type=int, default=96, help="timed steps per variant (at least: whole rounds, "
-                    "in alternating blocks of at least 16 steps, two blocks or more)")
+                    "in alternating blocks of at least --block-steps, two blocks or more)")
+    ap.add_argument("--block-steps", type=int, default=16)
     ap.add_argument("--warmup", type=int, default=5, help="steps per variant before timing (the compile included)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "train_throughput_sync.json"))
     args = ap.parse_args(argv)
     doc = {"devices": [str(d) for d in jax.local_devices()], "cpu_count": os.cpu_count(),
            "machine": platform.machine(), "jax": jax.__version__, "rows": []}
     for H in args.sync_every:
-        row = sync_row(args.preset, H, args.batch_size, args.bits, args.fragments, args.tau, args.steps, args.warmup)
+        row = sync_row(args.preset, H, args.batch_size, args.bits, args.fragments, args.tau, args.steps, args.warmup,
+                       args.block_steps)
         row["load_avg_1min_at_end"] = os.getloadavg()[0]
         doc["rows"].append(row)
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
