@@ -133,7 +133,8 @@ class Learner:
                     # A multi-process leader mixes on the host: a jax op on the global arrays here would run
                     # on its own devices only, a computation its followers never join.
                     current = flat if self.ls is None else {n: np.asarray(flat[n]) for n in a.values}
-                    flat.update({n: jnp.asarray(v) for n, v in a.mixed(current).items()})
+                    # One batched transfer of the fragment (a call per tensor costs twice the CPU).
+                    flat.update(jax.device_put(a.mixed(current)))
                     self.state = train_lib.set_params(self.state, tree.unflatten(flat, self.state.params))
                 case Snapshot(fragment, due_step, final):
                     flat = tree.flatten(self.state.params)
