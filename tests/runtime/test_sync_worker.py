@@ -44,8 +44,8 @@ def _bits(a) -> bytes:
     return np.ascontiguousarray(np.asarray(a)).tobytes()
 
 
-# keep_local: θ_p as sent stays in the core until its answer; slow only for the second set of compiles.
-@pytest.mark.parametrize("keep_local", [False, pytest.param(True, marks=pytest.mark.slow)])
+# keep_local: θ_p as sent stays in the core until its answer arrives, set there by the worker.
+@pytest.mark.parametrize("keep_local", [False, True])
 def test_a_run_uploads_and_ends_with_the_same_bits_whichever_thread_encodes(parts, keep_local):
     sync, worker = _run(parts, 0, keep_local), _run(parts, 2, keep_local)
     assert worker.sync is not None and sync.sync is None
