@@ -137,11 +137,10 @@ class Learner:
                     flat.update(jax.device_put(a.mixed(current)))
                     self.state = train_lib.set_params(self.state, tree.unflatten(flat, self.state.params))
                 case Snapshot(fragment, due_step, final):
-                    flat = tree.flatten(self.state.params)
-                    names = self.layout.fragments[fragment]
+                    flat, names = tree.flatten(self.state.params), self.layout.fragments[fragment]
                     if self.sync is not None and not final:
-                        pending = self.core.begin_snapshot(time.monotonic(), fragment, due_step)
-                        self.sync.submit(pending, {n: flat[n] for n in names})
+                        self.sync.submit(self.core.begin_snapshot(time.monotonic(), fragment, due_step),
+                                         {n: flat[n] for n in names})
                         continue
                     if self.sync is not None:  # the final sync waits for every upload: no gain in the worker
                         self.sync.flush()
