@@ -1,10 +1,12 @@
-"""Inner-step training throughput (tokens/s) of a model preset on the local devices.
+"""Inner-step training throughput (tokens/s) of a model preset on the local devices, and what syncing
+costs a learner's step.
 
 Trains on the default stdlib corpus for a few steps per batch size, after one
 compile step, and writes bench/results/train_throughput.json.
 
     python bench/train_throughput.py            # tiny, batch sizes 8 16 32 64, 40 steps each
     python bench/train_throughput.py --quick    # tiny, batch 16, 15 steps
+    python bench/train_throughput.py --sync     # learner step time, syncing off / on (bench/learner_sync.py)
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import argparse
 import json
 import os
 import platform
+import sys
 import time
 from pathlib import Path
 
@@ -48,12 +51,17 @@ def measure(cfg: model.ModelConfig, batch_size: int, steps: int, tokens) -> dict
 
 
 def main() -> None:
+    if "--sync" in sys.argv[1:]:
+        from bench import learner_sync
+        return learner_sync.main([a for a in sys.argv[1:] if a != "--sync"])
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="tiny", choices=list(model.PRESETS))
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[8, 16, 32, 64])
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--quick", action="store_true", help="batch 16 only, 15 steps")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "train_throughput.json"))
+    ap.add_argument("--sync", action="store_true", help="a learner's step time with syncing on against off, "
+                    "with bench/learner_sync.py's options instead of these")
     args = ap.parse_args()
     if args.quick:
         args.batch_sizes, args.steps = [16], 15

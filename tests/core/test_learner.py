@@ -186,3 +186,31 @@ def test_retune_changes_tau_and_refuses_a_bad_one_without_changing_state():
     with pytest.raises(ConfigError, match="tau"):
         lc.retune(lc.cfg.sync_every)
     assert lc.cfg.tau == 3
+
+
+def test_sync_in_flight_must_be_a_whole_number_from_zero():
+    for bad in (-1, True, 1.5):
+        with pytest.raises(ConfigError, match="sync_in_flight"):
+            make(sync_in_flight=bad)
+    make(sync_in_flight=0)
+
+
+def test_a_begun_snapshot_encodes_from_the_base_it_was_taken_on():
+    # The driver's worker encodes after the training thread merged an update of the same fragment:
+    # the upload is still the one a snapshot at once would have sent (counters, clock, Δ).
+    theta = {"block_0/w": np.array([0.5, 2.5, 2.0], np.float32)}
+    now, later = make(error_feedback=True), make(error_feedback=True)
+    for lc in (now, later):
+        step(lc, 0.0)
+    [send] = now.snapshot(2.0, 0, 1, theta)
+    pending = later.begin_snapshot(2.0, 0, 1)
+    assert later.in_flight.keys() == {0} and later.clock == now.clock
+    later.on_update(2.5, update(0, 0, 1, {"block_0/w": np.ones(3, np.float32)}))
+    assert later.version[0] == 1
+    msg = later.encode_snapshot(pending, theta)
+    fields = ("fragment", "due_step", "base_version", "c_steps", "c_tokens", "clock", "nbytes", "payload", "epoch")
+    assert [getattr(msg, f) for f in fields] == [getattr(send.msg, f) for f in fields]
+    assert (msg.base_version, msg.c_steps, msg.due_step) == (0, 1, 1)
+    np.testing.assert_array_equal(msg.delta["block_0/w"], PARAMS["block_0/w"] - theta["block_0/w"])
+    assert later.feedback.state_dict().keys() == now.feedback.state_dict().keys()
+    assert later.bytes_sent == now.bytes_sent > 0

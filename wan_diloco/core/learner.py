@@ -59,6 +59,10 @@ class LearnerConfig:
     # Fragment sent in each of the P send slots of a round (slot k at step ⌊k·H/P⌋ mod H): a permutation
     # of 0..P-1, as `wan-diloco plan` prints it (plan.fragment_order). Empty: slot k sends fragment k.
     fragment_order: tuple[int, ...] = ()
+    # Snapshots a networked learner finishes off its training thread at once (runtime.sync_worker: host
+    # copy, Δ, error feedback, encode, framing); past it the training thread waits (`sync_stall_s`). 0: all
+    # on the training thread between steps, as the simulator does (the same bits, slower).
+    sync_in_flight: int = 2
 
     def validate(self) -> None:
         require(self.sync_every >= 1, "sync_every", f"must be >= 1, got {self.sync_every}")
@@ -66,6 +70,9 @@ class LearnerConfig:
         require(self.tau >= 0, "tau", f"must be >= 0, got {self.tau}")
         require(isinstance(self.hosts, int) and not isinstance(self.hosts, bool) and self.hosts >= 1, "hosts",
                 f"must be a whole number >= 1 (processes of one learner), got {self.hosts!r}")
+        require(isinstance(self.sync_in_flight, int) and not isinstance(self.sync_in_flight, bool)
+                and self.sync_in_flight >= 0, "sync_in_flight",
+                f"must be a whole number >= 0 (0: encode on the training thread), got {self.sync_in_flight!r}")
         # τ >= H/P is allowed (several fragments in flight at once); τ >= H would overtake the next sync.
         lo, hi = tau_bounds(self.sync_every, self.num_fragments)
         require(lo <= self.tau <= hi, "tau", f"must be in [{lo}, {hi}] (below sync_every {self.sync_every}), "
@@ -87,6 +94,15 @@ class _InFlight:
     c_steps: int = 0  # the fragment's counters when it was sent
     c_tokens: int = 0
     theta: Tensors | None = None  # θ_p as sent (keep_local only)
+
+
+@dataclass(frozen=True)
+class PendingSnapshot:
+    """A snapshot counted by ``begin_snapshot`` and not encoded yet (``encode_snapshot``)."""
+
+    base: Tensors  # Θ_p at the snapshot: a merge meanwhile replaces the core's dict, never this one
+    upload: FragmentUpload  # every field fixed at the snapshot, the payload aside
+    sent: _InFlight
 
 
 class LearnerCore:
@@ -169,26 +185,45 @@ class LearnerCore:
         return actions + [Snapshot(p, due, final=True) for p in range(self.cfg.num_fragments)]
 
     def snapshot(self, now_s: float, fragment: int, due_step: int, theta: Tensors, final: bool = False) -> list:
-        """θ_p after the due step -> the outer gradient Δ = Θ_base − θ_p, encoded for the wire."""
-        base = self.base[fragment]
+        """θ_p after the due step -> the outer gradient Δ = Θ_base − θ_p, encoded for the wire: ``begin_snapshot``
+        and ``encode_snapshot`` in one call, encoding first so that a refused Δ changes nothing."""
+        enc = self._encode(fragment, self.base[fragment], theta)
+        return [SendFragment(self._upload(self.begin_snapshot(now_s, fragment, due_step, final), theta, enc))]
+
+    def begin_snapshot(self, now_s: float, fragment: int, due_step: int, final: bool = False) -> PendingSnapshot:
+        """The protocol half of a snapshot, on the driver's thread: the fragment is in flight and the clock
+        ticks now; ``encode_snapshot`` makes the upload later, on any thread, from θ_p as it was now."""
+        sent = _InFlight(due_step, now_s, self.step, self.c_steps[fragment], self.c_tokens[fragment])
+        self.in_flight[fragment] = sent
+        self.clock = self.clock.tick(self.node)
+        msg = FragmentUpload(
+            learner=self.learner, fragment=fragment, due_step=due_step, base_version=self.version[fragment],
+            c_steps=self.c_steps[fragment], c_tokens=self.c_tokens[fragment], clock=self.clock,
+            delta={}, nbytes=0, region=self.region, final=final, epoch=self.epoch,
+        )
+        return PendingSnapshot(self.base[fragment], msg, sent)
+
+    def encode_snapshot(self, pending: PendingSnapshot, theta: Tensors) -> FragmentUpload:
+        """Δ, error feedback and encode of a begun snapshot. It reads and writes fragment p's residual, so
+        a driver runs these in snapshot order and finishes them before anything else touches residuals
+        (``join``, ``export``, ``adopt``, ``restore_feedback``, ``snapshot``)."""
+        enc = self._encode(pending.upload.fragment, pending.base, theta)
+        return self._upload(pending, theta, enc)
+
+    def _encode(self, fragment: int, base: Tensors, theta: Tensors):
         if set(theta) != set(base):
             raise ProtocolError(f"snapshot of fragment {fragment}: tensor names differ from the fragment's")
         # Error feedback: what quantization dropped last time is sent with this Δ.
         delta = self.feedback.compensate(fragment, {n: base[n] - np.asarray(theta[n], dtype=np.float32) for n in base})
         enc = encode_or_refuse(self.codec, delta, f"fragment {fragment} of learner {self.learner}")
         self.feedback.update(fragment, delta, enc.values)
-        kept = {n: np.array(theta[n], dtype=np.float32) for n in base} if self.cfg.keep_local else None
-        self.in_flight[fragment] = _InFlight(due_step, now_s, self.step, self.c_steps[fragment],
-                                             self.c_tokens[fragment], kept)
-        self.clock = self.clock.tick(self.node)
+        return enc
+
+    def _upload(self, pending: PendingSnapshot, theta: Tensors, enc) -> FragmentUpload:
+        if self.cfg.keep_local:
+            pending.sent.theta = {n: np.array(theta[n], dtype=np.float32) for n in pending.base}
         self.bytes_sent += enc.nbytes
-        msg = FragmentUpload(
-            learner=self.learner, fragment=fragment, due_step=due_step, base_version=self.version[fragment],
-            c_steps=self.c_steps[fragment], c_tokens=self.c_tokens[fragment], clock=self.clock,
-            delta=enc.values, nbytes=enc.nbytes, payload=enc.payload, region=self.region, final=final,
-            epoch=self.epoch,
-        )
-        return [SendFragment(msg)]
+        return replace(pending.upload, delta=enc.values, nbytes=enc.nbytes, payload=enc.payload)
 
     def on_update(self, now_s: float, update: GlobalUpdate) -> list:
         """A global fragment arrived; merged now if between steps, else after the current step."""

@@ -58,6 +58,7 @@ from wan_diloco.runtime.learner_final import final_sync
 from wan_diloco.runtime.learner_state import named_digest
 from wan_diloco.runtime.netthread import NetThread
 from wan_diloco.runtime.replan import Replanner
+from wan_diloco.runtime.sync_worker import SyncWorker
 from wan_diloco.spec import RunSpec
 from wan_diloco.transport import LinkSample, MessageError, TransportError
 
@@ -65,7 +66,13 @@ from wan_diloco.transport import LinkSample, MessageError, TransportError
 __all__ = ["Learner", "StartTimeout", "Stopped", "SyncerLost", "named_digest"]
 
 
+# Actions that read or replace error-feedback residuals: the sync worker's jobs finish first.
+_RESIDUALS = (SaveState, SendState, LoadPart, InstallPart, RecoverFromPeer, Rejoin)
+
+
 class Learner:
+    sync: SyncWorker | None = None  # set in __init__ unless learner.sync_in_flight is 0
+
     def __init__(self, cfg: RunSpec, learner: int, target: str, token: str, parts: Assembly | None = None,
                  resume: bool = False, lockstep: lk.Lockstep | None = None):
         """``lockstep``: this is the leader of a multi-process learner (``parts`` on the global mesh)."""
@@ -109,28 +116,38 @@ class Learner:
         self.barrier = BarrierView(cfg.run.start_timeout_s)  # the syncer's word on the start barrier
         if cfg.run.run_id:
             self.core.follow_run(cfg.run.run_id)  # a syncer serving another run is refused at the join
+        # Snapshots finished off the training thread; a multi-process leader keeps them on it (its host
+        # copies of global arrays stay beside its collectives).
+        self.sync = (SyncWorker(self.core, self._send_fragment, cfg.learner.sync_in_flight, f"learner-{learner}-sync")
+                     if cfg.learner.sync_in_flight and lockstep is None else None)
 
     # ---- actions --------------------------------------------------------------------
 
     def _handle(self, actions: list) -> None:
         for a in actions:
+            if self.sync is not None and isinstance(a, _RESIDUALS):
+                self.sync.flush()
             match a:
                 case ApplyGlobal():
                     flat = tree.flatten(self.state.params)
                     # A multi-process leader mixes on the host: a jax op on the global arrays here would run
                     # on its own devices only, a computation its followers never join.
                     current = flat if self.ls is None else {n: np.asarray(flat[n]) for n in a.values}
-                    flat.update({n: jnp.asarray(v) for n, v in a.mixed(current).items()})
+                    # One batched transfer of the fragment (a call per tensor costs twice the CPU).
+                    flat.update(jax.device_put(a.mixed(current)))
                     self.state = train_lib.set_params(self.state, tree.unflatten(flat, self.state.params))
                 case Snapshot(fragment, due_step, final):
-                    flat = tree.flatten(self.state.params)
-                    theta = {n: np.asarray(flat[n]) for n in self.layout.fragments[fragment]}
+                    flat, names = tree.flatten(self.state.params), self.layout.fragments[fragment]
+                    if self.sync is not None and not final:
+                        self.sync.submit(self.core.begin_snapshot(time.monotonic(), fragment, due_step),
+                                         {n: flat[n] for n in names})
+                        continue
+                    if self.sync is not None:  # the final sync waits for every upload: no gain in the worker
+                        self.sync.flush()
+                    theta = {n: np.asarray(flat[n]) for n in names}
                     self._handle(self.core.snapshot(time.monotonic(), fragment, due_step, theta, final))
                 case SendFragment(msg):
-                    self.raw_bytes += self.layout.nbytes[msg.fragment]
-                    self.payload_bytes += msg.nbytes
-                    self.uploads += 1
-                    self.net.upload(msg)
+                    self._send_fragment(msg)
                 case SendMetadata(msg):
                     self._send_metadata(msg)
                 case Resync(fragment):
@@ -161,6 +178,13 @@ class Learner:
                     emit(event)
                 case _:
                     typing.assert_never(a)
+
+    def _send_fragment(self, msg) -> None:
+        """Count an upload and hand it to the network thread (from the training thread or the sync worker)."""
+        self.raw_bytes += self.layout.nbytes[msg.fragment]
+        self.payload_bytes += msg.nbytes
+        self.uploads += 1
+        self.net.upload(msg)
 
     def _take_up_step(self) -> None:
         """Take up the global step: the step counter and the learning-rate schedule (``rejoin.take_up_step``)."""
@@ -201,6 +225,8 @@ class Learner:
             block_s = 0.0
             match item:
                 case Arrived(arrived_s, update):
+                    if self.sync is not None:  # its own upload of this fragment first (keep_local keeps θ_p there)
+                        self.sync.flush(update.fragment)
                     self._handle(self.core.on_update(arrived_s, update))
                 case Identity():  # a (re)connected update stream: is it still the syncer we follow?
                     self._handle(rj.on_identity(self.core, time.monotonic(), item.run_id, item.epoch,
@@ -224,6 +250,8 @@ class Learner:
                     raise SyncerLost(f"learner {self.m}: {reason}")
                 case _:
                     typing.assert_never(item)
+        if self.sync is not None:
+            self.sync.check()
         silent = self.net.silent_s()
         limit_s = silent and self.cfg.transport.retry_budget_s + self.cfg.transport.call_timeout_s
         if silent is not None and silent[0] > limit_s:
@@ -257,6 +285,8 @@ class Learner:
     def join(self, timeout_s: float):
         """Take up the syncer's global parameters (fresh start, rejoin, a resumed syncer); returns the
         first fragment fetched (its identity fields say which syncer incarnation it is)."""
+        if self.sync is not None:
+            self.sync.flush()  # what was encoded for the old state is sent before its residuals go
         for _ in range(rj.JOIN_TRIES):
             futs = [self.net.fetch_fragment(ObjectRequest("fragment", p).name) for p in range(len(self.layout.fragments))]
             got = [self._wait(fut, timeout_s) for fut in futs]
@@ -270,6 +300,29 @@ class Learner:
                                     [(g.values, g.version) for g in got], max(g.global_step for g in got)))
         self._take_up_step()
         return first
+
+    def train_step(self) -> float:
+        """One inner step and what syncing asks around it: merge what arrived, wait where the protocol says,
+        step, snapshot what is due. Returns when the step finished (``time.monotonic``)."""
+        self._drain()
+        while self.core.blocked and not self.stop.is_set():
+            self._drain(block_s=0.05)
+        t0 = time.monotonic()
+        batch = self.batches.next()
+        self.core.begin_step(t0)
+        if self.ls is None:
+            self.state, metrics = self.step_fn(self.state, batch.tokens)
+        else:
+            self.state, metrics = lk.step_together(self.ls, self.step_fn, self.state, batch.tokens, lk.OP_STEP)
+        self.loss = float(metrics["loss"])  # also waits for the step to finish
+        if self.cfg.run.min_step_s:
+            time.sleep(max(0.0, self.cfg.run.min_step_s - (time.monotonic() - t0)))
+        t1 = time.monotonic()
+        self.compute_s += t1 - t0
+        self.tokens += batch.n_tokens
+        self._handle(self.core.step_done(t1, batch.n_tokens))
+        self.replanner.after_step(self.core, self.payload_bytes, self.uploads)
+        return t1
 
     def run(self) -> dict:
         self._reach_syncer()  # first: an unreachable syncer is said in seconds, not after a compile and a deadline
@@ -286,6 +339,8 @@ class Learner:
             return {"event": "stopped", "role": "learner", "learner": self.m, "step": self.core.step}
         finally:
             self.writer.shutdown(wait=True)  # a part being written is finished, not torn
+            if self.sync is not None:
+                self.sync.close()
             self.net.stop()
 
     def _run(self) -> dict:
@@ -311,30 +366,15 @@ class Learner:
               "bytes_received": self.net.bytes_received})
         t_start, last_report, loss = time.monotonic(), 0.0, float("nan")
         while self.core.step < self.cfg.run.steps and not self.stop.is_set():
-            self._drain()
-            while self.core.blocked and not self.stop.is_set():
-                self._drain(block_s=0.05)
-            t0 = time.monotonic()
-            batch = self.batches.next()
-            self.core.begin_step(t0)
-            if self.ls is None:
-                self.state, metrics = self.step_fn(self.state, batch.tokens)
-            else:
-                self.state, metrics = lk.step_together(self.ls, self.step_fn, self.state, batch.tokens, lk.OP_STEP)
-            loss = self.loss = float(metrics["loss"])  # also waits for the step to finish
-            if self.cfg.run.min_step_s:
-                time.sleep(max(0.0, self.cfg.run.min_step_s - (time.monotonic() - t0)))
-            t1 = time.monotonic()
-            self.compute_s += t1 - t0
-            self.tokens += batch.n_tokens
-            self._handle(self.core.step_done(t1, batch.n_tokens))
-            self.replanner.after_step(self.core, self.payload_bytes, self.uploads)
+            t1 = self.train_step()
+            loss = self.loss
             self._maybe_eval()
             if t1 - last_report >= self.cfg.run.report_every_s:
                 last_report = t1
                 emit({"event": "step", "role": "learner", "learner": self.m, "step": self.core.step,
                       "loss": loss, "tokens": self.tokens, "bytes_sent": self.net.bytes_sent,
-                      "bytes_received": self.net.bytes_received, "versions": list(self.core.version)})
+                      "bytes_received": self.net.bytes_received, "versions": list(self.core.version),
+                      "sync_stall_s": self.sync.stall_s if self.sync else 0.0})
         if self.stop.is_set():
             return {"event": "stopped", "role": "learner", "learner": self.m, "step": self.core.step}
         train_s = time.monotonic() - t_start
@@ -353,5 +393,6 @@ class Learner:
                 "merge_lag_steps": lag, "run_id": self.core.run_id, "epoch": self.core.epoch,
                 "rejoins": self.rejoins, "snapshots_written": self.snapshots_written,
                 "snapshot_stall_s": self.snapshot_stall_s, "stale_updates": self.core.stale_updates,
+                "sync_stall_s": self.sync.stall_s if self.sync else 0.0,
                 "recovery": self.resume.recovery,
                 **report}

@@ -230,7 +230,7 @@ class NetThread:
             return None
         return time.monotonic() - self.last_contact_s, self.last_failure[1]
 
-    # ---- upstream (called from the training thread) ---------------------------------
+    # ---- upstream (called from the training thread; ``upload`` also from its sync worker) ----
 
     def send_metadata(self, msg: Metadata) -> None:
         """Queue a core Metadata; only the newest unsent one is kept.
