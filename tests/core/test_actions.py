@@ -40,7 +40,7 @@ def test_the_action_sets_are_disjoint_and_closed():
 
 
 def test_the_network_learner_handles_every_learner_action_and_nothing_else():
-    assert case_classes(one_match(Learner._handle)) == names(actions.LEARNER_ACTIONS)
+    assert case_classes(one_match(Learner.handle)) == names(actions.LEARNER_ACTIONS)
 
 
 def test_the_network_syncer_handles_every_syncer_action_and_nothing_else():
