@@ -25,6 +25,7 @@ from wan_diloco.core import (
     FINAL_TIMER, ApplyGlobal, Broadcast, LearnerCore, Rejoin, Resync, SaveState, SendFragment, SendMetadata, SetTimer,
     Snapshot,
 )
+from wan_diloco.core.evals import due_point
 from wan_diloco.core.recovery import Donations
 from wan_diloco.sim.common import Progress, SimResult, step_time, uptime
 from wan_diloco.sim.faults import FaultReplay
@@ -116,7 +117,7 @@ class Simulation(FaultReplay):
         self.bytes_sent = 0
         self.done = False
         self.curve: list[dict] = []
-        self.next_eval = self.cfg.curve_every_steps
+        self.eval_step = 0  # the global step of the latest eval point
         self.late = set()  # learners that join late: down from the start, they draw no batch before
         for o in outages:
             match o:
@@ -177,9 +178,8 @@ class Simulation(FaultReplay):
         """An eval point when one is due; the progress callback hears of every step (the bar moves per
         step, with the latest eval loss)."""
         step = self._global_step()
-        if force or step >= self.next_eval:
-            while self.next_eval <= step:
-                self.next_eval += self.cfg.curve_every_steps
+        if force or due_point(self.eval_step, step, self.cfg.curve_every_steps) is not None:
+            self.eval_step = step
             params = tree.unflatten(self.syncer.global_params(), self.parts.state0.params)
             point = {"step": step, "tokens": self.tokens, "time_s": self.now, "eval_loss": self.parts.evaluate(params)}
             if not self.curve or point != self.curve[-1]:
