@@ -2,8 +2,6 @@
 every learner's final sync (core.final_sync) gives its verdict in the result."""
 import pytest
 
-from wan_diloco import sim
-from wan_diloco.assemble import Assembly
 from wan_diloco.sim.start_end import RunFailed
 from wan_diloco.tape import Outage
 

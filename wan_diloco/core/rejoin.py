@@ -53,6 +53,14 @@ def on_fetched(core: LearnerCore, now_s: float, run_id: str, epoch: int, resumed
     return [*out, TakeUpStep()]
 
 
+def rejoin_fragments(fetched: dict[int, tuple[Tensors, int]], base: list[Tensors],
+                     version: list[int]) -> list[tuple[Tensors, int]]:
+    """What ``LearnerCore.join`` takes after a rejoin that fetched only ``fetched`` (fragment -> (values,
+    version); with S syncer shards, those of the shards that resumed: ``ShardView.refetch``): the learner's
+    own copies of the others, whose shards it still follows."""
+    return [fetched[p] if p in fetched else (base[p], version[p]) for p in range(len(base))]
+
+
 def same_incarnation(served: list[tuple[str, int]]) -> bool:
     """The (run id, incarnation) of every fragment a join fetched agree (else the syncer restarted while
     the learner fetched: join again)."""

@@ -71,6 +71,7 @@ class _Learner:
     life: int = 0  # bumped on failure and restart: events of a dead life of this learner are ignored
     joining: bool = False  # fetching the fragments of a resumed syncer (``Rejoin``)
     join_due: bool = False  # they arrived during a step: ``join`` after it
+    refetch: list[int] = field(default_factory=list)  # the fragments that rejoin fetches
     useful_s: float = 0.0
     tokens: int = 0  # trained by this learner (its snapshot parts hold it)
     position_known: bool = True  # False while it restarts: its metadata carries no data position then
@@ -244,7 +245,7 @@ class Simulation(FaultReplay, ResumeReplay, StartAndEnd):
         l.tokens += n_tokens
         self._learner_actions(m, l.core.step_done(self.now, n_tokens))
         if l.join_due:
-            self._join_now(m)
+            self._join_now(m, fetched=l.refetch)
         self._eval_point()
         if self._finished():
             self.done = True

@@ -17,6 +17,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from wan_diloco import train as train_lib
+from wan_diloco.core.rejoin import rejoin_fragments
 
 
 class FaultReplay:
@@ -107,12 +108,14 @@ class FaultReplay:
             self._fetch_for_join(m)
 
     def _fetch_for_join(self, m: int) -> None:
-        """``Rejoin``: fetch every global fragment (over the learner's down link), then ``join`` between steps."""
+        """``Rejoin``: fetch the global fragments (over the learner's down link; with shards, only those of
+        the shards that resumed: ``ShardView.refetch``), then ``join`` between steps."""
         l = self.learners[m]
         if l.joining:
             return
         l.joining = True
-        nbytes = sum(self.parts.layout.nbytes)
+        l.refetch = self.syncer.view.refetch(l.core.epoch) if self.sharded else list(range(len(self.frags)))
+        nbytes = sum(self.parts.layout.nbytes[p] for p in l.refetch)
         self.bytes_sent += nbytes
         self._at(l.down_link.send(self.now, nbytes), self._fetched, m, l.life)
 
@@ -124,13 +127,21 @@ class FaultReplay:
         if l.stepping:
             l.join_due = True  # the runtime joins from its inbox, between two steps
         else:
-            self._join_now(m)
+            self._join_now(m, fetched=l.refetch)
 
-    def _join_now(self, m: int, event: str = "rejoined") -> None:
+    def _join_now(self, m: int, event: str = "rejoined", fetched: list[int] | None = None) -> None:
+        """Join the syncer with the global fragments ``fetched`` (None: every one) and its own copies of the rest."""
         l = self.learners[m]
         l.join_due = False
         run_id, epoch, resumed_from = self._identity_of_syncer()
-        fragments = [(self.syncer.theta[p], self.syncer.version[p]) for p in range(len(self.frags))]
+        if fetched is None or not self.sharded:
+            fetched = list(range(len(self.frags)))
+        else:  # another shard resumed while they travelled: its fragments too (their time is not modelled)
+            more = [p for p in self.syncer.view.refetch(l.core.epoch) if p not in fetched]
+            self.bytes_sent += sum(self.parts.layout.nbytes[p] for p in more)
+            fetched = sorted([*fetched, *more])
+        fragments = rejoin_fragments({p: (self.syncer.theta[p], self.syncer.version[p]) for p in fetched},
+                                     l.core.base, l.core.version)
         global_step = max(c.global_step for c in self._cores())
         self._learner_actions(m, l.core.join(run_id, epoch, resumed_from, fragments, global_step))
         # As the runtime's ``_take_up_step``: the step counter and the learning-rate schedule follow the run.
@@ -139,7 +150,7 @@ class FaultReplay:
         if l.core.step > int(train_lib.schedule_step(l.state)):
             l.state = train_lib.set_schedule_step(l.state, l.core.step)
         self.faults.append({"event": event, "learner": m, "at_s": self.now, "epoch": epoch,
-                            "resumed_from": resumed_from, "step": l.core.step})
+                            "resumed_from": resumed_from, "step": l.core.step, "fetched": fetched})
         self._resume_if_unblocked(m)
 
     def _cores(self) -> list:
