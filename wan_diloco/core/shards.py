@@ -11,8 +11,8 @@ positions are shard 0's), the fragments of a shard.
 Each shard has its own incarnation number (epoch): it resumes from its own
 snapshots, alone. The learner's core follows one incarnation, so its network
 side translates: the learner sees the combined epoch E = 1 + Σ_s (e_s − 1),
-which grows by one whenever any shard resumes (the learner then rejoins, fetching
-the fragments of the shards that resumed: ``refetch``), and
+which grows by one whenever any shard resumes (the learner then rejoins; only the
+fragments of the shards that resumed need fetching: ``refetch``), and
 each message it sends carries, for the shard it goes to, that shard's epoch as
 of the E it was stamped with. Messages of an earlier incarnation of a shard map
 to an earlier E and are dropped as stale, as from a single syncer.
