@@ -39,10 +39,12 @@ class FaultReplay:
         if l.up:
             return
         l.life += 1
-        # A new process: a fresh inner optimizer, and the syncer's global parameters by a join (its core keeps
-        # nothing the join does not replace, or the state it takes up below).
-        l.state = self.parts.state0
-        self._join_now(m, "joined")
+        # Simplified: it keeps the train state and protocol state it died with, taking up the syncer's model
+        # only if the syncer resumed meanwhile, then what ``_restart`` takes up replaces them (a real restart
+        # starts from a fresh optimizer and a join: they differ only where nothing is taken up).
+        epoch = self._identity_of_syncer()[1]
+        if l.core.epoch and epoch != l.core.epoch:
+            self._join_now(m, "joined")
         l.ready_s = self.now + self.cfg.rtt_s  # a donor's state takes longer (``_recover_from_peer``)
         self._restart(m)
         # Global updates sent while the state travels are applied in order on top of it (docs/method.md, "Recovery",
