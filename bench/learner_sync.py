@@ -173,8 +173,8 @@ def local_learner(spec: RunSpec, stages: Stages | None = None, parts: Assembly |
     lrn = Learner(spec, 0, "127.0.0.1:9", "bench-token-" + "x" * 32, parts=parts)
     lrn.net = LocalNet(lrn.core.schedule, lambda: lrn.core.step, spec.learner.tau, stages)
     if stages is not None:
-        handle, core = lrn._handle, lrn.core
-        lrn._handle = lambda actions: [stages.wrap(type(a).__name__, handle)([a]) for a in actions] and None
+        handle, core = lrn.handle, lrn.core
+        lrn.handle = lambda actions: [stages.wrap(type(a).__name__, handle)([a]) for a in actions] and None
         core.snapshot = stages.wrap("delta_feedback_encode", core.snapshot)
         core.encode_snapshot = stages.wrap("delta_feedback_encode", core.encode_snapshot)
         core.on_update = stages.wrap("merge", core.on_update)

@@ -207,6 +207,36 @@ def test_drivers_use_no_private_core_names(name):
     assert not (found := private_core_uses(name, ALL[name].read_text())), f"{name} reaches into the core: {found}"
 
 
+
+# A driver module reaches another module's object only through its public names: the helpers of
+# ``runtime.learner_state`` call ``lrn.drain()``, never ``lrn._drain()``. ``self``/``cls``/``super()`` are the
+# module's own object; the namedtuple API (``_replace``...) and ``os._exit`` are public despite the underscore.
+PUBLIC_UNDERSCORED = {"_replace", "_asdict", "_fields", "_make", "_exit"}
+
+
+def private_uses(text: str) -> list[str]:
+    out = []
+    for node in ast.walk(ast.parse(text)):
+        if not (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")):
+            continue
+        owner = node.value
+        own = (isinstance(owner, ast.Name) and owner.id in ("self", "cls")) or (
+            isinstance(owner, ast.Call) and isinstance(owner.func, ast.Name) and owner.func.id == "super")
+        if not own and node.attr not in PUBLIC_UNDERSCORED:
+            out.append(f"{node.lineno}: {ast.unparse(node)}")
+    return sorted(out, key=lambda found: int(found.partition(":")[0]))
+
+
+def test_the_private_use_check_sees_what_it_looks_for():
+    src = ("lrn._drain()\nself._drain()\ncls._x\nsuper()._env_of()\nu._replace(a=1)\nos._exit(1)\nx.y._z = 1\n")
+    assert private_uses(src) == ["1: lrn._drain", "7: x.y._z"]
+
+
+@pytest.mark.parametrize("name", DRIVERS)
+def test_drivers_use_no_private_names_of_other_objects(name):
+    assert not (found := private_uses(ALL[name].read_text())), f"{name} uses another object's private names: {found}"
+
+
 @pytest.mark.parametrize("name", DRIVERS)
 def test_drivers_write_no_core_attributes(name):
     assert not (found := core_writes(ALL[name].read_text())), f"{name} writes core state: {found}"

@@ -4,7 +4,7 @@ import pytest
 
 from wan_diloco.core import ApplyGlobal, IncarnationError, LearnerConfig, LearnerCore, Rejoin
 from wan_diloco.core.rejoin import (
-    Resynced, TakeUpStep, on_fetched, on_identity, rejoin_report, same_incarnation, take_up_step,
+    Resynced, TakeUpStep, on_fetched, on_identity, rejoin_fragments, rejoin_report, same_incarnation, take_up_step,
 )
 from wan_diloco.core.shards import OTHER_SHARD_RESUMED
 
@@ -57,3 +57,12 @@ def test_the_global_step_is_taken_up_where_the_learner_is_behind_only():
     assert take_up_step(300, 0, 0) == (300, 300)  # a fresh optimizer would warm up again
     assert take_up_step(300, 300, 350) == (None, None)  # a donor's optimizer ahead of the global step stays
     assert take_up_step(300, 310, 120) == (None, 300)
+
+
+def test_a_rejoin_that_fetched_some_fragments_keeps_its_own_copies_of_the_rest():
+    lc = joined()
+    fresh = {n: np.full_like(a, 9.0) for n, a in PARAMS.items()}
+    fragments = rejoin_fragments({1: (fresh, 1)}, lc.base, lc.version)
+    assert fragments[0] == (lc.base[0], 3) and fragments[1] == (fresh, 1)
+    lc.join("run-a", 3, OTHER_SHARD_RESUMED, fragments, 20)
+    assert lc.version == [3, 1] and all((lc.base[1][n] == 9.0).all() for n in lc.fragments[1])

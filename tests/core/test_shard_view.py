@@ -67,3 +67,14 @@ def test_a_learner_is_told_a_snapshot_of_its_own_parts_only_when_shard_zero_resu
     assert v.seen(0, 3, 5) == (5, 5)
     starting = ShardView(PLAN)  # a learner started after both resumed hears each for the first time: no change
     assert starting.seen(1, 3, 14) == (3, OTHER_SHARD_RESUMED) and starting.seen(0, 3, 5) == (5, 5)
+
+
+def test_a_rejoin_refetches_the_fragments_of_the_shards_that_resumed_only():
+    v = ShardView(PLAN)
+    v.seen(0, 1, 0), v.seen(1, 1, 0)
+    assert v.refetch(1) == []  # nothing resumed
+    v.seen(1, 2, 7)  # shard 1 resumed: E = 2
+    assert v.refetch(1) == [1, 3] and v.refetch(2) == []
+    v.seen(0, 2, 5)  # then shard 0: E = 3
+    assert v.refetch(2) == [0, 2] and v.refetch(1) == [0, 1, 2, 3]  # both since E = 1
+    assert v.refetch(0) == v.refetch(9) == [0, 1, 2, 3]  # never joined, or an E this view never stood at

@@ -16,7 +16,7 @@ LEARNER_ACTIONS = actions.LEARNER_ACTIONS  # what the learner-side core returns 
 
 
 def handled_classes() -> set[str]:
-    tree = ast.parse(textwrap.dedent(inspect.getsource(Learner._handle)))
+    tree = ast.parse(textwrap.dedent(inspect.getsource(Learner.handle)))
     matches = [n for n in ast.walk(tree) if isinstance(n, ast.Match)]
     assert len(matches) == 1, "one match dispatches every action"
     names = set()
@@ -34,7 +34,7 @@ def test_every_learner_action_has_its_case_and_nothing_else_does():
 def test_an_action_nobody_handles_fails_loudly():
     lrn = object.__new__(Learner)
     with pytest.raises(AssertionError, match="Expected code to be unreachable"):
-        lrn._handle([object()])
+        lrn.handle([object()])
 
 
 def test_each_way_a_learner_ends_has_its_exit_status():

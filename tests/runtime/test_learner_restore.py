@@ -45,12 +45,12 @@ def test_a_learner_that_takes_up_the_global_step_takes_up_the_learning_rate_sche
     # A learner that rejoins without a peer's state has a fresh inner optimizer whose schedule is at 0:
     # late in a run it would warm up again and train at the peak rate while the others have decayed.
     lrn = bare_learner(step=300)
-    lrn._take_up_step()
+    lrn.take_up_step()
     assert int(lrn.state.step) == 300 and int(tr.schedule_step(lrn.state)) == 300
     assert float(tr.lr_schedule(TRAIN)(300)) < 0.25 * TRAIN.lr  # where the others are: decayed
 
     lrn.state = tr.set_schedule_step(lrn.state, 350)  # a donor's optimizer ahead of the global step stays
-    lrn._take_up_step()
+    lrn.take_up_step()
     assert int(tr.schedule_step(lrn.state)) == 350
 
 
@@ -104,7 +104,7 @@ def test_a_learner_whose_part_is_broken_takes_its_earlier_part_before_a_fresh_st
     warning, position, earlier = ls_io.load_part(lrn, load[0])
     assert "peer" in warning.event["what"] and "earlier snapshot" in warning.event["what"]
     assert position == TakeUpPosition() and earlier == LoadPart(3, fallback=True)
-    lrn._handle([earlier])  # the driver loads it, installs it, and says so
+    lrn.handle([earlier])  # the driver loads it, installs it, and says so
     assert restored == [{"batches": 7}] and lrn.tokens == 300
     assert lrn.resume.recovery == {"from_peer": False, "from_snapshot": 3}
     said = [json.loads(line) for line in capsys.readouterr().out.splitlines()]

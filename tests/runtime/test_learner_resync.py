@@ -37,14 +37,14 @@ def test_failed_fragment_fetch_is_reported_and_asked_again(capsys):
     waiting = concurrent.futures.Future()
     lrn.pending_resync = {2: failed, 3: waiting}
 
-    lrn._drain()
+    lrn.drain()
 
     assert lrn.pending_resync == {3: waiting}  # the failed one is dropped, the live one kept
     events = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [e["event"] for e in events] == ["warning"]
     assert "fragment 2" in events[0]["what"] and "CANCELLED" in events[0]["what"]
 
-    lrn._handle([Resync(2, 3, 5), Resync(3, 3, 5)])  # the gap persists: ask again, once per fragment
+    lrn.handle([Resync(2, 3, 5), Resync(3, 3, 5)])  # the gap persists: ask again, once per fragment
     assert lrn.net.fetched == ["fragment/2"]
 
 

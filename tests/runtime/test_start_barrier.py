@@ -111,13 +111,13 @@ def _waiting_learner(says, timeout_s):
     lrn.cfg = types.SimpleNamespace(syncer=types.SimpleNamespace(liveness_timeout_s=0.3))
     lrn.core = types.SimpleNamespace(metadata=lambda: "metadata")
     lrn.sent = []
-    lrn._send_metadata = lrn.sent.append
+    lrn.send_metadata = lrn.sent.append
 
     def drain(block_s=0.0):
         time.sleep(block_s)
         lrn.barrier.on_status(*says(time.monotonic()))
 
-    lrn._drain = drain
+    lrn.drain = drain
     return lrn
 
 

@@ -34,7 +34,7 @@ def _run(parts, sync_in_flight: int, keep_local: bool, steps: int = 22):
             lrn.train_step()
         if lrn.sync is not None:
             lrn.sync.flush()
-        lrn._drain()
+        lrn.drain()
         return lrn
     finally:
         close(lrn)

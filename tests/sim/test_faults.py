@@ -114,6 +114,9 @@ def test_a_killed_shard_resumes_from_its_own_snapshot_while_the_other_keeps_merg
     assert not [t for t, _, _ in merges(s, [shard1]) if 8.0 <= t < 11.0]
     assert [t for t, _, _ in merges(s, [shard1]) if t > 11.0]  # and shard 1 merges again after its resume
     assert {f["learner"] for f in events(s, "rejoined", epoch=2)} == {0, 1, 2}  # one syncer to them: E = 2
+    # They fetched shard 1's fragments only (core.shards.ShardView.refetch): shard 0's copies are still current.
+    owned = [p for p, owner in enumerate(s.syncer.plan) if owner == 1]
+    assert 0 < len(owned) < 4 and [f["fetched"] for f in events(s, "rejoined", epoch=2)] == [owned] * 3
     assert_every_copy_is_the_syncers(s)
 
 

@@ -33,6 +33,9 @@ def test_decoupled_run_learns_syncs_and_survives_a_failure():
     assert 0.5 < r.goodput < 0.95  # the outage cost learner 2's share
     assert r.uptime == pytest.approx(1.0)
     assert r.bytes_sent > 0 and r.tokens > 0
+    # core.evals' rule: the start, each multiple of 16 reached, then the end (after the final sync)
+    steps = [p["step"] for p in r.curve]
+    assert [s // 16 for s in steps[:-1]] == [0, 1, 2, 3] and steps[-1] == r.global_steps
 
 
 def test_messages_a_learner_had_in_flight_die_with_it():

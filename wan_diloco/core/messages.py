@@ -106,7 +106,8 @@ class GlobalUpdate:
     held_s: Mapping[int, float] = field(default_factory=dict)  # per contributor: time the syncer held its Δ
     payload: bytes | None = None
     final: bool = False  # the result of the end-of-run sync
-    # Identity: which run, which syncer incarnation (1 at a fresh start, +1 at each resume), and the
+    # Identity: which run, which syncer incarnation (1 at a fresh start; a resume takes max(every
+    # incarnation seen) + 1, so two resumes from one snapshot never share one), and the
     # snapshot this incarnation resumed from (0: a fresh start).
     run_id: str = ""
     epoch: int = 0
@@ -293,7 +294,7 @@ MESSAGES: tuple[MessageSpec, ...] = (
         "payload": "payload bytes",
         "final": "bool: the result of the end-of-run sync",
         "run_id": _STR,
-        "epoch": f"{_INT}: the syncer incarnation (1 fresh, +1 per resume)",
+        "epoch": f"{_INT}: the syncer incarnation (1 fresh; a resume: max(every incarnation seen) + 1)",
         "resumed_from": f"{_INT}: the snapshot this incarnation resumed from (0: fresh)",
         "snapshot": f"{_INT}: the newest snapshot cut: the snapshot announcement",
     }),

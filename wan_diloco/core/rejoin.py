@@ -2,7 +2,9 @@
 
 A syncer that comes back from a snapshot is a new incarnation: its identity at the start of an
 update stream (``on_identity``), or on a fragment fetched after a version gap (``on_fetched``), says
-so, and the learner rejoins it (``Rejoin``: fetch every global fragment, ``LearnerCore.join``). A
+so, and the learner rejoins it (``Rejoin``: fetch the global fragments, ``LearnerCore.join``; with S
+syncer shards only those of the shards that resumed need fetching: ``ShardView.refetch`` and
+``rejoin_fragments``, which the simulator uses; the network learner still fetches every one). A
 syncer of another run, or one restarted without a snapshot, ends the learner (``IncarnationError``,
 from ``LearnerCore.meet``/``identity``). After a (re)join or a resync the learner takes up the
 global step (``take_up_step``).
@@ -51,6 +53,14 @@ def on_fetched(core: LearnerCore, now_s: float, run_id: str, epoch: int, resumed
     if which == "same" and version > core.version[fragment]:
         out = [*core.resync(fragment, values, version, global_step), Resynced(fragment, version)]
     return [*out, TakeUpStep()]
+
+
+def rejoin_fragments(fetched: dict[int, tuple[Tensors, int]], base: list[Tensors],
+                     version: list[int]) -> list[tuple[Tensors, int]]:
+    """What ``LearnerCore.join`` takes after a rejoin that fetched only ``fetched`` (fragment -> (values,
+    version); with S syncer shards, those of the shards that resumed: ``ShardView.refetch``): the learner's
+    own copies of the others, whose shards it still follows."""
+    return [fetched[p] if p in fetched else (base[p], version[p]) for p in range(len(base))]
 
 
 def same_incarnation(served: list[tuple[str, int]]) -> bool:

@@ -11,7 +11,8 @@ positions are shard 0's), the fragments of a shard.
 Each shard has its own incarnation number (epoch): it resumes from its own
 snapshots, alone. The learner's core follows one incarnation, so its network
 side translates: the learner sees the combined epoch E = 1 + Σ_s (e_s − 1),
-which grows by one whenever any shard resumes (the learner then rejoins), and
+which grows by one whenever any shard resumes (the learner then rejoins; only the
+fragments of the shards that resumed need fetching: ``refetch``), and
 each message it sends carries, for the shard it goes to, that shard's epoch as
 of the E it was stamped with. Messages of an earlier incarnation of a shard map
 to an earlier E and are dropped as stale, as from a single syncer.
@@ -118,6 +119,16 @@ class ShardView:
         if epoch < self.epochs[shard]:
             return max(1, E - (self.epochs[shard] - epoch)), self.resumed_from
         return E, self.resumed_from
+
+    def refetch(self, epoch: int) -> list[int]:
+        """The fragments a learner that followed E = ``epoch`` fetches to join the current E: those of the shards
+        whose incarnation changed since (its copies of the others' are still theirs); every fragment when this
+        view does not know what E = ``epoch`` stood for (0: it never joined)."""
+        known = self.history.get(epoch)
+        if known is None:
+            return list(range(len(self.plan)))
+        changed = {s for s in range(self.S) if max(known[s], 1) != max(self.epochs[s], 1)}
+        return [p for p, s in enumerate(self.plan) if s in changed]
 
     def process_ids(self, shard: int, process: str) -> str:
         """Shard ``shard``'s Identity named its process: every shard's, comma-separated (``LearnerCore.meet``)."""

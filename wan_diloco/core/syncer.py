@@ -106,7 +106,7 @@ class SyncerCore(SyncerRounds):
         self.finals: dict[tuple[int, int], FragmentUpload] = {}  # (learner, fragment) -> final upload
         self.final_started = False
         self.final_done = False
-        # Identity, set by the driver: the run, this incarnation (1 fresh, +1 per resume), its snapshot.
+        # Identity, set by the driver: the run, this incarnation (1 fresh; a resume: max(every incarnation seen) + 1), its snapshot.
         self.run_id = ""
         self.epoch = 1
         self.resumed_from = 0

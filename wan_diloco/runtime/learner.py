@@ -123,7 +123,7 @@ class Learner:
 
     # ---- actions --------------------------------------------------------------------
 
-    def _handle(self, actions: list) -> None:
+    def handle(self, actions: list) -> None:
         for a in actions:
             if self.sync is not None and isinstance(a, _RESIDUALS):
                 self.sync.flush()
@@ -145,11 +145,11 @@ class Learner:
                     if self.sync is not None:  # the final sync waits for every upload: no gain in the worker
                         self.sync.flush()
                     theta = {n: np.asarray(flat[n]) for n in names}
-                    self._handle(self.core.snapshot(time.monotonic(), fragment, due_step, theta, final))
+                    self.handle(self.core.snapshot(time.monotonic(), fragment, due_step, theta, final))
                 case SendFragment(msg):
                     self._send_fragment(msg)
                 case SendMetadata(msg):
-                    self._send_metadata(msg)
+                    self.send_metadata(msg)
                 case Resync(fragment):
                     if fragment not in self.pending_resync:
                         self.pending_resync[fragment] = self.net.fetch_fragment(ObjectRequest("fragment", fragment).name)
@@ -164,16 +164,16 @@ class Learner:
                 case rj.Resynced():
                     self.resyncs += 1
                 case rj.TakeUpStep():
-                    self._take_up_step()
+                    self.take_up_step()
                 case LoadPart():
-                    self._handle(ls_io.load_part(self, a))
+                    self.handle(ls_io.load_part(self, a))
                 case InstallPart():
-                    self._handle(ls_io.install_part(self, a))
+                    self.handle(ls_io.install_part(self, a))
                 case TakeUpPosition():
                     ls_io.take_up_position(self)
                 case RecoverFromPeer(patience_s):
                     recovery = ls_io.recover_from_peer(self, patience_s)
-                    self._handle(self.resume.on_peer(time.monotonic(), recovery, self.core.step))
+                    self.handle(self.resume.on_peer(time.monotonic(), recovery, self.core.step))
                 case Report(event):
                     emit(event)
                 case _:
@@ -186,7 +186,7 @@ class Learner:
         self.uploads += 1
         self.net.upload(msg)
 
-    def _take_up_step(self) -> None:
+    def take_up_step(self) -> None:
         """Take up the global step: the step counter and the learning-rate schedule (``rejoin.take_up_step``)."""
         train_step, schedule_step = rj.take_up_step(self.core.step, int(self.state.step),
                                                     int(train_lib.schedule_step(self.state)))
@@ -195,7 +195,7 @@ class Learner:
         if schedule_step is not None:
             self.state = train_lib.set_schedule_step(self.state, schedule_step)
 
-    def _wait(self, fut: concurrent.futures.Future, timeout_s: float):
+    def wait(self, fut: concurrent.futures.Future, timeout_s: float):
         """``fut.result(timeout_s)``, but a stop signal ends the wait (``Stopped``) at once."""
         deadline = time.monotonic() + timeout_s
         while not self.stop.is_set():
@@ -207,7 +207,7 @@ class Learner:
         fut.cancel()
         raise Stopped()
 
-    def _send_metadata(self, msg, recovering: bool = False) -> None:
+    def send_metadata(self, msg, recovering: bool = False) -> None:
         """Metadata with this learner's data position, which the syncer hands back if it comes back
         without its own snapshot part (``TakeUpPosition``)."""
         position = position_field(self.batches.position() if self.position_known else None, serde.MAX_STR_CHARS)
@@ -215,7 +215,7 @@ class Learner:
         self.net.send_metadata(dataclasses.replace(msg, data=position, recovering=recovering, loss=loss,
                                                    tokens=self.tokens, fingerprint=self.fingerprint))
 
-    def _drain(self, block_s: float = 0.0) -> None:
+    def drain(self, block_s: float = 0.0) -> None:
         """Merge what arrived; with ``block_s`` wait that long for the first item."""
         while True:
             try:
@@ -227,14 +227,14 @@ class Learner:
                 case Arrived(arrived_s, update):
                     if self.sync is not None:  # its own upload of this fragment first (keep_local keeps θ_p there)
                         self.sync.flush(update.fragment)
-                    self._handle(self.core.on_update(arrived_s, update))
+                    self.handle(self.core.on_update(arrived_s, update))
                 case Identity():  # a (re)connected update stream: is it still the syncer we follow?
-                    self._handle(rj.on_identity(self.core, time.monotonic(), item.run_id, item.epoch,
+                    self.handle(rj.on_identity(self.core, time.monotonic(), item.run_id, item.epoch,
                                                 item.resumed_from, item.process))
                 case Barrier():
                     self.barrier.on_status(item.started, item.need, item.joined, item.waiting_for)
                 case Donate():
-                    self._handle(self.donor.on_donate(time.monotonic(), item.recipient, item.versions))
+                    self.handle(self.donor.on_donate(time.monotonic(), item.recipient, item.versions))
                 case LinkSample():
                     self.replanner.on_link(item, self.core, self.payload_bytes, self.uploads)
                 case ChannelsWidened():
@@ -258,7 +258,7 @@ class Learner:
             raise SyncerLost(f"no answer from the syncer for {silent[0]:.0f} s (transport.retry_budget_s + "
                              f"call_timeout_s = {limit_s:g} s); last error: {silent[1]}")
         if self.donor.asked:
-            self._handle(self.donor.on_versions(time.monotonic(), self.core.version))
+            self.handle(self.donor.on_versions(time.monotonic(), self.core.version))
         for p, fut in list(self.pending_resync.items()):
             if not fut.done():
                 continue
@@ -271,7 +271,7 @@ class Learner:
                 emit({"event": "warning", "role": "learner", "learner": self.m,
                       "what": f"fetch of fragment {p} failed, will ask again: {e}"})
                 continue
-            self._handle(rj.on_fetched(self.core, time.monotonic(), got.run_id, got.epoch, got.resumed_from,
+            self.handle(rj.on_fetched(self.core, time.monotonic(), got.run_id, got.epoch, got.resumed_from,
                                        got.fragment, got.values, got.version, got.global_step))
 
     # ---- the run --------------------------------------------------------------------
@@ -289,24 +289,24 @@ class Learner:
             self.sync.flush()  # what was encoded for the old state is sent before its residuals go
         for _ in range(rj.JOIN_TRIES):
             futs = [self.net.fetch_fragment(ObjectRequest("fragment", p).name) for p in range(len(self.layout.fragments))]
-            got = [self._wait(fut, timeout_s) for fut in futs]
+            got = [self.wait(fut, timeout_s) for fut in futs]
             if rj.same_incarnation([(g.run_id, g.epoch) for g in got]):
                 break  # else the syncer restarted while we fetched: again
         else:
             raise SyncerLost(f"learner {self.m}: the syncer changed incarnation during each of {rj.JOIN_TRIES} joins")
         self.pending_resync.clear()  # fetches of the old incarnation mean nothing now
         first = got[0]
-        self._handle(self.core.join(first.run_id, first.epoch, first.resumed_from,
+        self.handle(self.core.join(first.run_id, first.epoch, first.resumed_from,
                                     [(g.values, g.version) for g in got], max(g.global_step for g in got)))
-        self._take_up_step()
+        self.take_up_step()
         return first
 
     def train_step(self) -> float:
         """One inner step and what syncing asks around it: merge what arrived, wait where the protocol says,
         step, snapshot what is due. Returns when the step finished (``time.monotonic``)."""
-        self._drain()
+        self.drain()
         while self.core.blocked and not self.stop.is_set():
-            self._drain(block_s=0.05)
+            self.drain(block_s=0.05)
         t0 = time.monotonic()
         batch = self.batches.next()
         self.core.begin_step(t0)
@@ -320,7 +320,7 @@ class Learner:
         t1 = time.monotonic()
         self.compute_s += t1 - t0
         self.tokens += batch.n_tokens
-        self._handle(self.core.step_done(t1, batch.n_tokens))
+        self.handle(self.core.step_done(t1, batch.n_tokens))
         self.replanner.after_step(self.core, self.payload_bytes, self.uploads)
         return t1
 
@@ -345,20 +345,20 @@ class Learner:
 
     def _run(self) -> dict:
         joined = self.join(self.cfg.transport.call_timeout_s + self.cfg.transport.retry_budget_s)
-        self._handle(self.resume.on_joined(time.monotonic(), self.core.run_id, joined.resumed_from, self.core.step,
+        self.handle(self.resume.on_joined(time.monotonic(), self.core.run_id, joined.resumed_from, self.core.step,
                                            ls_io.parts_of(self)))
         self.position_known = True
         # Before the first metadata, which counts as this learner's join at the start barrier: a learner that
         # joined is ready to step at once (the eval's compile would otherwise hold it back behind its peers).
         initial_loss = self.evaluate()
-        self._send_metadata(self.core.metadata())  # the hello: it carries this learner's settings
+        self.send_metadata(self.core.metadata())  # the hello: it carries this learner's settings
         hello_by = time.monotonic() + self.cfg.transport.call_timeout_s
         while not self.net.hello_answered.is_set() and time.monotonic() < hello_by and not self.stop.is_set():
-            self._drain(block_s=0.05)  # refused settings stop the learner here, before its first step
-        self._drain()
+            self.drain(block_s=0.05)  # refused settings stop the learner here, before its first step
+        self.drain()
         self.net.start_probing()
         self._await_start()
-        self._take_up_step()  # updates merged while it waited moved the global step on
+        self.take_up_step()  # updates merged while it waited moved the global step on
         self.eval_seen_step = self.core.step  # eval points before it are not this learner's to take
         emit({"event": "start", "role": "learner", "learner": self.m, "region": self.region,
               "step": self.core.step, "schedule_step": int(train_lib.schedule_step(self.state)),

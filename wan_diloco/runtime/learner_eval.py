@@ -1,5 +1,6 @@
 """A networked learner's evaluations: its held-out loss, and the run's eval curve (every
-``run.eval_every_steps`` steps one learner in turn evaluates the global model Θ as it holds it).
+``run.eval_every_steps`` steps one learner in turn evaluates the global model Θ as it holds it; when is
+``core.evals``' rule, as in the simulator).
 
 Methods of ``runtime.learner.Learner`` kept in a module of their own (``self`` is the learner).
 """
@@ -8,22 +9,9 @@ from __future__ import annotations
 import time
 
 from wan_diloco import tree
+from wan_diloco.core.evals import eval_point
 from wan_diloco.runtime import lockstep as lk
 from wan_diloco.runtime.events import emit
-
-
-def eval_point(last: int, step: int, every: int, learners: int, learner: int) -> int | None:
-    """The eval point this learner owes having gone from step ``last`` to ``step``: the latest multiple k ·
-    ``every`` in (last, step] whose turn is its own (k mod learners = learner), else None. A learner's step
-    jumps when it adopts a merged update's global step, so checking ``step`` alone for a multiple missed
-    every point a jump stepped over (0, 100, 150, 200, 300 of a run set to every 50)."""
-    if not every or step <= last:
-        return None
-    top = step // every
-    for k in range(top, max(last // every, top - learners), -1):  # turns repeat every `learners` points
-        if k > 0 and k % learners == learner:
-            return k * every
-    return None
 
 
 def evaluate(self) -> float:

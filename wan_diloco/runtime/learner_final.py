@@ -33,9 +33,9 @@ def final_sync(lrn) -> dict:
 
 
 def _once(lrn, fs: FinalSync, names: list[str]) -> dict | None:
-    lrn._drain()
+    lrn.drain()
     rejoins = lrn.rejoins
-    lrn._handle(lrn.core.finish())
+    lrn.handle(lrn.core.finish())
     budget_s = lrn.cfg.syncer.final_timeout_s + lrn.cfg.transport.retry_budget_s
     lrn.net.wait_uploads(budget_s)
     futs = [lrn.net.fetch_fragment(name) for name in names]
@@ -43,7 +43,7 @@ def _once(lrn, fs: FinalSync, names: list[str]) -> dict | None:
     # as a new incarnation (the identity frame; the drain rejoins it).
     deadline = time.monotonic() + budget_s
     while not all(f.done() for f in futs) and time.monotonic() < deadline and not lrn.stop.is_set():
-        lrn._drain(block_s=0.1)
+        lrn.drain(block_s=0.1)
         if lrn.rejoins != rejoins:
             for f in futs:
                 f.cancel()
@@ -54,16 +54,16 @@ def _once(lrn, fs: FinalSync, names: list[str]) -> dict | None:
     finals = [Final(g.fragment, g.version, g.epoch, g.resumed_from) for g in got]
     rejoin = fs.on_finals(lrn.core.epoch, finals)
     if rejoin:  # served by an incarnation it has not joined
-        lrn._handle(rejoin)
+        lrn.handle(rejoin)
         return None
     # The broadcast of the final merge normally arrives on the update stream; bulk is the fallback.
     deadline = time.monotonic() + BROADCAST_GRACE_S
     while fs.behind(lrn.core.version, finals) and time.monotonic() < deadline:
-        lrn._drain(block_s=0.05)
+        lrn.drain(block_s=0.05)
     by_bulk = fs.behind(lrn.core.version, finals)
     served = {g.fragment: g for g in got}
     for p in by_bulk:
-        lrn._handle(lrn.core.resync(p, served[p].values, served[p].version))
+        lrn.handle(lrn.core.resync(p, served[p].values, served[p].version))
     flat = {n: np.asarray(a) for n, a in tree.flatten(lrn.state.params).items()}
     fragments = lrn.layout.fragments
     digests = [fragment_digest(lrn.core.base[p], names) for p, names in enumerate(fragments)]

@@ -55,7 +55,7 @@ def await_start(self) -> None:
     said, last_md_s = None, time.monotonic()
     every_s = min(5.0, self.cfg.syncer.liveness_timeout_s / 3)
     while not self.stop.is_set():
-        self._drain(block_s=0.1)
+        self.drain(block_s=0.1)
         now = time.monotonic()
         if not self.barrier.must_wait(now):
             if said is not None:
@@ -71,5 +71,5 @@ def await_start(self) -> None:
                   "need": self.barrier.need, "joined": list(seen[0]), "waiting_for": list(seen[1])})
         if now - last_md_s >= every_s:
             last_md_s = now
-            self._send_metadata(self.core.metadata())
+            self.send_metadata(self.core.metadata())
     raise Stopped()

@@ -113,7 +113,7 @@ def take_up_position(lrn) -> None:
     so its shard is not read again from the seed's first windows. What it drew after that metadata
     trained a state that died with it; those windows are drawn again, nothing is skipped."""
     try:
-        data = lrn._wait(lrn.net.fetch_bytes(ObjectRequest("position", lrn.m).name), lrn.cfg.transport.call_timeout_s)
+        data = lrn.wait(lrn.net.fetch_bytes(ObjectRequest("position", lrn.m).name), lrn.cfg.transport.call_timeout_s)
         position = position_from_bytes(data)
         if position is None:
             emit({"event": "data_position", "role": "learner", "learner": lrn.m, "restored": False,
@@ -135,7 +135,7 @@ def recover_from_peer(lrn, patience_s: float) -> dict:
     picks the donor), then replay the updates that arrived meanwhile; how it went (``recovery``)."""
     t0 = time.monotonic()
     state_bytes = sum(getattr(a, "nbytes", 0) for a in jax.tree_util.tree_leaves((lrn.state, lrn.core.base)))
-    lrn._send_metadata(lrn.core.metadata(), recovering=True)
+    lrn.send_metadata(lrn.core.metadata(), recovering=True)
     t = lrn.cfg.transport
     req = PeerRequest(t0, patience_s, peer_wait_s(lrn.cfg.syncer.donor_timeout_s, t.call_timeout_s,
                                                   t.upload_deadline_s(state_bytes)))
@@ -145,7 +145,7 @@ def recover_from_peer(lrn, patience_s: float) -> dict:
             fut = lrn.net.fetch_bytes(ObjectRequest("donation", lrn.m).name,
                                       serde.max_state_bytes(sum(lrn.layout.nbytes)))
             try:
-                data = lrn._wait(fut, req.wait_s(time.monotonic()))
+                data = lrn.wait(fut, req.wait_s(time.monotonic()))
                 break
             except TransportError as e:
                 again = req.on_refused(time.monotonic(), e.details)
@@ -154,7 +154,7 @@ def recover_from_peer(lrn, patience_s: float) -> dict:
                 if again.after_s and lrn.stop.wait(again.after_s):
                     raise Stopped() from None
                 if again.resend_metadata:
-                    lrn._send_metadata(lrn.core.metadata(), recovering=True)  # the syncer asks again
+                    lrn.send_metadata(lrn.core.metadata(), recovering=True)  # the syncer asks again
         tensors, info = decode_state(data, "donation", what="peer state")
         params = tree.from_named(tensors, "params", lrn.state.params, "peer state")
         opt = tree.from_named(tensors, "opt", lrn.state.opt_state, "peer state")
@@ -168,9 +168,9 @@ def recover_from_peer(lrn, patience_s: float) -> dict:
     # The donor's optimizer as it came, bit for bit; only its schedule position moves (take-up of the step).
     opt_digest = named_digest(tree.to_named(lrn.state.opt_state, "opt"), "opt/")
     lrn.core.advance(int(info.get("train_step", 0)))
-    lrn._take_up_step()
+    lrn.take_up_step()
     replayed = lrn.net.inbox.qsize()
-    lrn._drain()  # the updates that arrived while the state travelled, in the order they came
+    lrn.drain()  # the updates that arrived while the state travelled, in the order they came
     return {"from_peer": True, "donor": info.get("donor"), "bytes": len(data), "opt_digest": opt_digest,
             "schedule_step": int(train_lib.schedule_step(lrn.state)),
             "seconds": round(time.monotonic() - t0, 3), "replayed": replayed}

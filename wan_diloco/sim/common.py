@@ -31,6 +31,8 @@ class SimResult:
     mean_quorum: float = 0.0
     mean_grace_s: float = 0.0
     params_count: int = 0
+    # Each learner up at the end: its final sync (core.final_sync): {learner, versions, final_by_bulk, digest_mismatch}.
+    final_sync: list[dict] = field(default_factory=list)
     # The final global parameters (flat name -> float32 array): what a run's params.safetensors holds.
     params: dict | None = field(default=None, repr=False, compare=False)
 

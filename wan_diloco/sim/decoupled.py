@@ -8,6 +8,7 @@ interpreted by one ``match`` that fails on an action it does not know.
 """
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import time
 from dataclasses import dataclass, field
@@ -25,9 +26,15 @@ from wan_diloco.core import (
     FINAL_TIMER, ApplyGlobal, Broadcast, LearnerCore, Rejoin, Resync, SaveState, SendFragment, SendMetadata, SetTimer,
     Snapshot,
 )
+from wan_diloco.core.barrier import BarrierView, StartBarrier, barrier_need
+from wan_diloco.core.evals import due_point
+from wan_diloco.core.peer import position_field
+from wan_diloco.core.positions import MAX_POSITION_CHARS, Positions
 from wan_diloco.core.recovery import Donations
 from wan_diloco.sim.common import Progress, SimResult, step_time, uptime
 from wan_diloco.sim.faults import FaultReplay
+from wan_diloco.sim.resume import ResumeReplay
+from wan_diloco.sim.start_end import StartAndEnd
 from wan_diloco.sim.shards import ShardedSyncer
 from wan_diloco.sim.snapshots import SnapshotKeeper
 from wan_diloco.tape import Fault, Outage, SyncerOutage
@@ -64,12 +71,17 @@ class _Learner:
     life: int = 0  # bumped on failure and restart: events of a dead life of this learner are ignored
     joining: bool = False  # fetching the fragments of a resumed syncer (``Rejoin``)
     join_due: bool = False  # they arrived during a step: ``join`` after it
+    refetch: list[int] = field(default_factory=list)  # the fragments that rejoin fetches
     useful_s: float = 0.0
+    tokens: int = 0  # trained by this learner (its snapshot parts hold it)
+    position_known: bool = True  # False while it restarts: its metadata carries no data position then
+    ready_s: float = 0.0  # when a restarting learner holds its state and trains again
+    at_barrier: bool = False  # waits for the start barrier (``sim.start_end``)
     intervals: list[tuple[float, float]] = field(default_factory=list)
 
 
 
-class Simulation(FaultReplay):
+class Simulation(FaultReplay, ResumeReplay, StartAndEnd):
     """One simulated run of ``spec`` (already set for its baseline: ``sim.protocol_for``) under the faults of
     a tape. ``faults`` records what each fault did (learner down/up, recovered from which donor, syncer
     resumed from which snapshot at which incarnation, learners rejoined)."""
@@ -94,10 +106,17 @@ class Simulation(FaultReplay):
         kills = any(isinstance(o, SyncerOutage) for o in outages)
         every = spec.checkpoint.every_merges
         patience_s = 2 * spec.syncer.liveness_timeout_s  # as the network driver's
-        self.keepers = [SnapshotKeeper(core, every, s == 0, self.M, patience_s)
+        # Shard 0's (its snapshots hold them): the start barrier, the learners' data positions as of their
+        # latest metadata.
+        self.barrier = StartBarrier(barrier_need(spec.run.min_learners_to_start, self.M), self.M,
+                                    spec.run.start_timeout_s)
+        self.positions = Positions(self.M)
+        self.keepers = [SnapshotKeeper(core, every, s == 0, self.M, patience_s,
+                                       *((self.barrier, self.positions) if s == 0 else ()))
                         for s, core in enumerate(self._cores())] if kills else []
-        self.learner_parts: dict[int, tuple[int, dict]] = {}  # learner -> (snapshot, its part): its newest
+        self.learner_parts: dict[int, dict[int, tuple[dict, dict]]] = {}  # learner -> snapshot -> its part
         self.donations = Donations(spec.syncer.donor_timeout_s)
+        self.views = [BarrierView(spec.run.start_timeout_s) for _ in range(self.M)]
         self.faults: list[dict] = []
         rtt, bw = self.cfg.rtt_s, self.cfg.bandwidth_gbit_s
         self.learners = [
@@ -116,7 +135,7 @@ class Simulation(FaultReplay):
         self.bytes_sent = 0
         self.done = False
         self.curve: list[dict] = []
-        self.next_eval = self.cfg.curve_every_steps
+        self.eval_step = 0  # the global step of the latest eval point
         self.late = set()  # learners that join late: down from the start, they draw no batch before
         for o in outages:
             match o:
@@ -142,13 +161,14 @@ class Simulation(FaultReplay):
         self._eval_point(force=True)
         for m in range(self.M):
             if m not in self.late:
-                self._start_step(m)
+                self._hello(m)
         while self.heap and not self.done:
             self.now, _, fn, args = heapq.heappop(self.heap)
             fn(*args)
         if not self.done:
             raise RuntimeError("simulation stalled: every learner is down or blocked and nothing is in flight")
         self._final_sync()
+        verdicts = self._final_verdicts()
         self._eval_point(force=True)
         end = self.now
         busy = [iv for l in self.learners for iv in l.intervals]
@@ -163,6 +183,7 @@ class Simulation(FaultReplay):
             mean_quorum=float(np.mean(st.quorum_sizes)) if st.quorum_sizes else 0.0,
             mean_grace_s=float(np.mean(st.grace_s)) if st.grace_s else 0.0,
             params_count=model_lib.param_count(self.parts.state0.params), params=self.syncer.global_params(),
+            final_sync=verdicts,
         )
 
     def _global_step(self) -> int:
@@ -177,9 +198,8 @@ class Simulation(FaultReplay):
         """An eval point when one is due; the progress callback hears of every step (the bar moves per
         step, with the latest eval loss)."""
         step = self._global_step()
-        if force or step >= self.next_eval:
-            while self.next_eval <= step:
-                self.next_eval += self.cfg.curve_every_steps
+        if force or due_point(self.eval_step, step, self.cfg.curve_every_steps) is not None:
+            self.eval_step = step
             params = tree.unflatten(self.syncer.global_params(), self.parts.state0.params)
             point = {"step": step, "tokens": self.tokens, "time_s": self.now, "eval_loss": self.parts.evaluate(params)}
             if not self.curve or point != self.curve[-1]:
@@ -195,6 +215,9 @@ class Simulation(FaultReplay):
     def _start_step(self, m: int) -> None:
         l = self.learners[m]
         if self.done or not l.up or l.stepping:
+            return
+        if self.views[m].must_wait(self.now):
+            l.at_barrier = True
             return
         if l.core.blocked:
             l.waiting = True
@@ -219,9 +242,10 @@ class Simulation(FaultReplay):
         l.useful_s += dt
         l.intervals.append((self.now - dt, self.now))
         self.tokens += n_tokens
+        l.tokens += n_tokens
         self._learner_actions(m, l.core.step_done(self.now, n_tokens))
         if l.join_due:
-            self._join_now(m)
+            self._join_now(m, fetched=l.refetch)
         self._eval_point()
         if self._finished():
             self.done = True
@@ -233,6 +257,7 @@ class Simulation(FaultReplay):
         for a in actions:
             match a:
                 case SendMetadata(msg=msg):
+                    msg = self._with_position(m, msg)
                     self._at(self.now + self.cfg.rtt_s / 2, self._from_learner, m, l.life, self._metadata, msg)
                 case Snapshot(fragment=p, due_step=due, final=final):
                     flat = tree.flatten(l.state.params)
@@ -287,8 +312,16 @@ class Simulation(FaultReplay):
 
     # The handlers look the syncer up when the event arrives: a resumed one replaces the dead one.
 
+    def _with_position(self, m: int, msg):
+        """Metadata with the learner's data position, as the runtime's ``Learner.send_metadata``."""
+        l = self.learners[m]
+        return dataclasses.replace(msg, data=position_field(l.batches.position() if l.position_known else None,
+                                                            MAX_POSITION_CHARS))
+
     def _metadata(self, now_s: float, msg) -> list:
         actions = self.syncer.on_metadata(now_s, msg)
+        if self.syncer_up[0]:
+            self.positions.on_metadata(now_s, msg.learner, msg.data)
         if self.keepers and self.syncer_up[0]:  # the learners' parts are in shard 0's snapshots
             epoch = self.syncer.epoch_at(0, msg.epoch) if self.sharded else msg.epoch
             self.keepers[0].on_metadata(now_s, msg.learner, msg.snapshot, epoch)
@@ -344,7 +377,7 @@ class Simulation(FaultReplay):
                     self._join_now(m)
         up = [m for m, l in enumerate(self.learners) if l.up]
         for m in up:  # as in a real run, the syncer has heard from every learner that is up
-            self._syncer_event(self._metadata, self.learners[m].core.metadata())
+            self._syncer_event(self._metadata, self._with_position(m, self.learners[m].core.metadata()))
         for m in up:
             self.learners[m].stepping = False  # a step cut short by the end of the run: its buffered updates still merge
             self._learner_actions(m, self.learners[m].core.finish())

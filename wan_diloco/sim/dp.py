@@ -14,6 +14,7 @@ import numpy as np
 from wan_diloco import model as model_lib
 from wan_diloco import tree
 from wan_diloco.assemble import Assembly
+from wan_diloco.core.evals import due_point
 from wan_diloco.tape import Outage
 from wan_diloco.sim.common import Progress, SimResult, step_time
 from wan_diloco.spec import RunSpec, to_document
@@ -57,7 +58,7 @@ def run_dp(spec: RunSpec, parts: Assembly, outages: list[Outage], progress: Prog
         bytes_sent += int(ring * grad_bytes) * M
         now += step_s
         step += 1
-        if step % cfg.curve_every_steps == 0 or step == budget_steps:
+        if due_point(step - 1, step, cfg.curve_every_steps) is not None or step == budget_steps:
             curve.append({"step": step, "tokens": tokens, "time_s": now, "eval_loss": parts.evaluate(state.params)})
         if progress:  # every step: the bar moves with the steps, the loss with the eval points
             progress(step / budget_steps, {**curve[-1], "eval_step": curve[-1]["step"], "step": step})

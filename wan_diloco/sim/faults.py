@@ -1,41 +1,23 @@
 """The faults of a failure tape (``wan_diloco.tape``) replayed by ``Simulation``, through the same core
 code as the network driver:
 
-- a learner killed and restarted: it takes up the syncer's incarnation (``LearnerCore.join``) if the
-  syncer resumed meanwhile, then a healthy peer's parameters, inner optimizer, residuals and data
-  step (``core.recovery.Donations`` picks the donor; ``LearnerCore.export``/``adopt`` copy the
-  protocol state), and replays the updates that arrive while the state travels;
+- a learner killed and restarted (with ``--resume``, as the chaos driver does): it takes up the syncer's
+  incarnation (``LearnerCore.join``) if the syncer resumed meanwhile, then its own state as
+  ``core.restore.Resume`` says (``sim.resume``): its part of the snapshot the syncer resumed from, else
+  the data position the syncer kept and a healthy peer's parameters, inner optimizer and residuals;
+  and replays the updates that arrive while the state travels;
 - a learner that joins late (an outage from 0): it never trains before ``up_at``, then recovers as above;
 - the syncer (or one shard) killed and resumed: what was sent to it meanwhile is lost, its timers die
   with it; at ``up_at`` a fresh core takes up its newest complete snapshot (``sim.snapshots``) as the
   next incarnation, and each learner that is up meets it as its reconnected update stream would
   (``LearnerCore.meet``) and rejoins (``Rejoin`` -> ``join``), between two steps as the runtime does.
-
-Simplifications, all of time only: the donor's state is taken when it is asked (the runtime waits
-until it has seen the versions the recipient saw; the recipient's replay covers the gap), and
-snapshot parts take no time to write.
 """
 from __future__ import annotations
 
-import hashlib
-
 import jax.numpy as jnp
-import numpy as np
 
 from wan_diloco import train as train_lib
-from wan_diloco import tree
-from wan_diloco.core.recovery import AskDonor, Candidate, NoDonor
-
-
-def opt_digest(state) -> str:
-    """SHA-256 of a train state's inner optimizer (names, dtypes, bytes), as the runtime's ``named_digest``."""
-    h = hashlib.sha256()
-    named = tree.to_named(state.opt_state, "opt")
-    for name in sorted(named):
-        a = np.asarray(named[name])
-        h.update(f"{name}\0{a.dtype.str}\0{a.shape}\0".encode())
-        h.update(np.ascontiguousarray(a).tobytes())
-    return h.hexdigest()
+from wan_diloco.core.rejoin import rejoin_fragments
 
 
 class FaultReplay:
@@ -57,35 +39,18 @@ class FaultReplay:
         if l.up:
             return
         l.life += 1
-        run_id, epoch, resumed_from = self._identity_of_syncer()
-        if l.core.epoch and epoch != l.core.epoch:  # the syncer resumed while it was down: its model first
-            self._join_now(m)
-        candidates = {i: Candidate(p.core.region, p.core.step) for i, p in enumerate(self.learners)
-                      if p.up and p is not l}
-        ready = self.now + self.cfg.rtt_s
-        for a in self.donations.request(self.now, m, tuple(self.syncer.version), candidates, l.core.region):
-            match a:
-                case AskDonor(donor=d, recipient=r):
-                    # Copy the donor (its state takes state_bytes over the link): parameters, inner optimizer and
-                    # schedule position as one train state, the protocol state through the core.
-                    peer = self.learners[d]
-                    l.state = peer.state
-                    l.core.adopt(*peer.core.export())
-                    self.donations.delivered(r, d)
-                    ready = self.now + self.state_bytes * 8 / (self.cfg.bandwidth_gbit_s * 1e9) + self.cfg.rtt_s
-                    self.faults.append({"event": "recovered", "learner": r, "donor": d, "at_s": self.now,
-                                        "step": l.core.step, "opt_digest": opt_digest(l.state),
-                                        "donor_opt_digest": opt_digest(peer.state)})
-                case NoDonor(recipient=r, why=why):
-                    for p in range(len(self.frags)):
-                        self._learner_actions(r, l.core.resync(p, self.syncer.theta[p], self.syncer.version[p]))
-                    self.faults.append({"event": "no_donor", "learner": r, "at_s": self.now, "why": why})
-                case _:
-                    raise TypeError(f"simulator: unhandled recovery action {a!r}")
+        # Simplified: it keeps the train state and protocol state it died with, taking up the syncer's model
+        # only if the syncer resumed meanwhile, then what ``_restart`` takes up replaces them (a real restart
+        # starts from a fresh optimizer and a join: they differ only where nothing is taken up).
+        epoch = self._identity_of_syncer()[1]
+        if l.core.epoch and epoch != l.core.epoch:
+            self._join_now(m, "joined")
+        l.ready_s = self.now + self.cfg.rtt_s  # a donor's state takes longer (``_recover_from_peer``)
+        self._restart(m)
         # Global updates sent while the state travels are applied in order on top of it (docs/method.md, "Recovery",
         # step 4), so the learner starts current instead of resyncing fragment by fragment.
         l.listening = True
-        self._at(ready, self._rejoin, m, l.life)
+        self._at(l.ready_s, self._rejoin, m, l.life)
 
     def _rejoin(self, m: int, life: int) -> None:
         l = self.learners[m]
@@ -93,14 +58,10 @@ class FaultReplay:
             return
         l.up = True
         self.faults.append({"event": "learner_up", "learner": m, "at_s": self.now, "step": l.core.step})
-        self._start_step(m)
-
-    def _save_part(self, m: int, snapshot: int) -> None:
-        """``SaveState``: the learner's part of ``snapshot`` (the core's protocol state, its train state, data
-        position and tokens), kept in memory; the syncer hears of it in the learner's next metadata."""
-        l = self.learners[m]
-        self.learner_parts[m] = (snapshot, {"core": l.core.export(), "state": l.state, "data": l.batches.position()})
-        l.core.saved(snapshot)
+        if m in self.barrier.joined:
+            self._start_step(m)
+        else:
+            self._hello(m)  # a late learner's first metadata: its join at the start barrier
 
     # ---- the syncer ---------------------------------------------------------------------------
 
@@ -149,12 +110,14 @@ class FaultReplay:
             self._fetch_for_join(m)
 
     def _fetch_for_join(self, m: int) -> None:
-        """``Rejoin``: fetch every global fragment (over the learner's down link), then ``join`` between steps."""
+        """``Rejoin``: fetch the global fragments (over the learner's down link; with shards, only those of
+        the shards that resumed: ``ShardView.refetch``), then ``join`` between steps."""
         l = self.learners[m]
         if l.joining:
             return
         l.joining = True
-        nbytes = sum(self.parts.layout.nbytes)
+        l.refetch = self.syncer.view.refetch(l.core.epoch) if self.sharded else list(range(len(self.frags)))
+        nbytes = sum(self.parts.layout.nbytes[p] for p in l.refetch)
         self.bytes_sent += nbytes
         self._at(l.down_link.send(self.now, nbytes), self._fetched, m, l.life)
 
@@ -166,13 +129,21 @@ class FaultReplay:
         if l.stepping:
             l.join_due = True  # the runtime joins from its inbox, between two steps
         else:
-            self._join_now(m)
+            self._join_now(m, fetched=l.refetch)
 
-    def _join_now(self, m: int) -> None:
+    def _join_now(self, m: int, event: str = "rejoined", fetched: list[int] | None = None) -> None:
+        """Join the syncer with the global fragments ``fetched`` (None: every one) and its own copies of the rest."""
         l = self.learners[m]
         l.join_due = False
         run_id, epoch, resumed_from = self._identity_of_syncer()
-        fragments = [(self.syncer.theta[p], self.syncer.version[p]) for p in range(len(self.frags))]
+        if fetched is None or not self.sharded:
+            fetched = list(range(len(self.frags)))
+        else:  # another shard resumed while they travelled: its fragments too (their time is not modelled)
+            more = [p for p in self.syncer.view.refetch(l.core.epoch) if p not in fetched]
+            self.bytes_sent += sum(self.parts.layout.nbytes[p] for p in more)
+            fetched = sorted([*fetched, *more])
+        fragments = rejoin_fragments({p: (self.syncer.theta[p], self.syncer.version[p]) for p in fetched},
+                                     l.core.base, l.core.version)
         global_step = max(c.global_step for c in self._cores())
         self._learner_actions(m, l.core.join(run_id, epoch, resumed_from, fragments, global_step))
         # As the runtime's ``_take_up_step``: the step counter and the learning-rate schedule follow the run.
@@ -180,8 +151,8 @@ class FaultReplay:
             l.state = l.state.replace(step=jnp.asarray(l.core.step, jnp.int32))
         if l.core.step > int(train_lib.schedule_step(l.state)):
             l.state = train_lib.set_schedule_step(l.state, l.core.step)
-        self.faults.append({"event": "rejoined", "learner": m, "at_s": self.now, "epoch": epoch,
-                            "resumed_from": resumed_from, "step": l.core.step})
+        self.faults.append({"event": event, "learner": m, "at_s": self.now, "epoch": epoch,
+                            "resumed_from": resumed_from, "step": l.core.step, "fetched": fetched})
         self._resume_if_unblocked(m)
 
     def _cores(self) -> list:

@@ -22,9 +22,14 @@ class SnapshotKeeper:
     parts into these (the whole syncer's, or shard 0's of a sharded one); a shard's others hold its own part
     alone."""
 
-    def __init__(self, core: SyncerCore, every_merges: int, learner_parts: bool, learners: int, patience_s: float):
+    def __init__(self, core: SyncerCore, every_merges: int, learner_parts: bool, learners: int, patience_s: float,
+                 barrier: StartBarrier | None = None, positions: Positions | None = None):
         self.every_merges, self.learner_parts, self.learners, self.patience_s = (
             every_merges, learner_parts, learners, patience_s)
+        # The simulation's start barrier and ledger of data positions (shard 0's): its snapshots hold them, a
+        # resume restores them. A shard's others only ride along in its parts.
+        self.barrier = barrier if barrier is not None else StartBarrier(learners, learners, 1.0)
+        self.positions = positions if positions is not None else Positions(learners)
         self.syncer_parts: dict[int, tuple[dict, dict]] = {}  # snapshot -> the syncer's part (tensors, info)
         self.manifests: dict[int, dict] = {}
         self.complete_s: dict[int, float] = {}  # snapshot -> when it was complete (virtual s), oldest first
@@ -33,8 +38,7 @@ class SnapshotKeeper:
         self.coordinator = self._coordinator(core, first_id=1)
 
     def _coordinator(self, core: SyncerCore, first_id: int) -> SnapshotCoordinator:
-        barrier = StartBarrier(self.learners, self.learners, 1.0)  # its state only rides along in the parts
-        return SnapshotCoordinator(core, barrier, Positions(self.learners), every_merges=self.every_merges,
+        return SnapshotCoordinator(core, self.barrier, self.positions, every_merges=self.every_merges,
                                    patience_s=self.patience_s, learners=self.learners,
                                    learner_parts=self.learner_parts, first_id=first_id)
 

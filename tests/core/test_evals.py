@@ -1,9 +1,9 @@
-"""The run's eval schedule (runtime/learner_eval.eval_point): every multiple of run.eval_every_steps is one
+"""The run's eval schedule (core/evals.py, used by the runtime and the simulator): every multiple of run.eval_every_steps is one
 learner's point, also when that learner's step jumps over it (#27: points fell at 0, 100, 150, 200, 300 of a
 run set to every 50)."""
 import pytest
 
-from wan_diloco.runtime.learner_eval import eval_point
+from wan_diloco.core.evals import due_point, eval_point
 
 
 def points(steps: list[int], every: int, learners: int, learner: int) -> list[int]:
@@ -38,3 +38,11 @@ def test_no_point_when_off_or_no_step_forward(last, step, every):
 
 def test_a_learner_that_starts_late_does_not_take_the_points_before_it():
     assert eval_point(120, 121, 50, 4, 2) is None and eval_point(120, 150, 50, 4, 3) == 150
+
+
+def test_a_point_is_due_at_the_latest_multiple_crossed_and_the_turns_split_exactly_those():
+    assert [due_point(s - 1, s, 50) for s in (49, 50, 51, 100)] == [None, 50, None, 100]
+    assert due_point(48, 152, 50) == 150 and due_point(150, 199, 50) is None and due_point(0, 500, 0) is None
+    for last, step in [(0, 50), (10, 95), (120, 150), (49, 51), (150, 199)]:
+        owed = {eval_point(last, step, 10, 3, m) for m in range(3)} - {None}
+        assert (due_point(last, step, 10) in owed) == (due_point(last, step, 10) is not None)
