@@ -53,13 +53,20 @@ def fold_carried(rnd: Round, carried: Mapping[int, FragmentUpload], oldest_base:
 
 
 def merged_delta(ups: Sequence[FragmentUpload], method: MergeMethod, is_embedding: Callable[[str], bool],
-                 workers: Workers, timing: Timing) -> dict[str, np.ndarray]:
-    """The Δs of one round merged, weighted by tokens (equally where no learner counted any)."""
+                 workers: Workers, timing: Timing, gains: np.ndarray | None = None) -> dict[str, np.ndarray]:
+    """The Δs of one round merged, weighted by tokens (equally where no learner counted any). ``gains``
+    (``OuterOptimizer.gains``; None: all 1) scale each Δ's weight and the merged Δ by Σ w·g / Σ w, so
+    stale Δs weigh less and a round of only stale ones steps less (docs/method.md)."""
     weights = token_weights([u.c_tokens for u in ups], [u.c_steps for u in ups])
     if weights.sum() <= 0:
         weights = np.ones(len(ups))
     with timing("merge"):
-        return merge_fragment([u.delta for u in ups], weights, method, is_embedding, workers)
+        if gains is None:
+            return merge_fragment([u.delta for u in ups], weights, method, is_embedding, workers)
+        gained = weights * gains
+        merged = merge_fragment([u.delta for u in ups], gained, method, is_embedding, workers)
+        shrink = np.float32(gained.sum() / weights.sum())
+        return {n: np.multiply(a, shrink, dtype=np.float32) for n, a in merged.items()}
 
 
 def outer_step(outer: OuterOptimizer, codec: Codec, p: int, theta: Tensors, delta: Mapping[str, np.ndarray],
@@ -249,7 +256,8 @@ class SyncerRounds:
         self.carried[p] = {}
         learners = sorted(rnd.contributions)
         ups = [rnd.contributions[m] for m in learners]
-        delta = merged_delta(ups, self.cfg.merge, self.is_embedding, self.workers, self.timing)
+        gains = self.outer.gains(p, [self.version[p] - u.base_version for u in ups], [u.delta for u in ups])
+        delta = merged_delta(ups, self.cfg.merge, self.is_embedding, self.workers, self.timing, gains)
         try:
             enc, new, theta_sq = outer_step(self.outer, self.codec, p, self.theta[p], delta, self.workers, self.timing)
         except ProtocolError as e:
