@@ -37,6 +37,7 @@ from wan_diloco.core.protocol import (
 )
 from wan_diloco.feedback import ErrorFeedback
 from wan_diloco.fragments import Schedule, check_order, tau_bounds
+from wan_diloco.outer import OuterConfig
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,10 @@ class LearnerConfig:
     # θ_p ← Θ_global + (θ_local − θ_p at the snapshot): the steps taken while the fragment travelled
     # are kept (and counted into the next Δ) instead of being overwritten. Replaces the α rule.
     keep_local: bool = False
+    # Beyond the paper (docs/method.md, "Eager updates"): at each send, θ_p ← Θ_base − lr·Δ_local (the outer
+    # step this learner's own Δ would take, lr the run's outer lr) stands in for the global update while it
+    # travels; on arrival θ_p ← Θ_new + (θ_local − the stand-in), the steps in between kept as keep_local keeps them.
+    eager: bool = False
     blocking: bool = False  # wait for fragment p's update τ steps after sending it (synchronous baselines)
     error_feedback: bool = False
     # A networked learner that (re)joins with no state of its own takes a healthy peer's parameters,
@@ -77,6 +82,8 @@ class LearnerConfig:
         require(0.0 <= self.alpha <= 1.0, "alpha", f"must be in [0, 1], got {self.alpha}")
         require(not (self.keep_local and self.alpha), "alpha",
                 f"keep_local replaces the alpha rule: alpha must be 0 with it, got {self.alpha}")
+        require(not (self.eager and self.alpha), "alpha",
+                f"eager replaces the alpha rule: alpha must be 0 with it, got {self.alpha}")
 
 
 @dataclass
@@ -86,7 +93,7 @@ class _InFlight:
     sent_at_step: int
     c_steps: int = 0  # the fragment's counters when it was sent
     c_tokens: int = 0
-    theta: Tensors | None = None  # θ_p as sent (keep_local only)
+    theta: Tensors | None = None  # θ_p as sent (keep_local), or the eager stand-in it was set to
 
 
 class LearnerCore:
@@ -98,10 +105,12 @@ class LearnerCore:
         global_params: Tensors,
         codec: Codec,
         region: str = "",
+        outer_lr: float = OuterConfig.lr,
     ):
         cfg.validate()
         require(len(fragments) == cfg.num_fragments, "num_fragments", f"config says {cfg.num_fragments}, got {len(fragments)} fragments")
         self.cfg, self.learner, self.region = cfg, learner, region
+        self.outer_lr = np.float32(outer_lr)  # the eager stand-in's step (``LearnerConfig.eager``)
         self.node = learner_node(learner)
         self.fragments = fragments
         self.schedule = Schedule(cfg.sync_every, cfg.num_fragments, cfg.fragment_order)
@@ -173,11 +182,15 @@ class LearnerCore:
         base = self.base[fragment]
         if set(theta) != set(base):
             raise ProtocolError(f"snapshot of fragment {fragment}: tensor names differ from the fragment's")
+        local = {n: base[n] - np.asarray(theta[n], dtype=np.float32) for n in base}
         # Error feedback: what quantization dropped last time is sent with this Δ.
-        delta = self.feedback.compensate(fragment, {n: base[n] - np.asarray(theta[n], dtype=np.float32) for n in base})
+        delta = self.feedback.compensate(fragment, local)
         enc = encode_or_refuse(self.codec, delta, f"fragment {fragment} of learner {self.learner}")
         self.feedback.update(fragment, delta, enc.values)
         kept = {n: np.array(theta[n], dtype=np.float32) for n in base} if self.cfg.keep_local else None
+        eager = self.cfg.eager and not final  # after the final sync nothing trains on: no stand-in
+        if eager:
+            kept = {n: base[n] - self.outer_lr * local[n] for n in base}
         self.in_flight[fragment] = _InFlight(due_step, now_s, self.step, self.c_steps[fragment],
                                              self.c_tokens[fragment], kept)
         self.clock = self.clock.tick(self.node)
@@ -188,7 +201,7 @@ class LearnerCore:
             delta=enc.values, nbytes=enc.nbytes, payload=enc.payload, region=self.region, final=final,
             epoch=self.epoch,
         )
-        return [SendFragment(msg)]
+        return [SendFragment(msg), *([ApplyGlobal(fragment, kept, 0.0)] if eager else [])]
 
     def on_update(self, now_s: float, update: GlobalUpdate) -> list:
         """A global fragment arrived; merged now if between steps, else after the current step."""
