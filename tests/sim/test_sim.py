@@ -185,6 +185,7 @@ def test_too_few_shards_for_the_merge_work_show_as_waiting():
     assert lag(s4) < lag(s1)
 
 
+@pytest.mark.slow  # a simulated run of 24 steps, then its replay: ~17 s of CPU, 90 s wall on the loaded cores
 def test_staleness_options_replay_bit_identically_on_a_bare_syncer_core():
     # K = 1 without grace: each round closes on its first Δ, the others are carried one version stale.
     spec = micro(steps=24, eval_every=24, grace=False, rtt_s=2.0, staleness="gate", staleness_power=2.0, eager=True,
