@@ -48,7 +48,7 @@ def row_overrides(option: str, learners: int, lag: int, seed: int) -> dict:
                 tau=min(lag, tau_max), rtt_s=lag * STEP_TIME_S, seed=seed)
 
 
-def plot(rows: dict[str, dict], path: Path) -> None:
+def plot(rows: dict[str, dict], path: Path, what: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -65,15 +65,21 @@ def plot(rows: dict[str, dict], path: Path) -> None:
             mean = [sum(r["final_eval_loss"] for r in pts if r["sweep"]["lag"] == g)
                     / sum(1 for r in pts if r["sweep"]["lag"] == g) for g in lags]
             color = plt.cm.tab10.colors[i]
-            ax.plot(lags, mean, marker="o", color=color, label=option)
+            # gate often equals nesterov to the bit (no stale Δ opposed the momentum): drawn dashed on top
+            ax.plot(lags, mean, marker="o", color=color, label=option, linestyle="--" if option == "gate" else "-",
+                    linewidth=3 if option == "nesterov" else 1.5)
             ax.scatter([r["sweep"]["lag"] for r in pts], [r["final_eval_loss"] for r in pts], color=color, s=8, alpha=0.5)
-        ax.set_title(f"M = {m}, NF4 + error feedback")
+        ax.set_title(f"M = {m}, NF4 + error feedback, {what}")
         ax.set_xlabel("merge lag (link round trip, steps)")
         ax.set_ylabel("final eval loss (line: mean over seeds, dots: each seed)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+def describe(header: dict) -> str:
+    return f"{header['tokens']:.3g} tokens" + (" (quick)" if header.get("quick") else "")
 
 
 def table(rows: dict[str, dict]) -> str:
@@ -101,8 +107,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     out = Path(args.out)
     if args.replot:
-        rows = json.loads(out.read_text())["runs"]
-        plot(rows, out.with_suffix(".png"))
+        doc = json.loads(out.read_text())
+        rows = doc["runs"]
+        plot(rows, out.with_suffix(".png"), describe(doc))
         print(table(rows))
         return 0
     lags = args.lags or (QUICK_LAGS if args.quick else LAGS)
@@ -137,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
             o, m, g, s = todo[name]
             rows[name] = dict(r, sweep={"option": o, "learners": m, "lag": g, "seed": s})
             write_rows(out, header, rows, order)
-    plot(rows, out.with_suffix(".png"))
+    plot(rows, out.with_suffix(".png"), describe(header))
     print(table(rows))
     return 0
 
