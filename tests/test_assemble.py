@@ -112,3 +112,12 @@ def test_the_fingerprint_names_a_fragment_order_only_when_it_is_not_index_order(
     assert plain == Assembly(micro(fragments=4, fragment_order=(0, 1, 2, 3))).fingerprint
     planned = Assembly(micro(fragments=4, fragment_order=(1, 0, 2, 3))).fingerprint
     assert fingerprint_lib.differences(plain, planned) == ["schedule (learner.fragment_order 1-0-2-3 vs missing)"]
+
+
+def test_the_fingerprint_names_eager_learners_and_their_stand_in_lr_only_when_on():
+    from wan_diloco.core import fingerprint as fingerprint_lib
+    plain = Assembly(micro()).fingerprint
+    assert plain == Assembly(micro(eager=False, staleness="scale")).fingerprint  # the syncer's alone: not compared
+    eager = Assembly(micro(eager=True, outer_lr=0.5)).fingerprint
+    assert fingerprint_lib.differences(plain, eager) == ["schedule (learner.eager 1 vs missing, syncer.outer.lr 0.5 vs missing)"]
+    assert Assembly(micro(eager=True)).learner_core(0).outer_lr == np.float32(micro().syncer.outer.lr)

@@ -106,3 +106,51 @@ def test_an_outer_setting_out_of_its_sane_range_is_refused_at_load_naming_the_ke
     with pytest.raises(ConfigError, match=text):
         spec.from_document({"syncer": {"outer": table}})
     assert spec.from_document({"syncer": {"outer": {"lr": 10.0, "momentum": 0.99}}}).syncer.outer.lr == 10.0
+
+
+# ---- staleness-aware outer steps (docs/method.md, "Staleness-aware outer steps") ----------------
+
+def test_staleness_gains_match_the_formulas():
+    from wan_diloco.outer import staleness_gains
+
+    s = [0, 1, 3, 0, 2]
+    cos = [0.9, -0.5, -1.0, -1.0, 0.3]
+    scale = staleness_gains(OuterConfig(staleness="scale", staleness_power=0.7), s)
+    np.testing.assert_array_equal(scale, [1.0, 2.0 ** -0.7, 4.0 ** -0.7, 1.0, 3.0 ** -0.7])
+    gate = staleness_gains(OuterConfig(staleness="gate", staleness_power=2.0), s, cos)
+    # Fresh Δs and stale ones that agree with the momentum keep their weight; disagreeing stale ones
+    # lose it in proportion to how far they point against it.
+    np.testing.assert_allclose(gate, [1.0, 2.0 ** (-2.0 * 0.5), 4.0 ** -2.0, 1.0, 1.0], rtol=1e-15)
+
+
+@pytest.mark.parametrize("cfg, s", [(OuterConfig(), [0, 3]), (OuterConfig(staleness="scale"), [0, 0]),
+                                    (OuterConfig(staleness="gate"), [0, 0, 0])])
+def test_no_option_or_no_stale_delta_leaves_the_merge_alone(cfg, s):
+    from wan_diloco.outer import staleness_gains
+
+    assert staleness_gains(cfg, s, [-1.0] * len(s)) is None
+
+
+def test_gate_cosine_is_against_the_fragments_momentum():
+    from wan_diloco.outer import cosine
+
+    rng = np.random.default_rng(1)
+    theta = {"a": np.zeros((2, 3), np.float32), "b": np.zeros(4, np.float32)}
+    opt = OuterOptimizer(OuterConfig(staleness="gate", staleness_power=1.0), {0: theta})
+    first = {n: rng.normal(size=a.shape).astype(np.float32) for n, a in theta.items()}
+    opt.commit(0, first)  # the momentum is now ``first``
+    against = {n: -a for n, a in first.items()}
+    flat = np.concatenate([first[n].ravel() for n in theta]).astype(np.float64)
+    other = {n: rng.normal(size=a.shape).astype(np.float32) for n, a in theta.items()}
+    oflat = np.concatenate([other[n].ravel() for n in theta]).astype(np.float64)
+    assert cosine(other, first) == pytest.approx(oflat @ flat / np.linalg.norm(oflat) / np.linalg.norm(flat), rel=1e-12)
+    gains = opt.gains(0, [0, 1, 1], [against, against, first])
+    np.testing.assert_allclose(gains, [1.0, 0.5, 1.0], rtol=1e-12)
+
+
+@pytest.mark.parametrize("doc, key", [({"staleness": "lag"}, "staleness"), ({"staleness_power": 0}, "staleness_power"),
+                                      ({"staleness_power": 9.0}, "staleness_power"),
+                                      ({"staleness": "gate", "momentum": 0.0}, "staleness")])
+def test_bad_staleness_settings_name_the_key(doc, key):
+    with pytest.raises(ConfigError, match=key):
+        from_mapping(OuterConfig, doc)

@@ -142,7 +142,7 @@ class Assembly:
 
     def learner_core(self, m: int) -> LearnerCore:
         return LearnerCore(self.spec.learner, m, self.layout.fragments, self.flat0, self.codec,
-                           region=self.spec.region(m))
+                           region=self.spec.region(m), outer_lr=self.spec.syncer.outer.lr)
 
     @cached_property
     def shard_plan(self) -> list[int]:
@@ -161,11 +161,13 @@ class Assembly:
         sched = Schedule(spec.learner.sync_every, spec.learner.num_fragments, spec.learner.fragment_order)
         order = {} if sched.order == tuple(range(sched.num_fragments)) else {
             "fragment_order": "-".join(map(str, sched.order))}
+        # Eager learners step their fragments on their own between merges: named only when on, as the order.
+        eager = {"eager": True, "syncer.outer.lr": spec.syncer.outer.lr} if spec.learner.eager else {}
         return fingerprint_lib.encode({
             "protocol": {"version": PROTOCOL_VERSION},
             "layout": {"run.fragmenter": spec.run.fragmenter, "fragments": layout},
             "learner": {"sync_every": spec.learner.sync_every, "num_fragments": spec.learner.num_fragments,
-                        "offset": "p*H//P", **order, "tau": spec.learner.tau, "plan.adapt_tau": spec.plan.adapt_tau,
+                        "offset": "p*H//P", **order, **eager, "tau": spec.learner.tau, "plan.adapt_tau": spec.plan.adapt_tau,
                         "plan.max_tau": spec.plan.max_tau},
             "codec": {"format": CODEC_FORMAT_VERSION, "bits": c.bits, "block_size": c.block_size,
                       "scale_dtype": c.scale_dtype, "int4_codebook": c.int4_codebook, "zstd": c.zstd},

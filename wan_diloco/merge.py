@@ -158,10 +158,16 @@ class Accumulator:
         self.count = 0
         self.equal = True  # no positive weight seen yet: weight-0 Δs fold with weight 1
 
-    def add(self, delta: Sequence[np.ndarray], weight: float, sum_squares_t: Sequence[float] | None = None) -> None:
+    def add(self, delta: Sequence[np.ndarray], weight: float, sum_squares_t: Sequence[float] | None = None,
+            gain: float = 1.0) -> None:
         """Fold one Δ (its tensors in order, any shape of the right size) in with ``weight``;
-        ``sum_squares_t``: its ‖Δ_t‖² (the checks computed them; None: computed here where RDA needs them)."""
+        ``sum_squares_t``: its ‖Δ_t‖² (the checks computed them; None: computed here where RDA needs them).
+        ``gain`` (staleness, ``outer.staleness_gains``) scales the Δ's weight in the sums but not in Σ w,
+        so a merge of gained Δs is Σ w·g·Δ / Σ w: a round of only stale Δs steps less (docs/method.md)."""
         w = float(weight)
+        g = float(gain)
+        if not (math.isfinite(g) and 0 <= g <= 1):
+            raise ValueError(f"merge: gains must be in [0, 1], got {gain!r}")
         if not (math.isfinite(w) and w >= 0):
             raise ValueError(f"merge: weights must be finite and non-negative, got {weight!r}")
         flats = [np.ravel(d) for d in delta]
@@ -179,12 +185,13 @@ class Accumulator:
         self.count += 1
         if any(self.use_rda) and sum_squares_t is None:
             sum_squares_t = sum_squares(flats, self.workers)
-        coef = np.full(len(flats), w)
+        wg = w if g == 1 else w * g  # the same bits as before when no gain applies
+        coef = np.full(len(flats), wg)
         for t, rda_t in enumerate(self.use_rda):
             if rda_t:
                 norm = math.sqrt(sum_squares_t[t])
-                coef[t] = w / norm if norm > 0 else 0.0
-                self.norm_sum[t] += w * norm if norm > 0 else 0.0
+                coef[t] = wg / norm if norm > 0 else 0.0
+                self.norm_sum[t] += wg * norm if norm > 0 else 0.0
             if coef[t] > 0:
                 self.w_sum[t] += w
         new_ref = np.maximum(self.ref, coef)

@@ -7,7 +7,8 @@ stays optax's own pytree (``TraceState`` in a chain), so snapshots keep their te
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping
+import math
+from typing import Any, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -18,6 +19,8 @@ from wan_diloco.merge import SERIAL, Workers, chunks
 
 
 MAX_LR = 10.0  # outer learning rate bound (``OuterConfig.validate``)
+STALENESS = ("none", "scale", "gate")  # ``OuterConfig.staleness``
+MAX_STALENESS_POWER = 8.0  # past it a Δ one version old weighs < 0.4 % of a fresh one: dropping it says so better
 
 
 @dataclass(frozen=True)
@@ -29,6 +32,11 @@ class OuterConfig:
     lr: float = 0.4
     momentum: float = 0.6
     nesterov: bool = True
+    # Beyond the paper (docs/method.md, "Staleness-aware outer steps"): a Δ based s versions before the
+    # fragment's current one weighs g = (1+s)^-power ("scale"), or that only as far as it points against
+    # the momentum ("gate": g = (1+s)^(-power * max(0, -cos))). "none": every Δ weighs its tokens alone.
+    staleness: str = "none"
+    staleness_power: float = 1.0
 
     def validate(self) -> None:
         # Published outer lrs are 0.4-1.0; past MAX_LR one outer step moves Θ by many times the merged
@@ -38,6 +46,35 @@ class OuterConfig:
         require(isinstance(self.momentum, (int, float)) and 0 <= self.momentum < 1, "momentum",
                 f"must be in [0, 1), got {self.momentum}")
         require(isinstance(self.nesterov, bool), "nesterov", f"must be true or false, got {self.nesterov!r}")
+        require(self.staleness in STALENESS, "staleness", f"must be one of {', '.join(STALENESS)}, got {self.staleness!r}")
+        p = self.staleness_power
+        require(isinstance(p, (int, float)) and not isinstance(p, bool) and 0 < p <= MAX_STALENESS_POWER,
+                "staleness_power", f"must be a number in (0, {MAX_STALENESS_POWER:g}], got {p!r}")
+        # The gate compares a Δ with the momentum: without momentum there is nothing to compare with.
+        require(self.staleness != "gate" or self.momentum > 0, "staleness",
+                f'"gate" needs momentum > 0 (it gates by the cosine with the momentum), got momentum {self.momentum}')
+
+
+def staleness_gains(cfg: OuterConfig, staleness: Sequence[int], cosines: Sequence[float] | None = None) -> np.ndarray | None:
+    """Each contribution's gain g_m in [0, 1] for its staleness s_m (versions; docs/method.md), or None
+    where every gain is 1 (no option, or no stale Δ): the merge then runs exactly as without the option.
+    ``cosines`` (cos(Δ_m, momentum), "gate" only) are read for stale contributions alone."""
+    s = np.asarray(staleness, dtype=np.float64)
+    if cfg.staleness == "none" or not (s > 0).any():
+        return None
+    power = np.full(s.shape, float(cfg.staleness_power))
+    if cfg.staleness == "gate":
+        power *= np.maximum(0.0, -np.asarray(cosines, dtype=np.float64))
+    return np.where(s > 0, (1.0 + np.maximum(s, 0.0)) ** -power, 1.0)
+
+
+def cosine(a: Mapping[str, np.ndarray], b: Mapping[str, np.ndarray]) -> float:
+    """cos between two fragments' tensors taken as one vector (float64 sums); 0 where either is zero."""
+    dot = na = nb = 0.0
+    for n in a:
+        x, y = np.ravel(a[n]).astype(np.float64), np.ravel(b[n]).astype(np.float64)
+        dot, na, nb = dot + float(x @ y), na + float(x @ x), nb + float(y @ y)
+    return dot / math.sqrt(na * nb) if na > 0 and nb > 0 else 0.0
 
 
 def make_outer_optimizer(cfg: OuterConfig) -> optax.GradientTransformation:
@@ -112,6 +149,15 @@ class OuterOptimizer:
             ti += g[i][a:b]
 
         workers.map(run, chunks([x.size for x in g]))
+
+    def gains(self, p: int, staleness: Sequence[int], deltas: Sequence[Mapping[str, np.ndarray]]) -> np.ndarray | None:
+        """``staleness_gains`` of fragment p's contributions ``deltas`` (the gate's cosines against p's
+        momentum computed only for the stale ones, and only with "gate")."""
+        trace = self._trace(p)
+        cos = None
+        if self.cfg.staleness == "gate" and trace is not None:
+            cos = [cosine(d, trace) if s > 0 else 0.0 for s, d in zip(staleness, deltas)]
+        return staleness_gains(self.cfg, staleness, cos)
 
     def step(self, p: int, params: Mapping[str, np.ndarray], delta: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Return the new Θ_p (float32) and advance fragment p's momentum."""

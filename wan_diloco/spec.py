@@ -416,6 +416,8 @@ SHORT_NAMES: dict[str, tuple[str, str]] = {
     "alpha": ("learner", "alpha"), "keep_local": ("learner", "keep_local"),
     "error_feedback": ("learner", "error_feedback"), "quorum": ("syncer", "quorum"), "grace": ("syncer", "grace"),
     "merge": ("syncer", "merge"), "outer_lr": ("syncer.outer", "lr"), "outer_momentum": ("syncer.outer", "momentum"),
+    "staleness": ("syncer.outer", "staleness"), "staleness_power": ("syncer.outer", "staleness_power"),
+    "eager": ("learner", "eager"),
     "inner_lr": ("train", "lr"), "warmup_steps": ("train", "warmup_steps"), "bits": ("codec", "bits"),
     "baseline": ("simulate", "baseline"), "tokens": ("simulate", "tokens"), "step_time_s": ("simulate", "step_time_s"),
     "step_noise": ("simulate", "step_noise"), "speeds": ("simulate", "speeds"),

@@ -214,3 +214,32 @@ def test_a_begun_snapshot_encodes_from_the_base_it_was_taken_on():
     np.testing.assert_array_equal(msg.delta["block_0/w"], PARAMS["block_0/w"] - theta["block_0/w"])
     assert later.feedback.state_dict().keys() == now.feedback.state_dict().keys()
     assert later.bytes_sent == now.bytes_sent > 0
+
+
+def test_eager_steps_the_fragment_by_its_own_delta_then_rebases_the_steps_since_onto_the_global():
+    lc = LearnerCore(LearnerConfig(sync_every=4, num_fragments=2, tau=1, eager=True), 0, FRAGS, PARAMS, CODEC,
+                     outer_lr=0.4)
+    base = PARAMS["block_0/w"]
+    for t in range(4):
+        step(lc, float(t))
+    theta = {"block_0/w": base + np.array([0.5, -1.0, 0.25], np.float32)}
+    send, standin = lc.snapshot(4.0, 0, 4, theta)
+    assert isinstance(send, SendFragment) and isinstance(standin, ApplyGlobal) and not standin.shift
+    local = base.astype(np.float64) - theta["block_0/w"]  # Δ_local
+    np.testing.assert_allclose(standin.values["block_0/w"], base - 0.4 * local, rtol=1e-6)
+    np.testing.assert_array_equal(send.msg.delta["block_0/w"], (base - theta["block_0/w"]).astype(np.float32))
+    trained = {"block_0/w": standin.mixed(theta)["block_0/w"] + np.float32(0.125)}  # a step while in flight
+    step(lc, 4.0)
+    u = np.array([0.1, 0.2, -0.3], np.float32)
+    [rebase] = lc.on_update(6.0, update(0, 0, 1, {"block_0/w": u}, held={0: 0.0}))
+    assert rebase.shift
+    # θ_p ← Θ_new + (θ_local − stand-in): the in-flight step is kept, on top of the global update.
+    np.testing.assert_allclose(rebase.mixed(trained)["block_0/w"], base + u + 0.125, rtol=1e-6)
+    assert lc.c_steps[0] == 1  # that step counts into the next Δ
+
+
+def test_eager_sets_no_stand_in_for_the_final_sync_and_refuses_alpha():
+    lc = make(eager=True)
+    assert [type(a) for a in lc.snapshot(0.0, 0, 4, {"block_0/w": PARAMS["block_0/w"] + 1}, final=True)] == [SendFragment]
+    with pytest.raises(ConfigError, match="alpha"):
+        make(eager=True, alpha=0.5)

@@ -7,9 +7,9 @@ as they are so a mismatch can name the key and both values; a key names its conf
 component's table, or its own table when it has a dot) or ``#hash`` (the layout: too long to send).
 Components, in order: ``protocol`` (``core.messages.PROTOCOL_VERSION``), ``layout`` (the fragmenter
 and, as ``fragments``, a hash of every fragment's tensor names, shapes and dtype), ``learner`` (the
-schedule: H, P, the offset rule, τ), ``codec`` (the fragment format's version and every setting of it),
-``syncer`` (the shard plan), ``model`` (only with ``[model] init``: a digest of the parameters read,
-Θ(0)), ``run`` (run id and number of learners). Built by
+schedule: H, P, the offset rule, τ; eager updates and their outer lr when on), ``codec`` (the fragment
+format's version and every setting of it), ``syncer`` (the shard plan), ``model`` (only with ``[model]
+init``: a digest of the parameters read, Θ(0)), ``run`` (run id and number of learners). Built by
 ``assemble.Assembly.fingerprint``; pure here.
 """
 from __future__ import annotations

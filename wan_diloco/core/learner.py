@@ -37,6 +37,7 @@ from wan_diloco.core.protocol import (
 )
 from wan_diloco.feedback import ErrorFeedback
 from wan_diloco.fragments import Schedule, check_order, tau_bounds
+from wan_diloco.outer import OuterConfig
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,10 @@ class LearnerConfig:
     # θ_p ← Θ_global + (θ_local − θ_p at the snapshot): the steps taken while the fragment travelled
     # are kept (and counted into the next Δ) instead of being overwritten. Replaces the α rule.
     keep_local: bool = False
+    # Beyond the paper (docs/method.md, "Eager updates"): at each send, θ_p ← Θ_base − lr·Δ_local (the outer
+    # step this learner's own Δ would take, lr the run's outer lr) stands in for the global update while it
+    # travels; on arrival θ_p ← Θ_new + (θ_local − the stand-in), the steps in between kept as keep_local keeps them.
+    eager: bool = False
     blocking: bool = False  # wait for fragment p's update τ steps after sending it (synchronous baselines)
     error_feedback: bool = False
     # A networked learner that (re)joins with no state of its own takes a healthy peer's parameters,
@@ -84,6 +89,8 @@ class LearnerConfig:
         require(0.0 <= self.alpha <= 1.0, "alpha", f"must be in [0, 1], got {self.alpha}")
         require(not (self.keep_local and self.alpha), "alpha",
                 f"keep_local replaces the alpha rule: alpha must be 0 with it, got {self.alpha}")
+        require(not (self.eager and self.alpha), "alpha",
+                f"eager replaces the alpha rule: alpha must be 0 with it, got {self.alpha}")
 
 
 @dataclass
@@ -93,7 +100,7 @@ class _InFlight:
     sent_at_step: int
     c_steps: int = 0  # the fragment's counters when it was sent
     c_tokens: int = 0
-    theta: Tensors | None = None  # θ_p as sent (keep_local only)
+    theta: Tensors | None = None  # θ_p as sent (keep_local), or the eager stand-in it was set to
 
 
 @dataclass(frozen=True)
@@ -114,10 +121,12 @@ class LearnerCore:
         global_params: Tensors,
         codec: Codec,
         region: str = "",
+        outer_lr: float = OuterConfig.lr,
     ):
         cfg.validate()
         require(len(fragments) == cfg.num_fragments, "num_fragments", f"config says {cfg.num_fragments}, got {len(fragments)} fragments")
         self.cfg, self.learner, self.region = cfg, learner, region
+        self.outer_lr = np.float32(outer_lr)  # the eager stand-in's step (``LearnerConfig.eager``)
         self.node = learner_node(learner)
         self.fragments = fragments
         self.schedule = Schedule(cfg.sync_every, cfg.num_fragments, cfg.fragment_order)
@@ -187,8 +196,16 @@ class LearnerCore:
     def snapshot(self, now_s: float, fragment: int, due_step: int, theta: Tensors, final: bool = False) -> list:
         """θ_p after the due step -> the outer gradient Δ = Θ_base − θ_p, encoded for the wire: ``begin_snapshot``
         and ``encode_snapshot`` in one call, encoding first so that a refused Δ changes nothing."""
-        enc = self._encode(fragment, self.base[fragment], theta)
-        return [SendFragment(self._upload(self.begin_snapshot(now_s, fragment, due_step, final), theta, enc))]
+        base = self.base[fragment]
+        enc = self._encode(fragment, base, theta)
+        pending = self.begin_snapshot(now_s, fragment, due_step, final)
+        send = SendFragment(self._upload(pending, theta, enc))
+        if not self.cfg.eager or final:  # after the final sync nothing trains on: no stand-in
+            return [send]
+        # Eager: train on from this learner's own outer step Θ_p − lr·Δ_local until the global one arrives.
+        pending.sent.theta = {n: base[n] - self.outer_lr * (base[n] - np.asarray(theta[n], dtype=np.float32))
+                              for n in base}
+        return [send, ApplyGlobal(fragment, pending.sent.theta, 0.0)]
 
     def begin_snapshot(self, now_s: float, fragment: int, due_step: int, final: bool = False) -> PendingSnapshot:
         """The protocol half of a snapshot, on the driver's thread: the fragment is in flight and the clock
@@ -207,14 +224,17 @@ class LearnerCore:
         """Δ, error feedback and encode of a begun snapshot. It reads and writes fragment p's residual, so
         a driver runs these in snapshot order and finishes them before anything else touches residuals
         (``join``, ``export``, ``adopt``, ``restore_feedback``, ``snapshot``)."""
+        if self.cfg.eager and not pending.upload.final:
+            raise ProtocolError("eager updates set their stand-in with the snapshot: use snapshot(), not a worker")
         enc = self._encode(pending.upload.fragment, pending.base, theta)
         return self._upload(pending, theta, enc)
 
     def _encode(self, fragment: int, base: Tensors, theta: Tensors):
         if set(theta) != set(base):
             raise ProtocolError(f"snapshot of fragment {fragment}: tensor names differ from the fragment's")
+        local = {n: base[n] - np.asarray(theta[n], dtype=np.float32) for n in base}
         # Error feedback: what quantization dropped last time is sent with this Δ.
-        delta = self.feedback.compensate(fragment, {n: base[n] - np.asarray(theta[n], dtype=np.float32) for n in base})
+        delta = self.feedback.compensate(fragment, local)
         enc = encode_or_refuse(self.codec, delta, f"fragment {fragment} of learner {self.learner}")
         self.feedback.update(fragment, delta, enc.values)
         return enc

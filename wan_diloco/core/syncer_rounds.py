@@ -270,10 +270,12 @@ class SyncerRounds:
         return rnd.sums
 
     def _fold(self, sums: Accumulator, msg: FragmentUpload, delta_sq: Mapping[str, float] | None) -> None:
-        names = self.fragments[msg.fragment]
+        p, names = msg.fragment, self.fragments[msg.fragment]
+        # Staleness against p's version when the Δ folds in (its arrival, or the close for a carried Δ).
+        gains = self.outer.gains(p, [self.version[p] - msg.base_version], [msg.delta])
         with self.timing("merge"):
             sums.add([msg.delta[n] for n in names], upload_weight(msg),
-                     None if delta_sq is None else [delta_sq[n] for n in names])
+                     None if delta_sq is None else [delta_sq[n] for n in names], 1.0 if gains is None else gains[0])
 
     def _close(self, now_s: float, key: tuple[int, int], final: bool = False) -> list:
         p, due = key

@@ -117,9 +117,9 @@ class Learner:
         if cfg.run.run_id:
             self.core.follow_run(cfg.run.run_id)  # a syncer serving another run is refused at the join
         # Snapshots finished off the training thread; a multi-process leader keeps them on it (its host
-        # copies of global arrays stay beside its collectives).
+        # copies of global arrays stay beside its collectives), as does eager (its stand-in comes with them).
         self.sync = (SyncWorker(self.core, self._send_fragment, cfg.learner.sync_in_flight, f"learner-{learner}-sync")
-                     if cfg.learner.sync_in_flight and lockstep is None else None)
+                     if cfg.learner.sync_in_flight and lockstep is None and not cfg.learner.eager else None)
 
     # ---- actions --------------------------------------------------------------------
 
