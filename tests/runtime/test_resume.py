@@ -114,6 +114,36 @@ def test_each_resume_records_its_incarnation_so_the_next_goes_past_it(tmp_path):
         SyncerService(cfg, TransportMetrics(), parts, resume=True)
 
 
+def test_a_resume_on_a_full_disk_retries_recording_its_incarnation_then_fails_naming_why(tmp_path, monkeypatch):
+    # A disk-full window during a restart (bench.chaos --quick under load) must not lose the run at once:
+    # the record is retried as the final parameters are, and the resume fails only past that budget.
+    import dataclasses
+    import errno
+
+    cfg = rt.load(config(tmp_path))
+    parts = Assembly(cfg)
+    fresh = SyncerService(cfg, TransportMetrics(), parts)
+    [w] = fresh.snapshots.cut(0.0, 0.0)
+    fresh.store.save_part(w.snapshot, "syncer", w.tensors, w.info, "syncer")
+    fresh.store.mark_complete(w.snapshot, {"parts": ["syncer"], "run_id": fresh.core.run_id, "epoch": 1})
+    real, fails = SnapshotStore.record_incarnation, [2]
+
+    def full_disk(store, epoch, run_id):
+        if fails[0]:
+            fails[0] -= 1
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(store, epoch, run_id)
+
+    monkeypatch.setattr(SnapshotStore, "record_incarnation", full_disk)
+    assert SyncerService(cfg, TransportMetrics(), parts, resume=True).core.epoch == 2 and fails == [0]
+    assert SnapshotStore(tmp_path / "ckpt").incarnation_seen() == 2
+    fails[0] = 10**6
+    no_retry = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, final_write_retry_s=0))
+    with pytest.raises(ResumeError, match="could not record incarnation 3.*final_write_retry_s.*No space left"):
+        SyncerService(no_retry, TransportMetrics(), parts, resume=True)
+    assert SnapshotStore(tmp_path / "ckpt").incarnation_seen() == 2
+
+
 @pytest.mark.slow  # ~45 s; the core's IncarnationError tests cover the decision
 def test_a_syncer_restarted_from_scratch_stops_the_learners_instead_of_mixing_models(tmp_path):
     """#23 case 3: with run.run_id set (as launch always does) a fresh syncer has the run's id and

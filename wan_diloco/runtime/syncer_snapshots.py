@@ -43,13 +43,29 @@ class SnapshotFiles:
                           tuple(n for n in self.store.parts_present(snap) if n.startswith("learner-")), seen)
         resumed = self.snapshots.resume(self.now(), time.time(), found, str(self.store.root), self.cfg.run.run_id,
                                         self.cfg.syncer.liveness_timeout_s, tuple(self.store.skipped))
-        try:  # before any learner hears of it: the next resume must go past this incarnation
-            self.store.record_incarnation(resumed["epoch"], self.core.run_id)
-        except OSError as e:
-            raise ResumeError(f"--resume: could not record incarnation {resumed['epoch']} in {self.store.root}: "
-                              f"{e}") from None
+        self._record_incarnation(resumed["epoch"])
         for note in resumed["notes"]:
             log.warning("--resume: %s", note)
+
+    def _record_incarnation(self, epoch: int) -> None:
+        """Before any learner hears of it: the next resume must go past this incarnation. A full or failing
+        disk is retried for ``checkpoint.final_write_retry_s`` (it often clears: old snapshots dropped, space
+        freed), as the final parameters are; after that the resume fails rather than risk reusing a number."""
+        retry_s = self.cfg.checkpoint.final_write_retry_s
+        deadline, wait_s, warned = time.monotonic() + retry_s, 0.5, False
+        while True:
+            try:
+                self.store.record_incarnation(epoch, self.core.run_id)
+                return
+            except OSError as e:
+                if time.monotonic() + wait_s > deadline:
+                    raise ResumeError(f"--resume: could not record incarnation {epoch} in {self.store.root} "
+                                      f"(tried for {retry_s:g} s, checkpoint.final_write_retry_s): {e}") from None
+                if not warned:
+                    log.warning("--resume: could not record incarnation %d (%s); retrying for %g s", epoch, e, retry_s)
+                    warned = True
+            time.sleep(wait_s)
+            wait_s = min(2 * wait_s, 5.0)
 
     def snapshot_now(self) -> int | None:
         """Cut a snapshot now (its parts are written in the background); returns its id, or None when
