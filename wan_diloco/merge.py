@@ -133,6 +133,18 @@ def _buffer(n: int) -> np.ndarray:
     return buf[:n]
 
 
+def _scaled_add(s: np.ndarray, keep: np.float32, x: np.ndarray, k: np.float32) -> None:
+    """s ← keep·s + k·x in place, in float32 (keep = 0: s holds nothing yet and is overwritten)."""
+    if keep == 0:
+        np.multiply(x, k, out=s)
+        return
+    if keep != 1:
+        s *= keep
+    tmp = _buffer(s.size)
+    np.multiply(x, k, out=tmp)
+    s += tmp
+
+
 class Accumulator:
     """One merge's running sums: each Δ is folded in as it arrives (``add``), so a round holds one
     fragment of float32 sums, not M decoded Δs; ``result`` gives the merge (``merge_tensors``).
@@ -198,24 +210,14 @@ class Accumulator:
         with np.errstate(divide="ignore", invalid="ignore"):
             k = np.where(coef > 0, coef / new_ref, 0.0).astype(np.float32)
             rescale = np.where(self.ref > 0, self.ref / new_ref, 0.0).astype(np.float32)
-        started = self.ref > 0
         if self.sums is None:
             self.sums = [np.empty(n, np.float32) for n in self.sizes]
         sums = self.sums
 
         def fold(it) -> None:
             t, a, b = it
-            if k[t] == 0:
-                return
-            s = sums[t][a:b]
-            if not started[t]:
-                np.multiply(flats[t][a:b], k[t], out=s)
-                return
-            if rescale[t] != 1:
-                s *= rescale[t]
-            tmp = _buffer(b - a)
-            np.multiply(flats[t][a:b], k[t], out=tmp)
-            s += tmp
+            if k[t] != 0:
+                _scaled_add(sums[t][a:b], rescale[t], flats[t][a:b], k[t])
 
         self.workers.map(fold, self.items)
         self.ref = new_ref
@@ -241,17 +243,8 @@ class Accumulator:
 
         def fold(it) -> None:
             t, a, b = it
-            if theirs[t] == 0:
-                return
-            s = sums[t][a:b]
-            if mine[t] == 0:
-                np.multiply(extra[t][a:b], theirs[t], out=s)
-                return
-            if mine[t] != 1:
-                s *= mine[t]
-            tmp = _buffer(b - a)
-            np.multiply(extra[t][a:b], theirs[t], out=tmp)
-            s += tmp
+            if theirs[t] != 0:
+                _scaled_add(sums[t][a:b], mine[t], extra[t][a:b], theirs[t])
 
         self.workers.map(fold, self.items)
         self.ref, self.count = new_ref, self.count + other.count

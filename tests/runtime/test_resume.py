@@ -98,15 +98,21 @@ def test_resume_restores_the_snapshots_global_state_and_skips_a_corrupt_one(tmp_
         SyncerService(cfg, TransportMetrics(), resume=True)
 
 
-def test_each_resume_records_its_incarnation_so_the_next_goes_past_it(tmp_path):
-    # No training: the snapshot is cut from a fresh syncer. Two resumes from it, with no snapshot complete in
-    # between, must not share an incarnation (learners would take the dead one's messages for current).
+def snapshotted(tmp_path):
+    """A run's config and parts with one complete snapshot cut from a fresh syncer (no training)."""
     cfg = rt.load(config(tmp_path))
     parts = Assembly(cfg)
     fresh = SyncerService(cfg, TransportMetrics(), parts)
     [w] = fresh.snapshots.cut(0.0, 0.0)
     fresh.store.save_part(w.snapshot, "syncer", w.tensors, w.info, "syncer")
     fresh.store.mark_complete(w.snapshot, {"parts": ["syncer"], "run_id": fresh.core.run_id, "epoch": 1})
+    return cfg, parts
+
+
+def test_each_resume_records_its_incarnation_so_the_next_goes_past_it(tmp_path):
+    # No training: the snapshot is cut from a fresh syncer. Two resumes from it, with no snapshot complete in
+    # between, must not share an incarnation (learners would take the dead one's messages for current).
+    cfg, parts = snapshotted(tmp_path)
     epochs = [SyncerService(cfg, TransportMetrics(), parts, resume=True).core.epoch for _ in range(2)]
     assert epochs == [2, 3] and SnapshotStore(tmp_path / "ckpt").incarnation_seen() == 3
     (tmp_path / "ckpt" / "INCARNATION.json").write_text("{")
@@ -120,12 +126,7 @@ def test_a_resume_on_a_full_disk_retries_recording_its_incarnation_then_fails_na
     import dataclasses
     import errno
 
-    cfg = rt.load(config(tmp_path))
-    parts = Assembly(cfg)
-    fresh = SyncerService(cfg, TransportMetrics(), parts)
-    [w] = fresh.snapshots.cut(0.0, 0.0)
-    fresh.store.save_part(w.snapshot, "syncer", w.tensors, w.info, "syncer")
-    fresh.store.mark_complete(w.snapshot, {"parts": ["syncer"], "run_id": fresh.core.run_id, "epoch": 1})
+    cfg, parts = snapshotted(tmp_path)
     real, fails = SnapshotStore.record_incarnation, [2]
 
     def full_disk(store, epoch, run_id):
