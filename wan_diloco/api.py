@@ -19,7 +19,7 @@ from wan_diloco.checkpoint import load_params, read_params
 from wan_diloco.config import require
 from wan_diloco.fragments import make_fragments
 from wan_diloco.planning.plan import LinkEstimate, ModelFacts, Plan, links_from_metrics, plan_run
-from wan_diloco.planning.shards import shard_warning, shards_needed
+from wan_diloco.planning.shards import shard_merge_rate, shard_warning, shards_needed
 from wan_diloco.runtime import launch as launch_lib
 from wan_diloco.sim import SimResult
 from wan_diloco.spec import RunSpec, dumps
@@ -123,10 +123,12 @@ class PlanResult:
     link_source: Mapping[str, str]  # region -> "config" or "measured"
     step_time_from: str  # "given", or how it was measured here
     notes: tuple[str, ...]  # about the links (a measured link that was ignored, and why)
-    syncer_shards_needed: int  # at plan.shard_merge_gb_s per shard
+    syncer_shards_needed: int  # at shard_merge_gb_s per shard
     shard_warning: str | None  # set when the run has fewer syncer.shards than it needs
     measured: str | None  # the metrics.jsonl whose links replaced the config's
     max_tau: int
+    shard_merge_gb_s: float = 0.25  # what one shard merges: plan.shard_merge_gb_s, else measured, else default
+    shard_merge_from: str = "plan.shard_merge_gb_s"  # which of those (``planning.shards.shard_merge_rate``)
 
     @property
     def reached(self) -> bool:
@@ -142,7 +144,8 @@ class PlanResult:
                     "fragment_params_configured": list(self.facts.fragment_params or ()),
                     "step_time_s": plan.step_time_s, "step_time_from": self.step_time_from,
                     "link_source": dict(self.link_source), "measured": self.measured, "target_cu": plan.target_cu,
-                    "margin": plan.margin, "max_tau": self.max_tau, "shard_merge_gb_s": spec.plan.shard_merge_gb_s,
+                    "margin": plan.margin, "max_tau": self.max_tau, "shard_merge_gb_s": self.shard_merge_gb_s,
+                    "shard_merge_from": self.shard_merge_from,
                     "notes": list(self.notes)}}
 
 
@@ -173,14 +176,15 @@ def plan(spec: RunSpec | str | Path | Mapping[str, Any], step_time_s: float | No
         step_s, step_from = measure_step_time(spec), f"measured here: one learner alone, {TIMED_STEPS} steps"
     result = plan_run(facts, links, step_s, learners_per_region(spec), target_cu=target_cu, margin=margin,
                       max_tau=max_tau, grace_safety=spec.syncer.grace_safety)
-    rate = spec.plan.shard_merge_gb_s
+    rate, rate_from = shard_merge_rate(spec.plan.shard_merge_gb_s, spec.run.learners)
     return PlanResult(
         plan=result, spec=apply_plan(spec, result), facts=facts, link_source=source, step_time_from=step_from,
         notes=tuple(notes), measured=None if measured is None else str(measured), max_tau=max_tau,
+        shard_merge_gb_s=rate, shard_merge_from=rate_from,
         syncer_shards_needed=shards_needed(facts.params, spec.run.learners, result.sync_every,
                                            result.step_time_s, rate),
         shard_warning=shard_warning(facts.params, spec.run.learners, result.sync_every, result.step_time_s, rate,
-                                    spec.syncer.shards))
+                                    spec.syncer.shards, rate_from))
 
 
 def apply_plan(spec: RunSpec, plan: Plan) -> RunSpec:

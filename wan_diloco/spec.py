@@ -174,12 +174,14 @@ class PlanConfig:
     max_tau: int = 5
     # What one syncer shard merges, GB/s of fp32-equivalent outer gradients (bench/syncer.py measures it on
     # the syncer's host: docs/benchmarks.md); `plan` warns when the run needs more syncer.shards than it has,
-    # and the simulator charges each merge at this rate with simulate.merge_takes_time.
-    shard_merge_gb_s: float = 0.25
+    # and the simulator charges each merge at this rate with simulate.merge_takes_time. Unset: this checkout's
+    # bench/results/syncer.json, else 0.25 (planning.shards.shard_merge_rate).
+    shard_merge_gb_s: float | None = None
 
     def validate(self) -> None:
         require(0 < self.target_cu < 1, "target_cu", f"must be in (0, 1), got {self.target_cu}")
-        require(math.isfinite(self.shard_merge_gb_s) and self.shard_merge_gb_s > 0, "shard_merge_gb_s",
+        require(self.shard_merge_gb_s is None or (
+            math.isfinite(self.shard_merge_gb_s) and self.shard_merge_gb_s > 0), "shard_merge_gb_s",
                 f"must be a finite number > 0 (GB/s), got {self.shard_merge_gb_s}")
         require(0 <= self.margin < 1, "margin", f"must be in [0, 1), got {self.margin}")
         require(0 < self.replan_threshold < 10, "replan_threshold", f"must be in (0, 10), got {self.replan_threshold}")

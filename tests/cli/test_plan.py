@@ -146,6 +146,12 @@ def test_plan_warns_when_the_run_needs_more_syncer_shards(tmp_path, capsys):
     demand = 4 * TINY_PARAMS * 4 / (data["sync_every"] * 0.001) / 1e9
     assert data["syncer_shards_needed"] == -(-demand // 0.005) >= 2 and data["syncer_shards"] == 1
     assert f"syncer.shards >= {data['syncer_shards_needed']}, it has 1" in data["shard_warning"]
-    assert "warning:" in capsys.readouterr().out
-    rc, data = _plan(tmp_path, "--step-time", "0.1")  # 0.1 s steps: one shard of the default rate keeps up
+    printed = capsys.readouterr().out
+    assert "warning:" in printed and "0.005 GB/s: plan.shard_merge_gb_s" in printed
+    assert (data["inputs"]["shard_merge_gb_s"], data["inputs"]["shard_merge_from"]) == (0.005, "plan.shard_merge_gb_s")
+    rc, data = _plan(tmp_path, "--step-time", "0.1")  # 0.1 s steps: one shard of the measured rate keeps up
     assert data["syncer_shards_needed"] == 1 and data["shard_warning"] is None
+    # Unset in the file: this checkout's bench/results/syncer.json (the test runs from the repository).
+    measured = json.loads((ROOT / "bench" / "results" / "syncer.json").read_text())["planner"]
+    assert data["inputs"]["shard_merge_from"].startswith("measured by bench/syncer.py at M = 4")
+    assert data["inputs"]["shard_merge_gb_s"] == measured["merged_fp32_gb_s_one_shard_by_learners"]["4"]

@@ -56,6 +56,8 @@ def run(args: argparse.Namespace) -> int:
                       say=console.print)
     print_plan(console, spec, result.plan, result.facts, dict(result.link_source), result.step_time_from,
                list(result.notes))
+    console.print(f"  syncer shard merge rate {result.shard_merge_gb_s:.3g} GB/s: {result.shard_merge_from}",
+                  highlight=False, markup=False)
     if result.shard_warning:
         console.print(f"[yellow]warning:[/] {result.shard_warning}", highlight=False)
     if args.json:

@@ -31,6 +31,7 @@ from wan_diloco.core.evals import due_point
 from wan_diloco.core.peer import position_field
 from wan_diloco.core.positions import MAX_POSITION_CHARS, Positions
 from wan_diloco.core.recovery import Donations
+from wan_diloco.planning.shards import shard_merge_rate
 from wan_diloco.sim.common import Progress, SimResult, step_time, uptime
 from wan_diloco.sim.faults import FaultReplay
 from wan_diloco.sim.resume import ResumeReplay
@@ -93,7 +94,7 @@ class Simulation(FaultReplay, ResumeReplay, StartAndEnd):
         self.M = spec.run.learners
         self.frags = parts.layout.fragments
         S = spec.syncer.shards
-        merge_gb_s = spec.plan.shard_merge_gb_s if self.cfg.merge_takes_time else 0.0
+        merge_gb_s = shard_merge_rate(spec.plan.shard_merge_gb_s, self.M)[0] if self.cfg.merge_takes_time else 0.0
         self.sharded = S > 1 or bool(merge_gb_s)
         if self.sharded:
             cores = [parts.syncer_core(shard=s if S > 1 else None) for s in range(S)]
