@@ -63,7 +63,7 @@ def _with_header(msg, header: dict, payload: bytes = b"") -> bytes:
     (lambda d: d[:10], "truncated"),
     (lambda d: b"XXXX" + d[4:], "bad magic"),
     (lambda d: _rebuild(d, version=WIRE_VERSION + 1), f"unsupported wire version {WIRE_VERSION + 1}"),
-    (lambda d: _rebuild(d, version=1), "unsupported wire version 1; this build speaks version 5"),
+    (lambda d: _rebuild(d, version=1), "unsupported wire version 1; this build speaks version 6"),
     (lambda d: _rebuild(d, kind=99), "unknown message kind 99"),
     (lambda d: _rebuild(d, flags=1), "unknown flags"),
     (lambda d: d + b"\x00", "length mismatch"),
@@ -190,7 +190,7 @@ def test_subscribe_must_name_its_instance_and_version_2_is_refused():
     version_2 = {"sender": "learner-1", "region": "eu-west"}  # what a build before the instance id sends
     with pytest.raises(MessageError, match=r"Subscribe: header fields missing \['instance'\]"):
         decode_message(_with_header(EXAMPLES[3], version_2))
-    with pytest.raises(MessageError, match="unsupported wire version 2; this build speaks version 5"):
+    with pytest.raises(MessageError, match="unsupported wire version 2; this build speaks version 6"):
         decode_message(_rebuild(_with_header(EXAMPLES[3], version_2), version=2))
     with pytest.raises(MessageError, match="Subscribe.instance: must not be empty"):
         decode_message(_with_header(EXAMPLES[3], {**header, "instance": ""}))

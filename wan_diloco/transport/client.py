@@ -23,7 +23,7 @@ import grpc
 from .config import MAX_CHANNELS, PROBE_TUNED, TransportConfig, tune_for_link
 from .framing import BufferPool, MessageReader, iter_chunks
 from .messages import (
-    Ack, BulkChunk, BulkRequest, Frame, MessageError, Subscribe, TRAILER_BYTES, decode_message,
+    Ack, BulkChunk, BulkRequest, Frame, MessageError, StripeOffer, Subscribe, TRAILER_BYTES, decode_message,
     encode_message, encode_parts,
 )
 from .metrics import TransportMetrics
@@ -31,7 +31,8 @@ from .probe import LinkSample, rate_from_transfer
 from .retry import RETRYABLE, Backoff, TransportError
 from .security import bearer_metadata, call_token, channel_credentials, check_token, require_secure_or_loopback
 from .server import SERVICE, sender_metadata
-from .stripes import MAX_STRIPES, send_striped
+from .stripe_fetch import fetch_assembler, fetch_striped
+from .stripes import send_striped, stripe_count
 
 __all__ = ["Backoff", "SyncerClient", "TransportError"]  # Backoff and TransportError live in retry.py
 
@@ -185,7 +186,7 @@ class SyncerClient:
 
         metadata = self._metadata(frame.sender)
 
-        stripes = min(len(self._channels), MAX_STRIPES, size // (self.config.stripe_min_bytes or size + 1))
+        stripes = stripe_count(len(self._channels), size, self.config.stripe_min_bytes)
 
         async def attempt():
             if stripes > 1:  # one stream per connection: one fragment can use them all
@@ -213,9 +214,12 @@ class SyncerClient:
         subscription for the same sender from this client replaced this one). A
         subscription for ``sender`` from another process (another ``instance``)
         while this one is open is refused: TransportError ALREADY_EXISTS, not retried.
+        A large update the server offers striped is fetched over every connection
+        (``stripe_fetch.py``) and yielded as the Frame it is.
         """
         request = encode_message(Subscribe(sender=sender, region=region, instance=self.instance))
         backoff, pool = Backoff(self.config), BufferPool(keep=2)
+        assembler = fetch_assembler(self.config, pool, self.metrics)
         while not self._closed:
             call = self._channel(0).unary_stream(f"/{SERVICE}/Subscribe")(
                 request, timeout=self.config.subscribe_renew_s, wait_for_ready=True,
@@ -226,6 +230,9 @@ class SyncerClient:
                 async for chunk in call:
                     self.metrics.received("Subscribe", len(chunk), 0)
                     for msg in reader.feed(chunk):
+                        if isinstance(msg, StripeOffer):
+                            msg = await fetch_striped(assembler, self._channels, next(self._next_channel),
+                                                      f"/{SERVICE}/Fetch", msg, sender, self._metadata(sender))
                         if not isinstance(msg, Frame):
                             raise MessageError(f"subscribe expected Frame, got {type(msg).__name__}")
                         self.metrics.messages.labels("Subscribe", "in").inc()

@@ -19,6 +19,7 @@ from .messages import (
     PRELUDE_BYTES, TRAILER, TRAILER_BYTES, Message, OversizedError, Payload, decode_parts, encode_parts,
     parse_prelude,
 )
+from .stripes import Stripe, cut
 
 SMALL_MESSAGE_BYTES = 64 * 1024  # below this, one joined chunk beats three gRPC messages
 
@@ -53,25 +54,50 @@ def iter_chunks(head: bytes, payload: memoryview, chunk_bytes: int) -> Iterator[
     yield TRAILER.pack(digest.intdigest())
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class Prepared:
-    """A message encoded once into chunks, to be sent to many streams (fan-out).
+    """A message encoded once, to be sent to many streams (fan-out): as chunks, or cut into stripes
+    (``stripes``) for subscribers that fetch it striped. Each form is made on first use and kept, so a
+    striped update is never chunked (nor hashed for its trailer) and one cut serves every subscriber.
 
     ``seq`` orders publications (``UpdateHub`` numbers them): the fan-out keeps
     the newest per fragment by it, since frames carry no version of their own.
     """
 
     message: Message
-    chunks: tuple[bytes, ...]
+    parts: tuple[bytes, memoryview]  # encode_parts(message): validated at publication
+    chunk_bytes: int
     seq: int = 0
+    _made: dict = dataclasses.field(default_factory=dict, repr=False)
 
     @classmethod
     def of(cls, msg: Message, chunk_bytes: int, seq: int = 0) -> "Prepared":
-        return cls(msg, tuple(encode_chunks(msg, chunk_bytes)), seq)
+        return cls(msg, encode_parts(msg), chunk_bytes, seq)
+
+    @property
+    def chunks(self) -> tuple[bytes, ...]:
+        if "chunks" not in self._made:
+            self._made["chunks"] = tuple(iter_chunks(*self.parts, self.chunk_bytes))
+        return self._made["chunks"]
+
+    @property
+    def body_bytes(self) -> int:
+        """Bytes of the encoded message without its trailer (what stripes carry)."""
+        return len(self.parts[0]) + len(self.parts[1])
 
     @property
     def nbytes(self) -> int:
-        return sum(len(c) for c in self.chunks)
+        return self.body_bytes + TRAILER_BYTES
+
+    def stripes(self, count: int) -> list[tuple[Stripe, tuple[bytes, ...]]]:
+        """The message cut into ``count`` stripes (``stripes.cut``; upload id left empty), each with its
+        bytes in gRPC messages of at most ``chunk_bytes``."""
+        key = ("stripes", count)
+        if key not in self._made:
+            self._made[key] = [(st, tuple(bytes(v[i : i + self.chunk_bytes]) for v in views
+                                          for i in range(0, len(v), self.chunk_bytes)))
+                               for st, views in cut(*self.parts, count, "")]
+        return self._made[key]
 
 
 class BufferPool:

@@ -47,7 +47,9 @@ import xxhash
 # 3: Subscribe names the subscribing process (``instance``)
 # 4: bulk transfers resume from an offset (BulkRequest.offset/etag, BulkChunk.etag)
 # 5: an upload may be striped over several calls (the Stripe RPC, ``stripes.py``)
-WIRE_VERSION = 5
+# 6: stripes carry a message without its trailer (each stripe's XXH3 checks it: one hash pass a side); a large
+#    update is offered on the Subscribe stream (StripeOffer) and fetched striped (the Fetch RPC)
+WIRE_VERSION = 6
 MESSAGE_MAGIC = b"WDLC"
 PRELUDE = struct.Struct("<4sBBHIQ")
 PRELUDE_BYTES = PRELUDE.size  # 20
@@ -77,6 +79,7 @@ class Kind(enum.IntEnum):
     BULK_REQUEST = 3
     BULK_CHUNK = 4
     ACK = 5
+    STRIPE_OFFER = 6
 
 
 Clock = Mapping[str, int]
@@ -166,8 +169,22 @@ class Ack:
     detail: str = ""
 
 
-Message = Union[Frame, Subscribe, BulkRequest, BulkChunk, Ack]
-MESSAGE_TYPES: dict[Kind, type] = {cls.KIND: cls for cls in (Frame, Subscribe, BulkRequest, BulkChunk, Ack)}
+@dataclasses.dataclass(frozen=True)
+class StripeOffer:
+    """On a Subscribe stream, in place of a large Frame: fetch it striped (``stripe_fetch.py``), as
+    upload ``upload`` of ``total`` bytes (the Frame's encoding without its trailer)."""
+
+    KIND: ClassVar[Kind] = Kind.STRIPE_OFFER
+    NON_EMPTY: ClassVar[tuple[str, ...]] = ("sender", "upload")
+    sender: str
+    fragment: int
+    upload: str
+    total: int
+
+
+Message = Union[Frame, Subscribe, BulkRequest, BulkChunk, Ack, StripeOffer]
+MESSAGE_TYPES: dict[Kind, type] = {cls.KIND: cls for cls in (Frame, Subscribe, BulkRequest, BulkChunk, Ack,
+                                                              StripeOffer)}
 
 
 def _fields(cls: type) -> list[dataclasses.Field]:
@@ -309,25 +326,37 @@ def message_length(prelude: Payload) -> int:
     return PRELUDE_BYTES + hlen + plen + TRAILER_BYTES
 
 
-def decode_message(data: Payload, max_bytes: int = MAX_MESSAGE_BYTES) -> Message:
-    """Decode one message; every problem raises MessageError naming it.
-
-    The returned payload is a read-only memoryview of ``data`` (no copy); keep
-    ``data`` alive and unmodified while it is used.
-    """
+def _sized_view(data: Payload, max_bytes: int, trailer_bytes: int) -> tuple[memoryview, int]:
+    """(``data`` as bytes, its header length), once its prelude's lengths match its size."""
     try:
         view = memoryview(data).cast("B")
     except TypeError:
         raise MessageError(f"cannot decode {type(data).__name__}: not bytes-like") from None
     if len(view) > max_bytes:
         raise OversizedError(f"oversized message: {len(view)} bytes, limit {max_bytes}")
-    total = message_length(view)
+    total = message_length(view) - TRAILER_BYTES + trailer_bytes
     if total != len(view):
         raise MessageError(f"length mismatch: prelude announces {total} bytes, got {len(view)}")
+    return view, PRELUDE.unpack_from(view)[4]
+
+
+def decode_message(data: Payload, max_bytes: int = MAX_MESSAGE_BYTES) -> Message:
+    """Decode one message; every problem raises MessageError naming it.
+
+    The returned payload is a read-only memoryview of ``data`` (no copy); keep
+    ``data`` alive and unmodified while it is used.
+    """
+    view, hlen = _sized_view(data, max_bytes, TRAILER_BYTES)
     body_end = len(view) - TRAILER_BYTES
-    hlen = PRELUDE.unpack_from(view)[4]
     return decode_parts(view[: PRELUDE_BYTES + hlen], view[PRELUDE_BYTES + hlen : body_end],
                         xxhash.xxh3_64_intdigest(view[:body_end]), view[body_end:])
+
+
+def decode_checked_body(data: Payload, max_bytes: int = MAX_MESSAGE_BYTES) -> Message:
+    """Decode a message sent without its trailer, every byte of which the caller has checked already
+    (a striped transfer: each stripe's XXH3), so nothing is hashed twice. Otherwise as ``decode_message``."""
+    view, hlen = _sized_view(data, max_bytes, 0)
+    return _build(view[: PRELUDE_BYTES + hlen], view[PRELUDE_BYTES + hlen :])
 
 
 def _refuse_constant(name: str) -> None:
@@ -340,6 +369,10 @@ def decode_parts(head: Payload, payload: memoryview, digest: int, trailer: Paylo
     Lengths must already agree with the prelude."""
     if TRAILER.unpack(trailer)[0] != digest:
         raise MessageError("checksum mismatch: message corrupted")
+    return _build(head, payload)
+
+
+def _build(head: Payload, payload: memoryview) -> Message:
     kind, hlen, plen = parse_prelude(head)
     cls = MESSAGE_TYPES[kind]
     try:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 
 MAX_PROBE_BYTES = 256 << 20
 MIN_PROBE_BYTES = 16 << 10  # a fifth of a second at 0.66 Mbit/s
@@ -144,3 +145,16 @@ def finite_positive(x: object) -> float | None:
     x = float(x)
     return x if math.isfinite(x) and x > 0 else None
 
+
+def record_link(links: dict, metrics, sender: str, meta: dict, max_links: int) -> None:
+    """Keep ``sender``'s latest link measurement as it reported it in a Probe's meta (for /status and
+    /metrics); a first probe carries none, and nonsense is not recorded."""
+    rtt_ms, rate = finite_positive(meta.get("rtt_ms")), finite_positive(meta.get("rate_gbit_s"))
+    if rtt_ms is None or rate is None:
+        return
+    if sender not in links and len(links) >= max_links:
+        links.pop(next(iter(links)))  # oldest first: a token holder cannot grow it
+    links[sender] = {"rtt_ms": rtt_ms, "rate_gbit_s": rate, "at_s": time.monotonic()}
+    metrics.gauge("link_rtt_ms", "Round-trip time each peer measured to us, ms", ["peer"]).labels(sender).set(rtt_ms)
+    metrics.gauge("link_rate_gbit_s", "Download rate each peer measured from us, Gbit/s", ["peer"]).labels(
+        sender).set(rate)

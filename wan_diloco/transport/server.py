@@ -14,12 +14,13 @@ Uploads hold one of ``max_concurrent_uploads`` reassembly slots; one sender (its
 authenticated identity) may have ``max_uploads_per_sender`` open, and an upload
 that stops sending for ``stream_idle_timeout_s`` is aborted, so idle streams
 cannot keep the slots. One upload striped over several Stripe calls (``stripes.py``) counts as one.
+A large update is offered on the Subscribe stream and fetched striped (Fetch, ``stripe_fetch.py``).
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-import time
 from typing import Callable
 
 import grpc
@@ -27,15 +28,16 @@ import grpc
 from .bulk_serve import bulk_messages
 from .callers import IDENTITY_REASONS, MAX_PEER_LINKS, SENDER_HEADER, Callers, abort_call, sender_metadata, uploader
 from .config import TransportConfig
-from .framing import BufferPool, MessageReader, Prepared, encode_chunks
+from .framing import BufferPool, MessageReader, Prepared
 from .handler import BulkSource, Handler, Rejected
 from .messages import (
     Ack, BulkRequest, Frame, Message, MessageError, OversizedError, Payload, Subscribe, decode_message,
     encode_message,
 )
 from .metrics import TransportMetrics
-from .probe import MAX_CONCURRENT_PROBES, MAX_PROBE_BYTES, PROBE_MESSAGE_MIN_BYTES, finite_positive
+from .probe import MAX_CONCURRENT_PROBES, MAX_PROBE_BYTES, PROBE_MESSAGE_MIN_BYTES, record_link
 from .security import certificate_identity, check_token, require_secure_or_loopback, server_credentials, why_not_listening
+from .stripe_fetch import StripeOffers
 from .stripes import StripeAssembler, StripeTimeout
 
 # Re-exported: callers and applications import these from here.
@@ -45,7 +47,7 @@ __all__ = ["BulkSource", "Handler", "IDENTITY_REASONS", "MAX_PEER_LINKS", "Rejec
 log = logging.getLogger(__name__)
 
 SERVICE = "wan_diloco.Syncer"
-METHODS = ("Metadata", "Upload", "Stripe", "Subscribe", "Bulk", "Probe")
+METHODS = ("Metadata", "Upload", "Stripe", "Subscribe", "Fetch", "Bulk", "Probe")
 SLOTS_BUSY_WARN_S = 5.0  # every upload slot held this long: one warning per episode
 
 
@@ -88,6 +90,7 @@ class TransportServer:
         self._pool = BufferPool(keep=self.config.max_concurrent_uploads)
         self._stripes = StripeAssembler(self.config, self._pool, self._begin_upload, self._end_upload,
                                         self._deliver, self.callers.bind, self.metrics)
+        self._offers = StripeOffers(self.config, name, self.metrics)
         self._probes = 0
         # sender -> its latest link measurement as it reported it (``Probe`` meta): for /status.
         self.peer_links: dict[str, dict] = {}
@@ -99,6 +102,7 @@ class TransportServer:
             "Upload": grpc.stream_unary_rpc_method_handler(self._upload),
             "Stripe": grpc.stream_unary_rpc_method_handler(self._stripe),
             "Subscribe": grpc.unary_stream_rpc_method_handler(self._subscribe),
+            "Fetch": grpc.unary_stream_rpc_method_handler(self._fetch),
             "Bulk": grpc.unary_stream_rpc_method_handler(self._bulk),
             "Probe": grpc.unary_stream_rpc_method_handler(self._probe),
         }  # no (de)serializers: requests and responses are raw bytes
@@ -159,6 +163,8 @@ class TransportServer:
             await self._fail(context, rpc, grpc.StatusCode.INVALID_ARGUMENT, str(error))
         if isinstance(error, Rejected):
             await self._fail(context, rpc, error.code, str(error))
+        if isinstance(error, StripeTimeout):
+            await self._fail(context, rpc, grpc.StatusCode.DEADLINE_EXCEEDED, str(error))
         log.exception("%s handler failed", rpc, exc_info=error)
         await self._fail(context, rpc, grpc.StatusCode.INTERNAL, f"handler failed: {type(error).__name__}: {error}")
 
@@ -243,10 +249,17 @@ class TransportServer:
         bound = await self.callers.auth(context, "Stripe")
         try:
             return await self._stripes.receive(request_iterator, bound, bound or uploader(context))
-        except StripeTimeout as e:
-            await self._fail(context, "Stripe", grpc.StatusCode.DEADLINE_EXCEEDED, str(e))
         except BaseException as e:
             await self._guard(context, "Stripe", e)
+
+    async def _fetch(self, request: bytes, context):
+        """One stripe of an update offered striped on this caller's Subscribe stream (``stripe_fetch.py``)."""
+        bound = await self.callers.auth(context, "Fetch")
+        try:
+            async for data in self._offers.serve(request, bound or uploader(context)):
+                yield data
+        except BaseException as e:
+            await self._guard(context, "Fetch", e)
 
     async def _deliver(self, msg: Frame) -> bytes:
         return self._ack("Upload", await self.handler.on_fragment(msg))
@@ -325,9 +338,10 @@ class TransportServer:
                     if not isinstance(item, Prepared):
                         if not isinstance(item, Frame):
                             raise TypeError(f"subscribe() yielded {type(item).__name__}, not Frame or Prepared")
-                        item = Prepared(item, tuple(encode_chunks(item, self.config.chunk_bytes)))
-                    for chunk in item.chunks:
-                        yield chunk
+                        item = Prepared.of(item, self.config.chunk_bytes)
+                    async with contextlib.aclosing(self._offers.send(item, who or uploader(context))) as chunks:
+                        async for chunk in chunks:
+                            yield chunk
                     self.metrics.sent("Subscribe", item.nbytes)
             except BaseException as e:
                 await self._guard(context, "Subscribe", e)
@@ -367,7 +381,7 @@ class TransportServer:
             await self._guard(context, "Probe", e)
             return
         self.metrics.received("Probe", len(request))
-        self._record_link(msg.sender, msg.meta)
+        record_link(self.peer_links, self.metrics, msg.sender, msg.meta, MAX_PEER_LINKS)
         self._probes += 1
         try:
             if nbytes == 0:
@@ -381,15 +395,3 @@ class TransportServer:
                 yield part
         finally:
             self._probes -= 1
-
-    def _record_link(self, sender: str, meta: dict) -> None:
-        rtt_ms, rate = finite_positive(meta.get("rtt_ms")), finite_positive(meta.get("rate_gbit_s"))
-        if rtt_ms is None or rate is None:
-            return  # a first probe carries no measurement yet; nonsense is not recorded
-        if sender not in self.peer_links and len(self.peer_links) >= MAX_PEER_LINKS:
-            self.peer_links.pop(next(iter(self.peer_links)))  # oldest first: a token holder cannot grow it
-        self.peer_links[sender] = {"rtt_ms": rtt_ms, "rate_gbit_s": rate, "at_s": time.monotonic()}
-        self.metrics.gauge("link_rtt_ms", "Round-trip time each peer measured to us, ms", ["peer"]).labels(
-            sender).set(rtt_ms)
-        self.metrics.gauge("link_rate_gbit_s", "Download rate each peer measured from us, Gbit/s", ["peer"]).labels(
-            sender).set(rate)

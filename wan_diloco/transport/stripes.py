@@ -3,16 +3,20 @@
 A fragment on one HTTP/2 stream rides one TCP connection, which carries at most
 its socket buffer per round trip (4 MiB / 100 ms = 0.34 Gbit/s on an untuned
 host) however many connections the probe opened. So a large upload is cut into
-``count`` contiguous stripes of its encoded message, one call per stripe, each
-on the next connection. A stripe call sends first a small Frame whose
-``meta.stripe`` says where its bytes go (``Stripe``), then those bytes as raw
-gRPC messages. The receiver writes each piece straight into one pooled buffer at
-its offset (the bytes land where the message is decoded from: no join), checks
-each stripe's XXH3-64, and once every stripe is in decodes the message (its own
-trailer checked too) and hands it to the handler once. Every stripe call of the
-upload answers with that one result; any refused stripe, or one still missing
-``stream_idle_timeout_s`` after the last byte of the upload arrived, fails the
-whole upload and nothing reaches the handler.
+``count`` contiguous stripes of its encoded message without the trailer, one
+call per stripe, each on the next connection. A stripe call sends first a small
+Frame whose ``meta.stripe`` says where its bytes go (``Stripe``), then those
+bytes as raw gRPC messages. The receiver writes each piece straight into one
+pooled buffer at its offset (the bytes land where the message is decoded from:
+no join), checks each stripe's XXH3-64, and once every stripe is in decodes the
+message and hands it to the handler once. The stripes' checksums are the
+message's: each byte is hashed once by the sender and once by the receiver
+(wire version 5 also hashed the whole message for its trailer: two passes a
+side). Every stripe call of the upload answers with that one result; any
+refused stripe, or one still missing ``stream_idle_timeout_s`` after the last
+byte of the upload arrived, fails the whole upload and nothing reaches the
+handler. The other direction (a large update to a learner) reuses this receiver
+on the client (``stripe_fetch.py``).
 """
 from __future__ import annotations
 
@@ -25,7 +29,7 @@ from typing import Awaitable, Callable, Iterator
 import xxhash
 
 from .messages import (
-    PRELUDE_BYTES, TRAILER, TRAILER_BYTES, Frame, MessageError, OversizedError, decode_message, encode_message,
+    PRELUDE_BYTES, Frame, MessageError, OversizedError, decode_checked_body, decode_message, encode_message,
 )
 
 MAX_STRIPES = 64
@@ -74,18 +78,22 @@ class Stripe:
                                f"got index {st.index} of {st.count}")
         if st.total > max_bytes:
             raise OversizedError(f"oversized message: {st.total} bytes announced in stripes, limit {max_bytes}")
-        if st.total < PRELUDE_BYTES + TRAILER_BYTES or st.length < 1 or st.offset + st.length > st.total:
+        if st.total < PRELUDE_BYTES or st.length < 1 or st.offset + st.length > st.total:
             raise MessageError(f"stripe header: bytes [{st.offset}, {st.offset + st.length}) do not fit in a "
                                f"message of {st.total}")
         return st
 
 
+def stripe_count(channels: int, size: int, stripe_min_bytes: int) -> int:
+    """Stripes for a message of ``size`` bytes over ``channels`` connections: one per connection while each
+    gets at least ``stripe_min_bytes`` (0: never stripe); 0 or 1 means one stream."""
+    return min(channels, MAX_STRIPES, size // (stripe_min_bytes or size + 1))
+
+
 def cut(head: bytes, payload: memoryview, count: int, upload: str) -> list[tuple[Stripe, list[memoryview]]]:
-    """The encoded message ``head + payload + trailer`` as ``count`` near-equal stripes, each with the
-    views of ``head``/``payload`` it spans (no copy) and its checksum."""
-    digest = xxhash.xxh3_64(head)
-    digest.update(payload)
-    parts = [memoryview(head), payload.cast("B"), memoryview(TRAILER.pack(digest.intdigest()))]
+    """The encoded message ``head + payload`` (no trailer) as ``count`` near-equal stripes, each with the
+    views of ``head``/``payload`` it spans (no copy) and its checksum: one hash pass over the message."""
+    parts = [memoryview(head), payload.cast("B")]
     total = sum(len(p) for p in parts)
     out = []
     for i in range(count):
@@ -153,16 +161,18 @@ class StripeAssembler:
 
     def __init__(self, config, pool, begin: Callable[[str], Awaitable[None]], end: Callable[[str], None],
                  deliver: Callable[[Frame], Awaitable[bytes]], bind: Callable[[str | None, str], None],
-                 metrics) -> None:
-        self.config, self.pool, self.metrics = config, pool, metrics
+                 metrics, rpc: str = "Stripe") -> None:
+        self.config, self.pool, self.metrics, self.rpc = config, pool, metrics, rpc
         self.begin, self.end, self.deliver, self.bind = begin, end, deliver, bind
         self.uploads: dict[tuple[str, str], Assembly] = {}
         # Uploads that failed lately: a stripe of one still on its way is refused, not taken as a new upload
         # that would hold a slot until it timed out.
         self.failed: dict[tuple[str, str], None] = {}
 
-    async def receive(self, requests, bound: str | None, who: str) -> bytes:
+    async def receive(self, requests, bound: str | None, who: str,
+                      expect: Callable[[Stripe], None] | None = None) -> bytes:
         """One Stripe call: its header, then its bytes into the upload's buffer; the upload's Ack bytes.
+        ``expect`` may refuse a header (MessageError) before anything is taken for it.
 
         Each gRPC message must come within ``stream_idle_timeout_s``; waiting for a reassembly slot is not
         timed (HTTP/2 flow control holds the sender back meanwhile), as for the Upload RPC."""
@@ -180,6 +190,8 @@ class StripeAssembler:
                 raise MessageError(f"stripe header: expected Frame, got {type(header).__name__}")
             self.bind(bound, header.sender)
             st = Stripe.parse(header.meta, self.config.max_message_bytes)
+            if expect is not None:
+                expect(st)
             asm = await self._join(who, st)
             digest, at, loop = xxhash.xxh3_64(), st.offset, asyncio.get_running_loop()
             try:
@@ -204,7 +216,7 @@ class StripeAssembler:
                                        f"of {st.length} bytes")
                 if digest.intdigest() != st.xxh3:
                     raise MessageError(f"stripe {st.index} of upload {st.upload}: checksum mismatch")
-                self.metrics.received("Stripe", nbytes, 0)
+                self.metrics.received(self.rpc, nbytes, 0)
                 asm.done.add(st.index)
                 if len(asm.done) == asm.count:
                     await self._complete(asm, bound)
@@ -260,11 +272,12 @@ class StripeAssembler:
         loop.call_later(idle_s, check)
 
     async def _complete(self, asm: Assembly, bound: str | None) -> None:
-        msg = decode_message(memoryview(asm.buf)[: asm.total], max_bytes=self.config.max_message_bytes)
+        # Every stripe's checksum held and together they cover the message: its bytes are checked.
+        msg = decode_checked_body(memoryview(asm.buf)[: asm.total], max_bytes=self.config.max_message_bytes)
         if not isinstance(msg, Frame):
             raise MessageError(f"striped upload: expected Frame, got {type(msg).__name__}")
         self.bind(bound, msg.sender)
-        self.metrics.received("Stripe", 0, 1)
+        self.metrics.received(self.rpc, 0, 1)
         ack = await self.deliver(msg)
         del msg
         if not asm.result.done():
