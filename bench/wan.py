@@ -50,6 +50,7 @@ Needs root (network namespaces). Writes bench/results/wan.json (+ wan.png).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -72,6 +73,8 @@ from wan_diloco.regions.emulator import teardown_leftovers, unavailable_reason  
 from wan_diloco.regions.topology import regions_from_mapping  # noqa: E402
 from wan_diloco.runtime.launch import RunState, launch  # noqa: E402
 from wan_diloco.transport.dev_certs import make_dev_certs  # noqa: E402
+
+from bench import perf_split  # noqa: E402
 
 LARGE = {"params": 1e10, "step_s": 1.0, "rate_gbit_s": 2.0, "rtt_ms": 80.0}
 STEP_S = 0.3  # every learner step padded to this (4 learners + syncer share 2 cores: ~0.2 s of compute)
@@ -310,20 +313,44 @@ SETTINGS_ARGS = {
 }
 
 
+def raw_tls(emu, host: str, tls: Path, mib: int) -> dict:
+    """Raw TLS over TCP through the same link (``wan_peer.py tls-sink``/``tls-send``): rate, the receiver's
+    and sender's CPU seconds per GiB, and where the receiver's went (``perf_split``)."""
+    sink = emu.popen("hub", [sys.executable, PEER, "tls-sink", "--host", host, "--tls", str(tls)],
+                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    split: dict = {}
+    try:
+        port = json.loads(sink.stdout.readline())["ready"]
+        with perf_split.profile(sink.pid, split):
+            sent = json.loads(emu.exec("far", [sys.executable, PEER, "tls-send", "--target", f"{host}:{port}",
+                                               "--tls", str(tls), "--mib", str(mib)], timeout=300).stdout)
+        got = json.loads(sink.stdout.readline())
+    finally:
+        sink.kill()
+        sink.wait(10)
+    gib = got["bytes"] / (1 << 30)
+    return {"gbit_s": sent["gbit_s"], "receiver_cpu_s_per_gib": got["cpu_s"] / gib,
+            "sender_cpu_s_per_gib": sent["cpu_s"] / gib, "receiver_cpu_split": split}
+
+
 def transport_rows(cases: list[tuple[float, float, int, tuple[str, ...]]], workdir: Path, fragments: int = 4,
-                   iperf: bool = False) -> list[dict]:
+                   iperf: bool = False, on_row=None) -> list[dict]:
     """One row per (rate Gbit/s, RTT ms, host TCP buffer bytes) and setting of the case: a client in one
     emulated region uploads ``fragments`` fragments at once to a server in the other, TRANSPORT_ROUNDS
-    times. With ``iperf``, each row also has iperf3's rate through the same emulated link, measured first."""
+    times. With ``iperf``, each row also has, measured first through the same emulated link, iperf3's rate
+    and CPU per GiB and raw TLS over TCP's (the receiver's own reference), and where the server's CPU went
+    (``perf_split``, sampled during the uploads)."""
     rows = []
     for rate, rtt_ms, host_buffer, settings in cases:
         topo = regions_from_mapping({"names": ["hub", "far"], "link": {"rate_gbit_s": rate, "rtt_ms": rtt_ms},
                                      "tcp_buffer_max_bytes": host_buffer})
         with Emulator(topo, prefix=PREFIX) as emu:
-            iperf3_gbit_s = measure.iperf3(emu, "hub", "far", seconds=6.0, omit_s=2) if iperf else None
+            ip = measure.iperf3_run(emu, "hub", "far", seconds=6.0, omit_s=2) if iperf else None
+            iperf3_gbit_s = None if ip is None else ip["gbit_s"]
             host = emu.address_of("hub")
             tls = workdir / "tls"
             make_dev_certs(tls, hosts=(host,))
+            ref = raw_tls(emu, host, tls, max(64, int(rate * 1e9 / 8 * 4.0 / (1 << 20)))) if iperf else None
             for name in settings:
                 extra = SETTINGS_ARGS[name](rate, rtt_ms)
                 srv = emu.popen("hub", [sys.executable, PEER, "server", "--host", host, "--tls", str(tls), *extra],
@@ -333,11 +360,14 @@ def transport_rows(cases: list[tuple[float, float, int, tuple[str, ...]]], workd
                     mib = max(16, int(rate * 1e9 / 8 * 1.0 / (1 << 20)))  # ~4 s of link in 4 fragments a round
                     pid, t0 = emu.forwarder_pid, time.monotonic()
                     cpu0, srv_cpu0 = (_cpu_s(pid) if pid else 0.0), _cpu_s(srv.pid)
-                    mib = max(16, mib * 4 // fragments)  # the same bytes a round whatever the fragments
-                    res = emu.exec("far", [sys.executable, PEER, "upload", "--target", f"{host}:{port}",
-                                           "--tls", str(tls), "--mib", str(mib), "--fragments", str(fragments),
-                                           "--rounds", str(TRANSPORT_ROUNDS), *extra],
-                                   timeout=300)
+                    # The same bytes a round whatever the fragments, each within the 1 GiB message limit.
+                    mib = min(1000, max(16, mib * 4 // fragments))
+                    split: dict = {}
+                    with perf_split.profile(srv.pid, split) if iperf else contextlib.nullcontext():
+                        res = emu.exec("far", [sys.executable, PEER, "upload", "--target", f"{host}:{port}",
+                                               "--tls", str(tls), "--mib", str(mib), "--fragments", str(fragments),
+                                               "--rounds", str(TRANSPORT_ROUNDS), *extra],
+                                       timeout=300)
                     got = json.loads(res.stdout.strip().splitlines()[-1])
                     wall = time.monotonic() - t0
                     got["forwarder_cores"] = (_cpu_s(pid) - cpu0) / wall if pid else None
@@ -352,10 +382,19 @@ def transport_rows(cases: list[tuple[float, float, int, tuple[str, ...]]], workd
                        "settings": name, "fragments": fragments, **got, "fraction_of_link": got["gbit_s"] / rate}
                 if iperf3_gbit_s is not None:
                     row["iperf3_gbit_s"] = iperf3_gbit_s
+                if ip is not None:
+                    row["iperf3"] = ip
+                if ref is not None:
+                    per_gib = got["server_cpu_s_per_gib"]
+                    row["raw_tls"] = ref
+                    row["server_cpu_split_s_per_gib"] = {k: v * per_gib for k, v in split.items()}
+                    row["server_cpu_over_raw_tls"] = per_gib / ref["receiver_cpu_s_per_gib"]
                 print(f"  transport {rate:g} Gbit/s {rtt_ms:g} ms, hosts {host_buffer >> 20} MiB, {name:<8} "
                       f"{got['gbit_s']:.3f} Gbit/s ({row['fraction_of_link']:.0%}; cold {got['cold_gbit_s']:.3f}), "
                       f"{got['channels']} channels", flush=True)
                 rows.append(row)
+                if on_row is not None:
+                    on_row(rows)
     return rows
 
 
@@ -423,16 +462,22 @@ def main(argv=None) -> int:
         unknown = sorted(set(settings) - set(SETTINGS_ARGS))
         if unknown:
             ap.error(f"--settings: unknown {', '.join(unknown)}; known: {', '.join(SETTINGS_ARGS)}")
-        try:
-            cases = [(float(r), float(t), int(b) << 20, settings) for r, t, b in (c.split(",") for c in args.case)]
+        try:  # a fourth field, settings joined by "+", replaces --settings for that case
+            cases = [(float(c[0]), float(c[1]), int(c[2]) << 20, tuple(c[3].split("+")) if len(c) == 4 else settings)
+                     for c in (c.split(",") for c in args.case) if len(c) in (3, 4)]
+            if len(cases) != len(args.case) or not set().union(*(c[3] for c in cases)) <= set(SETTINGS_ARGS):
+                raise ValueError
         except ValueError:
-            ap.error(f"--case takes RATE_GBIT_S,RTT_MS,HOST_BUFFER_MIB, got {args.case}")
+            ap.error(f"--case takes RATE_GBIT_S,RTT_MS,HOST_BUFFER_MIB[,SETTING+SETTING] (settings of "
+                     f"{', '.join(SETTINGS_ARGS)}), got {args.case}")
+        def write(rows: list[dict], partial: bool = True) -> None:  # as each row finishes: a failure keeps them
+            save({"benchmark": "transport through the emulated WAN (bench/wan.py --transport-only --case)",
+                  "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
+                              "loadavg_1m_at_end": round(os.getloadavg()[0], 2)},
+                  "rounds": TRANSPORT_ROUNDS, "transport": rows, "partial": partial},
+                 ROOT / "bench" / "results" / "transport_wan.json")
         with tempfile.TemporaryDirectory(prefix="wan-bench-") as tmp:
-            rows = transport_rows(cases, Path(tmp), args.fragments, iperf=True)
-        save({"benchmark": "transport through the emulated WAN (bench/wan.py --transport-only --case)",
-              "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
-                          "loadavg_1m_at_end": round(os.getloadavg()[0], 2)},
-              "rounds": TRANSPORT_ROUNDS, "transport": rows}, ROOT / "bench" / "results" / "transport_wan.json")
+            write(transport_rows(cases, Path(tmp), args.fragments, iperf=True, on_row=write), partial=False)
         return 0
     if args.transport_only:
         out = json.loads(args.out.read_text())

@@ -9,6 +9,9 @@ TLS, channels and HTTP/2 settings a run uses.
     wan_peer.py probe  --target H:P --tls DIR --samples N           prints the link samples
     wan_peer.py upload --target H:P --tls DIR --mib M --fragments F [--rounds R] [--tuned RATE,RTT] [--auto-channels]
                        [--unstriped]
+    wan_peer.py tls-sink --host H --tls DIR       raw TLS over TCP: prints {"ready": port}, then one connection's
+                                                  {"bytes", "cpu_s", "wall_s"} (the receiver's reference)
+    wan_peer.py tls-send --target H:P --tls DIR --mib M                        prints {"gbit_s", "cpu_s", "bytes"}
 """
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import ssl
 import sys
 import time
 from pathlib import Path
@@ -113,19 +117,62 @@ async def upload(args) -> None:
             await asyncio.gather(*(client.upload_fragment(Frame("learner-0", i, {}, payload))
                                    for i in range(args.fragments)))
             rounds.append(args.fragments * len(payload) * 8 / (time.monotonic() - t0) / 1e9)
-        client_cores = (time.process_time() - cpu0) / (time.monotonic() - wall0)
+        client_cpu_s = time.process_time() - cpu0
+        client_cores = client_cpu_s / (time.monotonic() - wall0)
         channels = client.channels
     warm = sorted(rounds[1:]) or rounds
     print(json.dumps({"gbit_s": warm[len(warm) // 2], "cold_gbit_s": rounds[0], "rounds_gbit_s": rounds,
                       "client_cores": client_cores, "probed_gbit_s": probed,
+                      "client_cpu_s_per_gib": client_cpu_s / (args.rounds * args.fragments * len(payload) / (1 << 30)),
                       "socket_buffer_bytes": host_socket_buffer_bytes(),
                       "bytes_per_round": args.fragments * len(payload), "channels": channels,
                       "chunk_bytes": cfg.chunk_bytes, "lookahead_bytes": cfg.lookahead_bytes}), flush=True)
 
 
+async def tls_sink(args) -> None:
+    """One raw TLS connection's bytes into one reused buffer (``bench/transport.py``'s receiver), and the
+    CPU seconds that took this process: what TLS over TCP costs a receiver without gRPC."""
+    from bench.transport import _Sink, server_ssl_context
+    loop = asyncio.get_running_loop()
+    done = loop.create_future()
+
+    class Timed(_Sink):
+        def connection_made(self, transport):  # after the handshake
+            super().connection_made(transport)
+            self.cpu0, self.t0 = time.process_time(), time.monotonic()
+
+        def buffer_updated(self, nbytes):
+            super().buffer_updated(nbytes)
+            if self.expected is not None and self.n >= self.expected and not done.done():
+                done.set_result({"bytes": self.n - 8, "cpu_s": time.process_time() - self.cpu0,
+                                 "wall_s": time.monotonic() - self.t0})
+
+    server = await loop.create_server(Timed, args.host, 0, ssl=server_ssl_context(args.tls))
+    print(json.dumps({"ready": server.sockets[0].getsockname()[1]}), flush=True)
+    print(json.dumps(await done), flush=True)
+    server.close()
+
+
+async def tls_send(args) -> None:
+    """``--mib`` MiB over one raw TLS connection, in 4 MiB writes; the rate until the receiver's count is back."""
+    host, port = args.target.rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port), ssl=ssl.create_default_context(
+        cafile=str(Path(args.tls) / "ca.pem")))
+    buf, n = bytes(4 << 20), max(1, args.mib // 4)
+    writer.write((n * len(buf)).to_bytes(8, "little"))
+    cpu0, t0 = time.process_time(), time.monotonic()
+    for _ in range(n):
+        writer.write(buf)
+        await writer.drain()
+    got = int.from_bytes(await reader.readexactly(8), "little")
+    dt, cpu = time.monotonic() - t0, time.process_time() - cpu0
+    writer.close()
+    print(json.dumps({"gbit_s": got * 8 / dt / 1e9, "cpu_s": cpu, "bytes": got}), flush=True)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("mode", choices=("server", "probe", "upload"))
+    p.add_argument("mode", choices=("server", "probe", "upload", "tls-sink", "tls-send"))
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--target")
     p.add_argument("--tls", required=True)
@@ -140,7 +187,7 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=1, help="upload: timed rounds on the same connections")
     p.add_argument("--unstriped", action="store_true", help="upload: never stripe a fragment over connections")
     args = p.parse_args()
-    run({"server": serve, "probe": probe, "upload": upload}[args.mode](args))
+    run({"server": serve, "probe": probe, "upload": upload, "tls-sink": tls_sink, "tls-send": tls_send}[args.mode](args))
     return 0
 
 

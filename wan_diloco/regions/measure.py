@@ -177,6 +177,13 @@ def throughput(emu, server_region: str, client_region: str, seconds: float = 4.0
 def iperf3(emu, server_region: str, client_region: str, seconds: float = 4.0, omit_s: int = 1) -> float | None:
     """Gbit/s by iperf3 (receiver side, the first ``omit_s`` of slow start left out), or None
     when iperf3 is not installed."""
+    got = iperf3_run(emu, server_region, client_region, seconds, omit_s)
+    return None if got is None else got["gbit_s"]
+
+
+def iperf3_run(emu, server_region: str, client_region: str, seconds: float = 4.0, omit_s: int = 1) -> dict | None:
+    """iperf3's rate (as ``iperf3``) and its sender's and receiver's CPU seconds per GiB received
+    (iperf3's own ``cpu_utilization_percent``: user + system over the test), or None without iperf3."""
     if shutil.which("iperf3") is None:
         return None
     srv = emu.popen(server_region, ["iperf3", "-s", "-1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -185,7 +192,12 @@ def iperf3(emu, server_region: str, client_region: str, seconds: float = 4.0, om
         res = emu.exec(client_region, ["iperf3", "-J", "-c", emu.address_of(server_region), "-t", str(seconds),
                                            "-O", str(omit_s)],
                        timeout=seconds + 60)
-        return json.loads(res.stdout)["end"]["sum_received"]["bits_per_second"] / 1e9
+        end = json.loads(res.stdout)["end"]
+        got, cpu = end["sum_received"], end["cpu_utilization_percent"]
+        gib = max(got["bytes"], 1) / (1 << 30)
+        return {"gbit_s": got["bits_per_second"] / 1e9,
+                "sender_cpu_s_per_gib": cpu["host_total"] / 100 * got["seconds"] / gib,
+                "receiver_cpu_s_per_gib": cpu["remote_total"] / 100 * got["seconds"] / gib}
     finally:
         if srv.poll() is None:
             srv.kill()
