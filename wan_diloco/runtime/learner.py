@@ -7,10 +7,10 @@ network thread. It only waits on the network where the protocol says so
 parameters from the syncer) and at the end (the final full sync).
 
 An IO adapter: every protocol decision is the core's (``core.learner``, ``core.restore``,
-``core.peer``, ``core.rejoin``, ``core.final_sync``) and ``_handle`` carries out the
-actions they return with one ``match``. The IO of the learner's own state (snapshot
-parts, donations, peer recovery) is ``learner_state``, of the final sync
-``learner_final``; τ re-planning is ``replan``, exit statuses ``exits``, the process
+``core.peer``, ``core.rejoin``, ``core.final_sync``) and ``handle`` carries out the actions
+they return with ``core.effects.dispatch_learner`` (the effects: ``learner_effects``). The
+IO of the learner's own state (snapshot parts, donations, peer recovery) is ``learner_state``,
+of the final sync ``learner_final``; τ re-planning is ``replan``, exit statuses ``exits``, the process
 entry points ``learner_main``.
 
 A learner of ``learner.hosts`` = P > 1 processes (``runtime.multihost``) runs
@@ -31,22 +31,17 @@ import typing
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from wan_diloco import train as train_lib
-from wan_diloco import tree
 from wan_diloco.assemble import Assembly
 from wan_diloco.checkpoint import SnapshotStore
-from wan_diloco.core import (
-    ApplyGlobal, ProtocolError, Rejoin, Resync, SaveState, SendFragment, SendMetadata, Snapshot, learner_node,
-)
+from wan_diloco.core import ProtocolError, learner_node
 from wan_diloco.core import rejoin as rj
 from wan_diloco.core.barrier import BarrierView
-from wan_diloco.core.peer import Donor, SendState, position_field
+from wan_diloco.core.peer import Donor, position_field
 from wan_diloco.core.messages import Barrier, Donate, Identity
 from wan_diloco.core.protocol import ObjectRequest
-from wan_diloco.core.reports import Report
-from wan_diloco.core.restore import InstallPart, LoadPart, RecoverFromPeer, Resume, TakeUpPosition
+from wan_diloco.core.restore import Resume
 from wan_diloco.runtime import learner_state as ls_io
 from wan_diloco.runtime import lockstep as lk
 from wan_diloco.runtime import serde
@@ -54,6 +49,7 @@ from wan_diloco.runtime.events import emit
 from wan_diloco.runtime import learner_eval, learner_start
 from wan_diloco.runtime.exits import StartTimeout, Stopped, SyncerLost
 from wan_diloco.runtime.inbox import Arrived, ChannelsWidened, Donated, Refused, Saved, StreamLost
+from wan_diloco.runtime.learner_effects import LearnerEffectsIO
 from wan_diloco.runtime.learner_final import final_sync
 from wan_diloco.runtime.learner_state import named_digest
 from wan_diloco.runtime.netthread import NetThread
@@ -66,11 +62,7 @@ from wan_diloco.transport import LinkSample, MessageError, TransportError
 __all__ = ["Learner", "StartTimeout", "Stopped", "SyncerLost", "named_digest"]
 
 
-# Actions that read or replace error-feedback residuals: the sync worker's jobs finish first.
-_RESIDUALS = (SaveState, SendState, LoadPart, InstallPart, RecoverFromPeer, Rejoin)
-
-
-class Learner:
+class Learner(LearnerEffectsIO):
     sync: SyncWorker | None = None  # set in __init__ unless learner.sync_in_flight is 0
 
     def __init__(self, cfg: RunSpec, learner: int, target: str, token: str, parts: Assembly | None = None,
@@ -118,73 +110,8 @@ class Learner:
             self.core.follow_run(cfg.run.run_id)  # a syncer serving another run is refused at the join
         # Snapshots finished off the training thread; a multi-process leader keeps them on it (its host
         # copies of global arrays stay beside its collectives), as does eager (its stand-in comes with them).
-        self.sync = (SyncWorker(self.core, self._send_fragment, cfg.learner.sync_in_flight, f"learner-{learner}-sync")
+        self.sync = (SyncWorker(self.core, self.send_fragment, cfg.learner.sync_in_flight, f"learner-{learner}-sync")
                      if cfg.learner.sync_in_flight and lockstep is None and not cfg.learner.eager else None)
-
-    # ---- actions --------------------------------------------------------------------
-
-    def handle(self, actions: list) -> None:
-        for a in actions:
-            if self.sync is not None and isinstance(a, _RESIDUALS):
-                self.sync.flush()
-            match a:
-                case ApplyGlobal():
-                    flat = tree.flatten(self.state.params)
-                    # A multi-process leader mixes on the host: a jax op on the global arrays here would run
-                    # on its own devices only, a computation its followers never join.
-                    current = flat if self.ls is None else {n: np.asarray(flat[n]) for n in a.values}
-                    # One batched transfer of the fragment (a call per tensor costs twice the CPU).
-                    flat.update(jax.device_put(a.mixed(current)))
-                    self.state = train_lib.set_params(self.state, tree.unflatten(flat, self.state.params))
-                case Snapshot(fragment, due_step, final):
-                    flat, names = tree.flatten(self.state.params), self.layout.fragments[fragment]
-                    if self.sync is not None and not final:
-                        self.sync.submit(self.core.begin_snapshot(time.monotonic(), fragment, due_step),
-                                         {n: flat[n] for n in names})
-                        continue
-                    if self.sync is not None:  # the final sync waits for every upload: no gain in the worker
-                        self.sync.flush()
-                    theta = {n: np.asarray(flat[n]) for n in names}
-                    self.handle(self.core.snapshot(time.monotonic(), fragment, due_step, theta, final))
-                case SendFragment(msg):
-                    self._send_fragment(msg)
-                case SendMetadata(msg):
-                    self.send_metadata(msg)
-                case Resync(fragment):
-                    if fragment not in self.pending_resync:
-                        self.pending_resync[fragment] = self.net.fetch_fragment(ObjectRequest("fragment", fragment).name)
-                case Rejoin(epoch, resumed_from):
-                    emit(rj.rejoin_report(self.m, self.core.step, epoch, resumed_from).event)
-                    self.join(self.cfg.transport.call_timeout_s + self.cfg.transport.retry_budget_s)
-                    self.rejoins += 1
-                case SaveState(snapshot):
-                    ls_io.save_part(self, snapshot)
-                case SendState(recipient, versions):
-                    ls_io.send_state(self, recipient, versions)
-                case rj.Resynced():
-                    self.resyncs += 1
-                case rj.TakeUpStep():
-                    self.take_up_step()
-                case LoadPart():
-                    self.handle(ls_io.load_part(self, a))
-                case InstallPart():
-                    self.handle(ls_io.install_part(self, a))
-                case TakeUpPosition():
-                    ls_io.take_up_position(self)
-                case RecoverFromPeer(patience_s):
-                    recovery = ls_io.recover_from_peer(self, patience_s)
-                    self.handle(self.resume.on_peer(time.monotonic(), recovery, self.core.step))
-                case Report(event):
-                    emit(event)
-                case _:
-                    typing.assert_never(a)
-
-    def _send_fragment(self, msg) -> None:
-        """Count an upload and hand it to the network thread (from the training thread or the sync worker)."""
-        self.raw_bytes += self.layout.nbytes[msg.fragment]
-        self.payload_bytes += msg.nbytes
-        self.uploads += 1
-        self.net.upload(msg)
 
     def take_up_step(self) -> None:
         """Take up the global step: the step counter and the learning-rate schedule (``rejoin.take_up_step``)."""

@@ -1,8 +1,8 @@
 """The syncer service: the core pieces behind the transport's ``Handler``, on one asyncio loop.
 
 An IO adapter and nothing else: every protocol decision is made by a sans-IO
-core piece, which returns actions that ``_act`` carries out with one
-exhaustive ``match``: ``SyncerCore`` (rounds, merges, the final sync),
+core piece, which returns actions that ``_act`` carries out through
+``core.effects.dispatch_syncer`` (this class is its ``SyncerEffects``): ``SyncerCore`` (rounds, merges, the final sync),
 ``SnapshotCoordinator`` (cut, parts, completion, resume), ``Donations`` (peer
 recovery and its reassembly), ``Positions`` (data positions), ``StartBarrier``,
 ``core.objects`` (what a bulk request gets, when the run may end) and
@@ -31,17 +31,14 @@ from prometheus_client import Counter
 from wan_diloco.assemble import Assembly
 from wan_diloco.checkpoint import SnapshotStore
 from wan_diloco.config import ConfigError
-from wan_diloco.core import Broadcast, ProtocolError, SetTimer, learner_node
-from wan_diloco.core.barrier import AnnounceBarrier, FailRun, StartBarrier, barrier_need
+from wan_diloco.core import ProtocolError, learner_node
+from wan_diloco.core.barrier import StartBarrier, barrier_need
+from wan_diloco.core.effects import dispatch_syncer
 from wan_diloco.core.objects import FinalSync, ServeDonation, ServeFragment, ServePosition, route
 from wan_diloco.core.positions import Positions
-from wan_diloco.core.recovery import (
-    AskDonor, DonatedState, Donations, NoDonor, PartRefused, RecoveryStarted, StateReady, StateTaken,
-)
+from wan_diloco.core.recovery import DonatedState, Donations, PartRefused
 from wan_diloco.core.shards import ShardPlan
-from wan_diloco.core.snapshots import (
-    ForkRefused, ResumeError, SnapshotComplete, SnapshotCoordinator, WriteManifest, WriteSyncerPart, fork_refusal,
-)
+from wan_diloco.core.snapshots import ForkRefused, ResumeError, SnapshotCoordinator, fork_refusal
 from wan_diloco.runtime import serde
 from wan_diloco.runtime.events import emit
 from wan_diloco.runtime.syncer_final import FinalWrite
@@ -135,45 +132,47 @@ class SyncerService(StatusPage, FinalWrite, SnapshotFiles):
     # ---- actions ----------------------------------------------------------------------
 
     def _act(self, actions: list) -> None:
-        """Carry out what the core pieces decided: one exhaustive match over every action they return."""
+        """Carry out what the core pieces decided through ``dispatch_syncer``; the effects follow (those of
+        the snapshot files in ``SnapshotFiles``)."""
         self._log_notices()
         self._note_liveness()
         for a in actions:
-            match a:
-                case Broadcast(msg=msg):
-                    self.hub.publish(serde.to_frame(msg))
-                case SetTimer(key=key, at_s=at_s):
-                    delay = max(0.0, at_s - self.now())
-                    self._timers[key] = asyncio.get_running_loop().call_later(delay, self._on_timer, key)
-                case WriteSyncerPart():
-                    asyncio.get_running_loop().create_task(self._write_syncer_part(a))
-                case WriteManifest():
-                    self._write_manifest(a)
-                case SnapshotComplete():
-                    self._snapshot_complete(a)
-                case AskDonor(donor=donor, recipient=r, versions=versions):
-                    self.hub.publish(serde.control_to_frame(serde.Donate(r, versions)), to=[learner_node(donor)])
-                    log.info("learner %d recovers from learner %d", r, donor)
-                case NoDonor(recipient=r) | StateReady(recipient=r):
-                    self.donated_ready.setdefault(r, asyncio.Event()).set()
-                case RecoveryStarted(recipient=r):
-                    # The same waiter stays: the recipient's fetch may be there before this metadata.
-                    self.donated_ready.setdefault(r, asyncio.Event()).clear()
-                case StateTaken(recipient=r):
-                    self.donated_ready.pop(r, None)
-                case AnnounceBarrier(status=st, met=met):
-                    self.hub.publish(serde.control_to_frame(self._barrier_msg()))
-                    if met:
-                        joined = ", ".join(str(j) for j in st["joined"])
-                        log.info("start barrier met: learners %s joined (%d needed)", joined, st["need"])
-                        emit({"event": "barrier", "role": "syncer", **st})
-                        self._event("started", None, f"start barrier met: learners {joined} joined")
-                case FailRun(why=why):
-                    log.error("%s", why)
-                    emit({"event": "error", "role": "syncer", "error": why})
-                    self.finished.set()
-                case _:
-                    typing.assert_never(a)
+            dispatch_syncer(a, self)
+
+    def broadcast(self, msg) -> None:
+        self.hub.publish(serde.to_frame(msg))
+
+    def set_timer(self, key: tuple[int, int], at_s: float) -> None:
+        self._timers[key] = asyncio.get_running_loop().call_later(max(0.0, at_s - self.now()), self._on_timer, key)
+
+    def send_donate(self, donor: int, recipient: int, versions: tuple[int, ...]) -> None:
+        self.hub.publish(serde.control_to_frame(serde.Donate(recipient, versions)), to=[learner_node(donor)])
+        log.info("learner %d recovers from learner %d", recipient, donor)
+
+    def answer_state_fetch(self, recipient: int) -> None:
+        self.donated_ready.setdefault(recipient, asyncio.Event()).set()
+
+    def refuse_state_fetch(self, recipient: int, why: str) -> None:
+        self.answer_state_fetch(recipient)  # the fetch reads why from ``Donations.lookup``
+
+    def hold_state_fetch(self, recipient: int) -> None:  # the same waiter: its fetch may come before this
+        self.donated_ready.setdefault(recipient, asyncio.Event()).clear()
+
+    def drop_state(self, recipient: int) -> None:
+        self.donated_ready.pop(recipient, None)
+
+    def announce_barrier(self, status: dict, met: bool) -> None:
+        self.hub.publish(serde.control_to_frame(self._barrier_msg()))
+        if met:
+            joined = ", ".join(str(j) for j in status["joined"])
+            log.info("start barrier met: learners %s joined (%d needed)", joined, status["need"])
+            emit({"event": "barrier", "role": "syncer", **status})
+            self._event("started", None, f"start barrier met: learners {joined} joined")
+
+    def fail(self, why: str) -> None:
+        log.error("%s", why)
+        emit({"event": "error", "role": "syncer", "error": why})
+        self.finished.set()
 
     def _core(self, actions: list) -> None:
         """After an event of the syncer core: its actions, then the end of the run or a snapshot if due."""

@@ -84,7 +84,10 @@ class SnapshotFiles:
         self.write_error = None
         self._act(self.snapshots.on_part_written(self.now(), a.snapshot, ok=True, nbytes=nbytes))
 
-    def _write_manifest(self, a: WriteManifest) -> None:
+    def write_part(self, a: WriteSyncerPart) -> None:
+        asyncio.get_running_loop().create_task(self._write_syncer_part(a))
+
+    def write_manifest(self, a: WriteManifest) -> None:
         try:
             self.store.mark_complete(a.snapshot, a.manifest)
         except OSError as e:
@@ -93,7 +96,7 @@ class SnapshotFiles:
             return
         self._act(self.snapshots.on_manifest_written(self.now(), a.snapshot, ok=True))
 
-    def _snapshot_complete(self, a: SnapshotComplete) -> None:
+    def snapshot_complete(self, a: SnapshotComplete) -> None:
         removed = self.store.gc(self.cfg.checkpoint.keep)
         emit({"event": "snapshot", "role": "syncer", "snapshot": a.snapshot, "parts": list(a.parts),
               "syncer_bytes": a.syncer_bytes, "seconds": a.seconds, "removed": removed})

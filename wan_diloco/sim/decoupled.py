@@ -3,8 +3,8 @@
 Per-learner step time = base × speed factor × lognormal noise; per-link
 transfer time = bytes / bandwidth + RTT/2, with each link a FIFO, so τ and the
 grace window matter. Learners, the syncer and its shards go down and come back by a failure tape
-(``wan_diloco.tape``; how each fault is replayed: ``sim.faults``). Each action list of a core is
-interpreted by one ``match`` that fails on an action it does not know.
+(``wan_diloco.tape``; how each fault is replayed: ``sim.faults``). Each action of a core is carried
+out through ``core.effects``' one dispatch per side, with the simulator's effects (``sim.effects``).
 """
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-import jax.numpy as jnp
 import numpy as np
 
 from wan_diloco import data as data_lib
@@ -22,10 +21,7 @@ from wan_diloco import model as model_lib
 from wan_diloco import train as train_lib
 from wan_diloco import tree
 from wan_diloco.assemble import Assembly
-from wan_diloco.core import (
-    FINAL_TIMER, ApplyGlobal, Broadcast, LearnerCore, Rejoin, Resync, SaveState, SendFragment, SendMetadata, SetTimer,
-    Snapshot,
-)
+from wan_diloco.core import FINAL_TIMER, LearnerCore
 from wan_diloco.core.barrier import BarrierView, StartBarrier, barrier_need
 from wan_diloco.core.evals import due_point
 from wan_diloco.core.peer import position_field
@@ -33,6 +29,7 @@ from wan_diloco.core.positions import MAX_POSITION_CHARS, Positions
 from wan_diloco.core.recovery import Donations
 from wan_diloco.planning.shards import shard_merge_rate
 from wan_diloco.sim.common import Progress, SimResult, step_time, uptime
+from wan_diloco.sim.effects import LearnerFx, SimEffects, SyncerFx
 from wan_diloco.sim.faults import FaultReplay
 from wan_diloco.sim.resume import ResumeReplay
 from wan_diloco.sim.start_end import StartAndEnd
@@ -79,10 +76,11 @@ class _Learner:
     ready_s: float = 0.0  # when a restarting learner holds its state and trains again
     at_barrier: bool = False  # waits for the start barrier (``sim.start_end``)
     intervals: list[tuple[float, float]] = field(default_factory=list)
+    resume: Any = None  # its ``core.restore.Resume`` since its latest restart (``sim.resume``)
 
 
 
-class Simulation(FaultReplay, ResumeReplay, StartAndEnd):
+class Simulation(FaultReplay, ResumeReplay, StartAndEnd, SimEffects):
     """One simulated run of ``spec`` (already set for its baseline: ``sim.protocol_for``) under the faults of
     a tape. ``faults`` records what each fault did (learner down/up, recovered from which donor, syncer
     resumed from which snapshot at which incarnation, learners rejoined)."""
@@ -254,35 +252,7 @@ class Simulation(FaultReplay, ResumeReplay, StartAndEnd):
         self._start_step(m)
 
     def _learner_actions(self, m: int, actions: list) -> None:
-        l = self.learners[m]
-        for a in actions:
-            match a:
-                case SendMetadata(msg=msg):
-                    msg = self._with_position(m, msg)
-                    self._at(self.now + self.cfg.rtt_s / 2, self._from_learner, m, l.life, self._metadata, msg)
-                case Snapshot(fragment=p, due_step=due, final=final):
-                    flat = tree.flatten(l.state.params)
-                    theta = {n: np.asarray(flat[n]) for n in self.frags[p]}
-                    self._learner_actions(m, l.core.snapshot(self.now, p, due, theta, final))
-                case SendFragment(msg=msg):
-                    self.bytes_sent += msg.nbytes
-                    if msg.final:  # the end-of-run sync happens after the clock stops
-                        self._syncer_event(self._upload, msg)
-                    else:
-                        self._at(l.up_link.send(self.now, msg.nbytes), self._from_learner, m, l.life, self._upload, msg)
-                case ApplyGlobal():
-                    flat = tree.flatten(l.state.params)
-                    flat.update({n: jnp.asarray(v) for n, v in a.mixed(flat).items()})
-                    l.state = train_lib.set_params(l.state, tree.unflatten(flat, l.state.params))
-                case Resync(fragment=p):
-                    self.bytes_sent += sum(x.nbytes for x in self.syncer.theta[p].values())
-                    self._learner_actions(m, l.core.resync(p, self.syncer.theta[p], self.syncer.version[p]))
-                case Rejoin():
-                    self._fetch_for_join(m)
-                case SaveState(snapshot=snap):
-                    self._save_part(m, snap)
-                case _:
-                    raise TypeError(f"simulator: unhandled learner action {a!r}")
+        LearnerFx(self, m).run(actions)
 
     def _deliver(self, m: int, life: int, msg) -> None:
         l = self.learners[m]
@@ -325,7 +295,7 @@ class Simulation(FaultReplay, ResumeReplay, StartAndEnd):
             self.positions.on_metadata(now_s, msg.learner, msg.data)
         if self.keepers and self.syncer_up[0]:  # the learners' parts are in shard 0's snapshots
             epoch = self.syncer.epoch_at(0, msg.epoch) if self.sharded else msg.epoch
-            self.keepers[0].on_metadata(now_s, msg.learner, msg.snapshot, epoch)
+            SyncerFx(self, self.keepers[0]).run(self.keepers[0].on_metadata(now_s, msg.learner, msg.snapshot, epoch))
         return actions
 
     def _upload(self, now_s: float, msg) -> list:
@@ -337,7 +307,7 @@ class Simulation(FaultReplay, ResumeReplay, StartAndEnd):
         actions = self.syncer.on_peer_lost(now_s, m)
         for s, keeper in enumerate(self.keepers):
             if self.syncer_up[s]:
-                keeper.check(now_s)
+                SyncerFx(self, keeper).run(keeper.check(now_s))
         return actions
 
     def _timer(self, shard: int, life: int, key) -> None:
@@ -345,29 +315,10 @@ class Simulation(FaultReplay, ResumeReplay, StartAndEnd):
             self._syncer_event(lambda now_s, k: self.syncer.on_timer(now_s, k), key)
 
     def _syncer_actions(self, actions: list) -> None:
-        for a in actions:
-            match a:
-                case Broadcast(msg=msg) if msg.final:
-                    for m, l in enumerate(self.learners):
-                        if l.up:
-                            self.bytes_sent += msg.nbytes
-                            self._learner_actions(m, l.core.on_update(self.now, msg))
-                case Broadcast(msg=msg):
-                    sent_s = self.syncer.ready_at(self.now, a) if self.sharded else self.now
-                    for m, l in enumerate(self.learners):
-                        if l.listening:
-                            self.bytes_sent += msg.nbytes
-                            self._at(l.down_link.send(sent_s, msg.nbytes), self._deliver, m, l.life, msg)
-                case SetTimer(key=key) if key == FINAL_TIMER:
-                    pass  # the end-of-run sync runs after the clock stops (``_final_sync``)
-                case SetTimer(key=key, at_s=at_s):
-                    shard = self.syncer.plan[key[0]] if self.sharded else 0
-                    self._at(at_s, self._timer, shard, self.syncer_life[shard], key)
-                case _:
-                    raise TypeError(f"simulator: unhandled syncer action {a!r}")
+        SyncerFx(self).run(actions)
         for s, keeper in enumerate(self.keepers):  # the runtime cuts after the actions of a merge
             if actions and self.syncer_up[s]:
-                keeper.on_merged(self.now)
+                SyncerFx(self, keeper).run(keeper.on_merged(self.now))
 
     def _final_sync(self) -> None:
         """Every live learner sends every fragment at once; the syncer merges them all (a real run's last step)."""

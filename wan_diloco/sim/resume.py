@@ -1,6 +1,6 @@
 """A learner's restart in the simulator, as the chaos driver restarts one (``--resume``): where its own state
 comes from is ``core.restore.Resume``'s decision, the same code as the runtime's, and each of its actions
-is carried out here on memory instead of a store and the network:
+is carried out on memory instead of a store and the network (``sim.effects.LearnerFx``, with these methods):
 
 - ``LoadPart``/``InstallPart``: its own part of the snapshot the syncer resumed from (kept in memory by
   ``_save_part`` with the tensors and info a real part holds): inner optimizer, residuals, data position;
@@ -20,10 +20,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from wan_diloco import tree
-from wan_diloco.core.peer import position_from_bytes
-from wan_diloco.core.recovery import AskDonor, Candidate, NoDonor
-from wan_diloco.core.reports import Report
-from wan_diloco.core.restore import InstallPart, LoadPart, RecoverFromPeer, Resume, TakeUpPosition
+from wan_diloco.core.recovery import Candidate
+from wan_diloco.core.restore import InstallPart, Resume
+from wan_diloco.sim.effects import SyncerFx
 
 
 def opt_digest(state) -> str:
@@ -44,36 +43,12 @@ class ResumeReplay:
         """Learner ``m`` came back holding Θ (joined): take up its own state as ``Resume`` says."""
         l = self.learners[m]
         run_id, _, resumed_from = self._identity_of_syncer()
-        resume = Resume(m, True, self.spec.learner.peer_recovery, self.M, self.spec.syncer.donor_timeout_s)
+        l.resume = Resume(m, True, self.spec.learner.peer_recovery, self.M, self.spec.syncer.donor_timeout_s)
         step = max(l.core.step, max(c.global_step for c in self._cores()))
         parts = tuple(sorted(self.learner_parts.get(m, {}))) if self.keepers else None
         l.position_known = False
-        self._resume_actions(m, resume, resume.on_joined(self.now, run_id, resumed_from, step, parts))
+        self._learner_actions(m, l.resume.on_joined(self.now, run_id, resumed_from, step, parts))
         l.position_known = True
-
-    def _resume_actions(self, m: int, resume: Resume, actions: list) -> None:
-        l = self.learners[m]
-        for a in actions:
-            match a:
-                case LoadPart(snapshot=snap, fallback=fallback):
-                    part = self.learner_parts.get(m, {}).get(snap)
-                    out = (resume.on_part_failed(self.now, snap, fallback, "no such part") if part is None
-                           else resume.on_part(self.now, snap, fallback, *part))
-                    self._resume_actions(m, resume, out)
-                case InstallPart():
-                    self._resume_actions(m, resume, self._install_part(m, resume, a))
-                case TakeUpPosition():
-                    position = position_from_bytes(self.positions.of(m).encode())  # what ``position/M`` serves
-                    if position is not None:
-                        l.batches.restore(position)
-                    self.faults.append({"event": "data_position", "learner": m, "at_s": self.now,
-                                        "restored": position is not None, "batches": l.batches.drawn})
-                case RecoverFromPeer():
-                    self._resume_actions(m, resume, resume.on_peer(self.now, self._recover_from_peer(m), l.core.step))
-                case Report(event=event):
-                    self.faults.append({**event, "at_s": self.now})
-                case _:
-                    raise TypeError(f"simulator: unhandled restore action {a!r}")
 
     def _install_part(self, m: int, resume: Resume, a: InstallPart) -> list:
         """``InstallPart``: the inner optimizer, data position and residuals of the part, as the runtime's
@@ -97,26 +72,28 @@ class ResumeReplay:
         l = self.learners[m]
         candidates = {i: Candidate(p.core.region, p.core.step) for i, p in enumerate(self.learners)
                       if p.up and p is not l}
-        recovery: dict = {"from_peer": False, "why": "not asked"}
-        for a in self.donations.request(self.now, m, tuple(self.syncer.version), candidates, l.core.region):
-            match a:
-                case AskDonor(donor=d, recipient=r):
-                    # Parameters, inner optimizer and schedule position as one train state, the protocol
-                    # state through the core.
-                    peer = self.learners[d]
-                    l.state = peer.state
-                    l.core.adopt(*peer.core.export())
-                    self.donations.delivered(r, d)
-                    l.ready_s = self.now + self.state_bytes * 8 / (self.cfg.bandwidth_gbit_s * 1e9) + self.cfg.rtt_s
-                    recovery = {"from_peer": True, "donor": d, "opt_digest": opt_digest(l.state),
-                                "donor_opt_digest": opt_digest(peer.state)}
-                case NoDonor(recipient=r, why=why):
-                    for p in range(len(self.frags)):
-                        self._learner_actions(r, l.core.resync(p, self.syncer.theta[p], self.syncer.version[p]))
-                    recovery = {"from_peer": False, "why": why}
-                case _:
-                    raise TypeError(f"simulator: unhandled recovery action {a!r}")
-        return recovery
+        self.recovery_outcome: dict = {"from_peer": False, "why": "not asked"}
+        SyncerFx(self).run(self.donations.request(self.now, m, tuple(self.syncer.version), candidates, l.core.region))
+        return self.recovery_outcome
+
+    def send_donate(self, donor: int, recipient: int, versions: tuple[int, ...]) -> None:
+        """``AskDonor``: the donor's parameters, inner optimizer and schedule position as one train state, the
+        protocol state through the core, taken at once."""
+        d, r = donor, recipient
+        l, peer = self.learners[r], self.learners[d]
+        l.state = peer.state
+        l.core.adopt(*peer.core.export())
+        self.donations.delivered(r, d)
+        l.ready_s = self.now + self.state_bytes * 8 / (self.cfg.bandwidth_gbit_s * 1e9) + self.cfg.rtt_s
+        self.recovery_outcome = {"from_peer": True, "donor": d, "opt_digest": opt_digest(l.state),
+                                 "donor_opt_digest": opt_digest(peer.state)}
+
+    def refuse_state_fetch(self, recipient: int, why: str) -> None:
+        """``NoDonor``: the learner goes on from Θ."""
+        l = self.learners[recipient]
+        for p in range(len(self.frags)):
+            self._learner_actions(recipient, l.core.resync(p, self.syncer.theta[p], self.syncer.version[p]))
+        self.recovery_outcome = {"from_peer": False, "why": why}
 
     def _save_part(self, m: int, snapshot: int) -> None:
         """``SaveState``: the learner's part of ``snapshot``, the tensors and info a real part holds (the core's

@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 from collections import deque
 
-from wan_diloco.core import FINAL_TIMER, Broadcast, SyncerCore
+from wan_diloco.core import FINAL_TIMER, Broadcast, GlobalUpdate, SyncerCore
 from wan_diloco.core.shards import ShardView
 from wan_diloco.core.syncer import SyncerStats
 
@@ -92,13 +92,14 @@ class ShardedSyncer:
         self.busy_until[shard] = 0.0
         self.view.seen(shard, core.epoch, core.resumed_from)  # as the Identity of its new update stream
 
-    def ready_at(self, now_s: float, action) -> float:
-        """When the shard that closed ``action``'s round has finished its merge (queued on that shard)."""
-        if not isinstance(action, Broadcast) or not self.merge_gb_s:
+    def ready_at(self, now_s: float, msg: GlobalUpdate) -> float:
+        """When the shard that closed the round of the broadcast ``msg`` has finished its merge (queued on
+        that shard)."""
+        if not self.merge_gb_s:
             return now_s
-        p = action.msg.fragment
+        p = msg.fragment
         s = self.view.routes.shard_of(p)
-        work_s = len(action.msg.contributors) * self.fragment_bytes[p] / (self.merge_gb_s * 1e9)
+        work_s = len(msg.contributors) * self.fragment_bytes[p] / (self.merge_gb_s * 1e9)
         start_s = max(now_s, self.busy_until[s])
         self.queued_s += start_s - now_s
         self.busy_until[s] = start_s + work_s

@@ -42,32 +42,32 @@ class SnapshotKeeper:
                                    patience_s=self.patience_s, learners=self.learners,
                                    learner_parts=self.learner_parts, first_id=first_id)
 
-    def _act(self, now_s: float, actions: list) -> None:
-        while actions:
-            a = actions.pop(0)
-            match a:
-                case WriteSyncerPart(snapshot=snap, tensors=tensors, info=info):
-                    self.syncer_parts[snap] = (tensors, info)
-                    actions += self.coordinator.on_part_written(now_s, snap, True)
-                case WriteManifest(snapshot=snap, manifest=manifest):
-                    self.manifests[snap] = manifest
-                    actions += self.coordinator.on_manifest_written(now_s, snap, True)
-                case SnapshotComplete(snapshot=snap):
-                    self.complete_s[snap] = now_s  # kept across incarnations, as the manifests on disk
-                case _:
-                    raise TypeError(f"simulator: unhandled snapshot action {a!r}")
+    # The simulator's effects for this keeper's actions (``sim.effects.SyncerFx``): the files in memory.
 
-    def on_merged(self, now_s: float) -> None:
-        self._act(now_s, self.coordinator.on_merged(now_s, now_s))
+    def part_written(self, now_s: float, a: WriteSyncerPart) -> list:
+        self.syncer_parts[a.snapshot] = (a.tensors, a.info)
+        return self.coordinator.on_part_written(now_s, a.snapshot, True)
 
-    def on_metadata(self, now_s: float, learner: int, snapshot: int, epoch: int) -> None:
+    def manifest_written(self, now_s: float, a: WriteManifest) -> list:
+        self.manifests[a.snapshot] = a.manifest
+        return self.coordinator.on_manifest_written(now_s, a.snapshot, True)
+
+    def completed(self, now_s: float, a: SnapshotComplete) -> None:
+        self.complete_s[a.snapshot] = now_s  # kept across incarnations, as the manifests on disk
+
+    # Events: each returns the coordinator's actions for the simulation to dispatch.
+
+    def on_merged(self, now_s: float) -> list:
+        return self.coordinator.on_merged(now_s, now_s)
+
+    def on_metadata(self, now_s: float, learner: int, snapshot: int, epoch: int) -> list:
         """A learner's metadata reports the newest snapshot it wrote its part of."""
         if snapshot and self.coordinator.pending and epoch == self.coordinator.core.epoch:
             self.parts_written += 1
-        self._act(now_s, self.coordinator.on_metadata(now_s, learner, snapshot, epoch))
+        return self.coordinator.on_metadata(now_s, learner, snapshot, epoch)
 
-    def check(self, now_s: float) -> None:
-        self._act(now_s, self.coordinator.check(now_s))
+    def check(self, now_s: float) -> list:
+        return self.coordinator.check(now_s)
 
     @property
     def complete(self) -> list[int]:

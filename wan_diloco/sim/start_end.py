@@ -14,11 +14,9 @@
 """
 from __future__ import annotations
 
-import typing
-
 from wan_diloco.assemble import fragment_digest
-from wan_diloco.core.barrier import AnnounceBarrier, FailRun
 from wan_diloco.core.final_sync import Final, FinalSync
+from wan_diloco.sim.effects import SyncerFx
 
 BARRIER_CHECK_S = 1e-6  # the barrier expires strictly after its timeout: check just past it
 
@@ -41,21 +39,21 @@ class StartAndEnd:
         self._barrier_actions(self.barrier.on_tick(self.now))
 
     def _barrier_actions(self, actions: list) -> None:
-        for a in actions:
-            match a:
-                case AnnounceBarrier(status=status):
-                    for m, l in enumerate(self.learners):
-                        self.views[m].on_status(status["started"], status["need"], status["joined"],
-                                                status["waiting_for"])
-                        if l.at_barrier and not self.views[m].must_wait(self.now):
-                            l.at_barrier = False
-                            self._start_step(m)
-                    if a.met:
-                        self.faults.append({"event": "barrier_met", "at_s": self.now, **status})
-                case FailRun(why=why):
-                    raise RunFailed(why)
-                case _:
-                    typing.assert_never(a)
+        SyncerFx(self).run(actions)
+
+    def announce_barrier(self, status: dict, met: bool) -> None:
+        """``AnnounceBarrier``: every learner hears the barrier's state; those it held back step once started."""
+        for m, l in enumerate(self.learners):
+            self.views[m].on_status(status["started"], status["need"], status["joined"], status["waiting_for"])
+            if l.at_barrier and not self.views[m].must_wait(self.now):
+                l.at_barrier = False
+                self._start_step(m)
+        if met:
+            self.faults.append({"event": "barrier_met", "at_s": self.now, **status})
+
+    def fail(self, why: str) -> None:
+        """``FailRun``."""
+        raise RunFailed(why)
 
     def _final_verdicts(self) -> list[dict]:
         """Each learner that is up at the end: its final sync's outcome, as the runtime's ``learner_final``."""
