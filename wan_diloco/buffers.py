@@ -46,6 +46,12 @@ class BufferPool:
                 del self._bufs[0]
             return buf[:n]
 
+    def clear(self) -> None:
+        """Forget every buffer (those still held live on with their holders): memory measured from here
+        counts the pool's buffers too."""
+        with self._lock:
+            self._bufs.clear()
+
     def split(self, sizes: list[int]) -> list[np.ndarray]:
         """One pooled buffer cut into flat arrays of ``sizes`` (a fragment's tensors)."""
         buf = self.empty(sum(sizes))

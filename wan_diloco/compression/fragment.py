@@ -95,6 +95,7 @@ class FragmentCodec:
         if self.cfg.zstd:
             # One-shot over the joined parts: twice as fast as streaming them.
             raw = b"".join(parts)
+            parts = None  # the codes, joined: not held through the compress and the frame (a syncer's peak)
             packed = entropy.compress(raw, self.cfg.zstd_level)
         body = parts if raw is None else [packed if packed is not None else raw]
         header = frame.Header(fmt, packed is not None, p, raw_len, sum(memoryview(a).nbytes for a in body))
