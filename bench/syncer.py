@@ -223,6 +223,7 @@ def inprocess(layout, learners: list[int], reps: int, log, threads: list[int] = 
                 out = []
                 for m in range(M):
                     delta = decode(i, payloads[i][m])
+                    delta.handed_over = True  # as the runtime's serde: the core drops it once folded
                     up = FragmentUpload(learner=m, fragment=i, due_step=rep + 1, base_version=version,
                                         c_steps=8, c_tokens=8 * TOKENS_PER_STEP * (1 + m % 3),
                                         clock=VectorClock({f"learner-{m}": rep + 1}), delta=delta,
@@ -274,9 +275,11 @@ def inprocess(layout, learners: list[int], reps: int, log, threads: list[int] = 
         return SyncerCore(cfg, sub.fragments, theta0(sub), model_lib.is_embedding, wire_codec(sub))
 
     def upload_of(core, m, rep):
+        delta = core.codec.decode(i, payloads[i][m])
+        delta.handed_over = True  # as the runtime's serde
         return FragmentUpload(learner=m, fragment=i, due_step=rep + 1, base_version=core.version[i], c_steps=8,
                               c_tokens=8 * TOKENS_PER_STEP, clock=VectorClock({f"learner-{m}": rep + 1}),
-                              delta=core.codec.decode(i, payloads[i][m]), nbytes=len(payloads[i][m]))
+                              delta=delta, nbytes=len(payloads[i][m]))
 
     memory = hotpath.round_memory(make_core, upload_of, sub.nbytes[i], learners)
     log("inprocess: a round's peak memory above Θ + momentum, in fragments: " + ", ".join(

@@ -6,7 +6,9 @@
 - ``per_stage``: the ``per_stage_cpu_s_per_gb`` block: each stage of the in-process rows per thread
   count and M, the references, and the ratios the issue asks for.
 - ``round_memory``: a round's peak of Python-tracked memory (numpy reports its buffers to
-  ``tracemalloc``) above what the core held before it, in fragments' worth, for each M.
+  ``tracemalloc``) above what the core holds (Θ, momentum), in fragments' worth, for each M: traced from
+  before the core is built (a block freed is seen only if its allocation was traced: the old Θ a close
+  replaces), from an empty ``buffers.POOL``, over a first round and a second, so the pool's buffers count.
 """
 from __future__ import annotations
 
@@ -84,16 +86,18 @@ def round_memory(make_core, upload_of, fp32_bytes: int, learners: list[int]) -> 
     """Per M: the peak memory a round allocates above the core's own state (Θ, momentum), in
     fragments' worth: ``make_core(M)`` builds a core, ``upload_of(core, m, rep)`` decodes learner m's Δ
     for round ``rep`` (as the runtime does, one upload at a time) and returns its FragmentUpload."""
+    from wan_diloco.buffers import POOL
     out = {}
     for M in learners:
-        core = make_core(M)
-        for m in range(M):  # a warm-up round: the outer state and the thread pools exist
-            core.on_fragment(0.0, upload_of(core, m, 0))
+        POOL.clear()
         tracemalloc.start()
         try:
-            base = tracemalloc.get_traced_memory()[0]
-            for m in range(M):
-                core.on_fragment(1.0, upload_of(core, m, 1))
+            core = make_core(M)
+            base = tracemalloc.get_traced_memory()[0]  # Θ and momentum
+            tracemalloc.reset_peak()
+            for rep in range(2):  # the first round fills the pool and the outer state: counted too
+                for m in range(M):
+                    core.on_fragment(float(rep), upload_of(core, m, rep))
             peak = tracemalloc.get_traced_memory()[1]
         finally:
             tracemalloc.stop()

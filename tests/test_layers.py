@@ -15,7 +15,7 @@ PKG = Path(__file__).resolve().parents[1] / "wan_diloco"
 LAYERS: list[tuple[set[str], bool]] = [  # (units, may units of this layer import each other)
     ({"config", "tree", "clock"}, True),
     ({"model", "data", "data_sources", "data_batches", "train"}, True),
-    ({"fragments", "merge", "outer", "feedback", "shards", "tape"}, True),
+    ({"buffers", "fragments", "merge", "outer", "feedback", "shards", "tape"}, True),
     ({"core", "compression", "transport", "regions", "checkpoint"}, False),
     ({"planning"}, False),  # models the run: the schedule (fragments) and the codec's bit widths
     ({"spec"}, False),

@@ -22,6 +22,7 @@ from typing import Callable, Literal, Mapping, Sequence
 
 import numpy as np
 
+from wan_diloco.buffers import POOL
 MergeMethod = Literal["rda", "mean"]
 
 # Values per work item: 1 MiB of float32, so a chunk and its scratch stay in cache between the
@@ -211,7 +212,7 @@ class Accumulator:
             k = np.where(coef > 0, coef / new_ref, 0.0).astype(np.float32)
             rescale = np.where(self.ref > 0, self.ref / new_ref, 0.0).astype(np.float32)
         if self.sums is None:
-            self.sums = [np.empty(n, np.float32) for n in self.sizes]
+            self.sums = POOL.split(self.sizes)
         sums = self.sums
 
         def fold(it) -> None:
@@ -234,7 +235,7 @@ class Accumulator:
             self.ref[:], self.w_sum[:], self.norm_sum[:] = 0, 0, 0
         self.equal = self.equal and other.equal
         if self.sums is None:
-            self.sums = [np.empty(n, np.float32) for n in self.sizes]
+            self.sums = POOL.split(self.sizes)
         new_ref = np.maximum(self.ref, other.ref)
         with np.errstate(divide="ignore", invalid="ignore"):
             mine = np.where(self.ref > 0, self.ref / new_ref, 0.0).astype(np.float32)

@@ -14,6 +14,7 @@ import jax
 import numpy as np
 import optax
 
+from wan_diloco.buffers import POOL
 from wan_diloco.config import require
 from wan_diloco.merge import SERIAL, Workers, chunks
 
@@ -109,13 +110,13 @@ class OuterOptimizer:
         return self.states[p][0].trace if self._mu is not None else None
 
     def update(self, p: int, delta: Mapping[str, np.ndarray], workers: Workers = SERIAL) -> dict[str, np.ndarray]:
-        """The update of fragment p for ``delta`` (float32, fresh arrays); its momentum is untouched
+        """The update of fragment p for ``delta`` (float32, in arrays of ``buffers.POOL``); its momentum is untouched
         until ``commit``, so a refused merge leaves it as it was."""
         names = list(delta)
         g = [np.ravel(delta[n]) for n in names]
         trace = self._trace(p)
         t = None if trace is None else [np.ravel(trace[n]) for n in names]
-        out = [np.empty(x.size, np.float32) for x in g]
+        out = POOL.split([x.size for x in g])
 
         def run(it) -> None:
             i, a, b = it

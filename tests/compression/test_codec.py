@@ -332,3 +332,22 @@ def test_block_padding_codes_do_not_count_in_the_sum_of_squares():
     payload[-1] = 100
     forged = c.decode(0, bytes(payload))
     np.testing.assert_array_equal(forged.sum_squares, honest)
+
+
+@pytest.mark.parametrize("bits", [32, 16, 8, 4])
+def test_roundtrip_in_place_gives_the_same_payload_and_bits_over_the_callers_arrays(bits):
+    c = codec(bits=bits)
+    want = c.roundtrip(FRAG)
+    mine = {n: np.array(v, np.float32) for n, v in FRAG.items()}
+    got = c.roundtrip(mine, in_place=True)
+    assert got.payload == want.payload
+    for n in FRAG:
+        np.testing.assert_array_equal(got.values[n].view(np.uint32), want.values[n].view(np.uint32))
+    np.testing.assert_array_equal(got.values.sum_squares, want.values.sum_squares)
+    if bits in (8, 4):  # quantized: decoded over the caller's arrays, which it said it no longer needs
+        assert all(np.shares_memory(got.values[n], mine[n]) for n in FRAG if mine[n].size)
+    read_only = {n: np.array(v, np.float32) for n, v in FRAG.items()}
+    for a in read_only.values():
+        a.flags.writeable = False  # not writable: decoded into fresh arrays instead, nothing written
+    got = c.roundtrip(read_only, in_place=True)
+    assert got.payload == want.payload and all(np.array_equal(read_only[n], FRAG[n]) for n in FRAG)

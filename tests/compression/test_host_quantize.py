@@ -36,3 +36,5 @@ def test_non_finite_values_give_a_nan_scale_as_jax_does():
     a = np.float32([1.0, np.nan] + [0.0] * 62 + [np.inf] + [0.0] * 63)
     codes, scales = quantize_host([a], [a.size], Format(4, 64, "bfloat16", "nf4"), Workers(1))[0]
     assert np.isnan(scales).all()
+    want = np.asarray(quantize(a, bits=4, block_size=64, scale_dtype="bfloat16", codebook="nf4")[0])
+    np.testing.assert_array_equal(codes, want.view(np.uint8))  # the codes of refused blocks too

@@ -80,6 +80,18 @@ def test_a_merge_whose_outer_step_overflows_is_refused_and_theta_and_momentum_st
     assert s.version == [0, 0]
 
 
+def test_a_finite_update_that_overflows_theta_is_refused_before_the_momentum_moves():
+    # Θ near float32's largest value, a finite update of the same sign: only Θ + update leaves float32.
+    big = {"block_0/w": np.full(3, 3e38, np.float32), "embed/embedding": PARAMS["embed/embedding"]}
+    s = SyncerCore(SyncerConfig(num_learners=3, quorum=1, grace=False, max_delta_ratio=1e38,
+                                outer=OuterConfig(lr=1.0, momentum=0.5)), FRAGS, big, is_embedding, CODEC)
+    theta, trace = dict(s.theta[0]), {n: a.copy() for n, a in s.outer.states[0][0].trace.items()}
+    assert s.on_fragment(1.0, upload(0, delta=np.full(3, -1e38, np.float32))) == []  # update = +1e38 (lr 1)
+    assert s.stats.refused_rounds == 1 and "overflowed" in s.notices[-1]
+    assert all(np.array_equal(theta[n], s.theta[0][n]) for n in theta)
+    assert all(np.array_equal(trace[n], s.outer.states[0][0].trace[n]) for n in trace) and s.version == [0, 0]
+
+
 def test_an_infinite_outer_lr_is_a_config_error():
     from wan_diloco.config import ConfigError
 

@@ -416,3 +416,17 @@ def test_threads_must_be_a_count_of_cores():
     for bad in (-1, 1.5, True):
         with pytest.raises(Exception, match="threads"):
             SyncerConfig(threads=bad).validate()
+
+
+def test_a_handed_over_delta_is_dropped_once_folded_and_any_other_is_left_alone():
+    layout = Layout(FRAGS, {n: a.shape for n, a in PARAMS.items()})
+    codec = FragmentCodec(CodecConfig(bits=4, block_size=16), layout)
+    s = SyncerCore(SyncerConfig(num_learners=3, quorum=3, grace=False), FRAGS, PARAMS, is_embedding, codec)
+    payload = codec.encode({"block_0/w": np.full(3, 0.1, np.float32)})
+    mine = codec.decode(0, payload)  # the caller's own: kept
+    handed = codec.decode(0, payload)
+    handed.handed_over = True  # as the runtime's serde marks what it decoded for the upload alone
+    s.on_fragment(0.0, dataclasses.replace(upload(0), delta=mine))
+    s.on_fragment(0.1, dataclasses.replace(upload(1), delta=handed))
+    assert list(mine) == ["block_0/w"] and handed == {}
+    assert s.rounds[(0, 8)].sums.count == 2

@@ -7,6 +7,7 @@ for bit, so every process that decodes the same bytes holds the same arrays.
 """
 from __future__ import annotations
 
+import threading
 from functools import lru_cache, partial
 from typing import Any, Sequence
 
@@ -18,7 +19,7 @@ from wan_diloco.compression.config import CODEBOOKS, INT4_QMAX, Format
 from wan_diloco.compression.host_quantize import quantize_host
 from wan_diloco.compression.pallas_kernels import default_interpret, quantize_pallas
 from wan_diloco.compression.quantize import code_bytes_per_block, n_blocks, quantize, to_blocks
-from wan_diloco.merge import SERIAL, Workers
+from wan_diloco.merge import CHUNK, SERIAL, Workers
 
 # Tensors up to this size share one quantizer call: a dispatch costs ~20 us,
 # more than quantizing a few thousand values.
@@ -81,15 +82,24 @@ def quantize_fragment(arrays: Sequence[Any], sizes: Sequence[int], fmt: Format, 
 
 
 @lru_cache(maxsize=None)
-def _pair_luts(codebook: str) -> tuple[np.ndarray, np.ndarray]:
-    """Tables from two code bytes (a little-endian u16) to the two low-nibble
-    levels and to the two high-nibble levels, each pair packed in a u64: one
-    numpy gather then fills two float32 outputs (1 MiB per codebook)."""
+def _byte_lut(codebook: str) -> np.ndarray:
+    """Code byte -> its two levels (low nibble's, high nibble's) as two float32 in one u64: a 2 KiB
+    table that stays in L1, so one gather per byte fills two values (a 64K-entry table of byte pairs
+    measured twice as slow: it misses the cache)."""
     lv = CODEBOOKS[codebook] * np.float32(INT4_QMAX)
-    b = np.arange(65536)
-    lo = np.stack([lv[b & 15], lv[(b >> 8) & 15]], axis=1).astype("<f4")
-    hi = np.stack([lv[(b >> 4) & 15], lv[b >> 12]], axis=1).astype("<f4")
-    return lo.view("<u8").ravel(), hi.view("<u8").ravel()
+    b = np.arange(256)
+    return np.stack([lv[b & 15], lv[b >> 4]], axis=1).astype("<f4").view("<u8").ravel()
+
+
+_scratch = threading.local()
+
+
+def _pairs_buffer(n: int) -> np.ndarray:
+    """This thread's scratch of ``n`` u64 (grown on demand): the gathered level pairs of one chunk."""
+    buf = getattr(_scratch, "pairs", None)
+    if buf is None or buf.size < n:
+        buf = _scratch.pairs = np.empty(n, np.uint64)
+    return buf[:n]
 
 
 def dequantize_host(codes: np.ndarray, scales: np.ndarray, fmt: Format) -> np.ndarray:
@@ -100,19 +110,23 @@ def dequantize_host(codes: np.ndarray, scales: np.ndarray, fmt: Format) -> np.nd
 
 
 def dequantize_into(codes: np.ndarray, scales: np.ndarray, fmt: Format, out: np.ndarray) -> None:
-    """``dequantize_host`` into ``out`` (n_blocks, block_size) float32: no temporaries the size of
-    the output, so a caller that decodes a chunk at a time keeps it in cache.
+    """``dequantize_host`` into ``out`` (n_blocks, block_size) float32, C-contiguous, a chunk of blocks at
+    a time through a per-thread scratch: a caller that decodes a chunk at a time keeps it in cache.
 
-    ``codes`` is (n_blocks, code bytes) uint8; 4-bit decoding gathers two
-    levels per lookup from a pair table (even block sizes only, as all are).
+    ``codes`` is (n_blocks, code bytes) uint8; 4-bit decoding gathers both levels of a byte at once
+    (even block sizes only, as all are).
     """
     if fmt.bits == 8:
         np.multiply(codes.view(np.int8), scales[:, None], out=out)
         return
-    lut_lo, lut_hi = _pair_luts(fmt.codebook)
-    pairs = codes.view("<u2")
-    half = fmt.block_size // 2
-    # mode="clip" (a no-op: every u16 indexes the 64K table) lets take write into ``out`` unbuffered.
-    np.take(lut_lo, pairs, out=out[:, :half].view("<u8"), mode="clip")
-    np.take(lut_hi, pairs, out=out[:, half:].view("<u8"), mode="clip")
-    out *= scales[:, None]
+    lut, half = _byte_lut(fmt.codebook), codes.shape[1]
+    rows = max(1, CHUNK // fmt.block_size)
+    for a in range(0, codes.shape[0], rows):
+        c, o = codes[a:a + rows], out[a:a + rows]
+        k = c.shape[0]
+        pairs = _pairs_buffer(c.size).reshape(k, half)
+        # mode="clip" (a no-op: every byte indexes the 256-entry table) lets take write unbuffered.
+        np.take(lut, c, out=pairs, mode="clip")
+        # Byte j's pair is (value j, value j + half): a transposing copy puts each half in place.
+        np.copyto(o.view(np.uint32).reshape(k, 2, half), pairs.view(np.uint32).reshape(k, half, 2).transpose(0, 2, 1))
+        o *= scales[a:a + rows, None]

@@ -29,9 +29,14 @@ from wan_diloco.merge import SERIAL, Workers
 class Decoded(dict):
     """A decoded fragment's tensors {name: float32 array}, with ``sum_squares``: Σx² of each (float64,
     in the dict's order), computed by the decoding pass itself so the receiver's finiteness and norm
-    checks need not read the values again. Set by this codec only, never taken from the wire."""
+    checks need not read the values again. Set by this codec only, never taken from the wire.
+
+    ``handed_over``: whoever decoded it says nobody else holds these tensors, so the one it hands them to
+    (the syncer, once the Δ is folded into its sums) may drop them at once: ``clear()`` lets their buffer
+    go back to ``buffers.POOL`` while the caller's frames still hold the dict."""
 
     sum_squares: np.ndarray
+    handed_over: bool = False
 
 
 class FragmentCodec:
@@ -63,10 +68,18 @@ class FragmentCodec:
         """
         return self._encode(values, key)[0]
 
-    def roundtrip(self, values: Mapping[str, Any], key=None) -> Encoded:
-        """``encode`` plus exactly what ``decode`` gives for the payload, bit for bit."""
+    def roundtrip(self, values: Mapping[str, Any], key=None, *, in_place: bool = False) -> Encoded:
+        """``encode`` plus exactly what ``decode`` gives for the payload, bit for bit. ``in_place``: the
+        caller needs ``values`` no more, so the decoded values overwrite them where they are writable
+        float32 numpy arrays (8/4-bit formats): no second fragment-sized buffer."""
         data, p, raw = self._encode(values, key)
-        return Encoded(values=self._unpack(p, self._fmt, raw), nbytes=len(data), payload=data)
+        into = None
+        if in_place:
+            flats = [values[n] for n in self.layout.fragments[p]]
+            if all(isinstance(x, np.ndarray) and x.dtype == np.float32 and x.flags.c_contiguous and x.flags.writeable
+                   for x in flats):
+                into = [x.reshape(-1) for x in flats]
+        return Encoded(values=self._unpack(p, self._fmt, raw, into), nbytes=len(data), payload=data)
 
     def _encode(self, values: Mapping[str, Any], key) -> tuple[bytes, int, Any]:
         """(payload, fragment index, its raw pre-zstd bytes)."""
@@ -82,6 +95,7 @@ class FragmentCodec:
         if self.cfg.zstd:
             # One-shot over the joined parts: twice as fast as streaming them.
             raw = b"".join(parts)
+            parts = None  # the codes, joined: not held through the compress and the frame (a syncer's peak)
             packed = entropy.compress(raw, self.cfg.zstd_level)
         body = parts if raw is None else [packed if packed is not None else raw]
         header = frame.Header(fmt, packed is not None, p, raw_len, sum(memoryview(a).nbytes for a in body))
@@ -145,8 +159,8 @@ class FragmentCodec:
         raw = entropy.decompress(body, h.raw_len) if h.zstd else body
         return self._unpack(fragment, h.fmt, raw)
 
-    def _unpack(self, p: int, fmt: Format, raw) -> Decoded:
-        flats, sums = pack.unpack(fmt, raw, self._sizes[p], self.workers)
+    def _unpack(self, p: int, fmt: Format, raw, into=None) -> Decoded:
+        flats, sums = pack.unpack(fmt, raw, self._sizes[p], self.workers, into)
         out = Decoded()
         out.sum_squares = sums
         for n, flat in zip(self.layout.fragments[p], flats):

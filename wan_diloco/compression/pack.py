@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from wan_diloco.buffers import POOL
 from wan_diloco.compression import blocks
 from wan_diloco.compression.config import BITS, INT4_QMAX, INT8_QMAX, MIN_SCALE, Format
 from wan_diloco.compression.errors import CodecError, EncodeError, NonFiniteError
@@ -62,8 +63,8 @@ class _Float32:
             parts.append(v)
         return parts
 
-    def unpack(self, fmt, raw, sizes, workers) -> tuple[list[np.ndarray], np.ndarray]:
-        out, pos = [], 0
+    def unpack(self, fmt, raw, sizes, workers, into=None) -> tuple[list[np.ndarray], np.ndarray]:
+        out, pos = [], 0  # views of ``raw``: nothing to write ``into``
         for n in sizes:
             out.append(np.frombuffer(raw, "<f4", n, pos))
             pos += 4 * n
@@ -90,7 +91,7 @@ class _BFloat16:
             parts.append(v)
         return parts
 
-    def unpack(self, fmt, raw, sizes, workers) -> tuple[list[np.ndarray], np.ndarray]:
+    def unpack(self, fmt, raw, sizes, workers, into=None) -> tuple[list[np.ndarray], np.ndarray]:
         flat = (np.frombuffer(raw, "<u2").astype(np.uint32) << 16).view(np.float32)
         out, pos = [], 0
         for n in sizes:
@@ -121,30 +122,43 @@ class _Blockwise:
         sb = np.concatenate(scale_bits) if scale_bits else np.zeros(0, np.uint16)
         return [(sb >> 8).astype(np.uint8), (sb & 0xFF).astype(np.uint8), *code_parts]
 
-    def unpack(self, fmt, raw, sizes, workers) -> tuple[list[np.ndarray], np.ndarray]:
+    def unpack(self, fmt, raw, sizes, workers, into=None) -> tuple[list[np.ndarray], np.ndarray]:
         """One pass per chunk of blocks on ``workers``: table lookup, times the scales, and the
-        chunk's Σx² while it is in cache (values are finite: ``_scales`` bounds every scale)."""
+        chunk's Σx² while it is in cache (values are finite: ``_scales`` bounds every scale). ``into``:
+        flat float32 arrays (one per tensor) to write the values into instead of a pooled buffer."""
         raw = np.frombuffer(raw, np.uint8)
         bs = fmt.block_size
         nb = sum(n_blocks(n, bs) for n in sizes)
         bits16 = (raw[:nb].astype(np.uint16) << 8) | raw[nb:2 * nb]
         scales = _scales(bits16, fmt)
         codes = raw[2 * nb:].reshape(nb, code_bytes_per_block(fmt.bits, bs))
-        blocks2d = np.empty((nb, bs), np.float32)
+        blocks2d = None if into is not None else POOL.empty(nb * bs).reshape(nb, bs)  # reused once unreferenced
         step = max(1, CHUNK // bs)
-        items, out, first = [], [], 0  # (tensor, first block, end block, its values in the chunk)
+        items, out, starts, first = [], [], [], 0  # items: (tensor, first block, end block, its values)
         for t, n in enumerate(sizes):
             k = n_blocks(n, bs)
             items += [(t, first + a, first + min(a + step, k), min(n, (a + step) * bs) - a * bs)
                       for a in range(0, k, step)]
-            out.append(blocks2d[first:first + k].reshape(-1)[:n])
+            out.append(blocks2d[first:first + k].reshape(-1)[:n] if into is None else into[t])
+            starts.append(first)
             first += k
 
         def run(it) -> float:
-            _, a, b, n = it
-            chunk = blocks2d[a:b]
+            t, a, b, n = it
+            if into is None:
+                chunk = blocks2d[a:b]
+            elif n == (b - a) * bs:  # whole blocks: straight into the caller's array
+                lo = (a - starts[t]) * bs
+                chunk = into[t][lo:lo + n].reshape(b - a, bs)
+            else:  # the tensor's padded last block: through a scratch
+                chunk = np.empty((b - a, bs), np.float32)
             blocks.dequantize_into(codes[a:b], scales[a:b], fmt, chunk)
-            return chunk_sum_squares(chunk.reshape(-1)[:n])  # block padding is not a value
+            values = chunk.reshape(-1)[:n]  # block padding is not a value
+            if into is not None and n != (b - a) * bs:
+                lo = (a - starts[t]) * bs
+                into[t][lo:lo + n] = values
+                values = into[t][lo:lo + n]
+            return chunk_sum_squares(values)
 
         return out, per_tensor(len(sizes), items, workers.map(run, items))
 
@@ -191,7 +205,10 @@ def pack(fmt: Format, names: Sequence[str], arrays: Sequence[Any], *, impl: str 
     return packer(fmt).pack(fmt, names, arrays, impl, key, workers)
 
 
-def unpack(fmt: Format, raw, sizes: Sequence[int], workers: Workers = SERIAL) -> tuple[list[np.ndarray], np.ndarray]:
+def unpack(fmt: Format, raw, sizes: Sequence[int], workers: Workers = SERIAL,
+           into: Sequence[np.ndarray] | None = None) -> tuple[list[np.ndarray], np.ndarray]:
     """Flat float32 arrays from raw payload bytes of exactly ``raw_nbytes(fmt, sizes)``, and their Σx²
-    (float64, per array: the norm checks' input, computed in the same pass); CodecError for NaN/Inf."""
-    return packer(fmt).unpack(fmt, raw, sizes, workers)
+    (float64, per array: the norm checks' input, computed in the same pass); CodecError for NaN/Inf.
+    ``into``: writable flat float32 arrays of ``sizes`` the 8/4-bit formats write the values into
+    (fp32 and bf16 give views of ``raw``, as without)."""
+    return packer(fmt).unpack(fmt, raw, sizes, workers, into)

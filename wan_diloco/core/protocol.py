@@ -31,16 +31,17 @@ class IncarnationError(RuntimeError):
 class Codec(Protocol):
     """What the cores need of a codec (``compression.FragmentCodec`` is the one implementation)."""
 
-    def roundtrip(self, values: Tensors) -> Encoded:
-        """Encode one fragment; return the bytes and exactly what decoding them gives.
+    def roundtrip(self, values: Tensors, *, in_place: bool = False) -> Encoded:
+        """Encode one fragment; return the bytes and exactly what decoding them gives (``in_place``: it
+        may write them over ``values``, which the caller no longer needs).
 
         Raises ValueError (naming the tensor) for values it refuses, e.g. NaN."""
 
 
-def encode_or_refuse(codec: Codec, values: Tensors, what: str) -> Encoded:
+def encode_or_refuse(codec: Codec, values: Tensors, what: str, in_place: bool = False) -> Encoded:
     """``codec.roundtrip`` with a refusal turned into a ProtocolError naming ``what``."""
     try:
-        return codec.roundtrip(values)
+        return codec.roundtrip(values, in_place=True) if in_place else codec.roundtrip(values)
     except ProtocolError:
         raise
     except ValueError as e:

@@ -72,23 +72,38 @@ def fold_carried(rnd: Round, carried: Mapping[int, FragmentUpload], oldest_base:
     return fold, keep, stale
 
 
+# Below this, |Θ_p| + |update| cannot reach float32's largest value: Θ_p + update cannot overflow.
+_NO_OVERFLOW = float(np.finfo(np.float32).max) / 4
+
+
 def outer_step(outer: OuterOptimizer, codec: Codec, p: int, theta: Tensors, delta: Mapping[str, np.ndarray],
-               workers: Workers, timing: Timing) -> tuple[Encoded, dict[str, np.ndarray], float]:
-    """(the encoded update, the new Θ_p, ||new Θ_p||²) for the merged ``delta``; Θ_p and the momentum
-    untouched (``outer.commit`` advances it once the round is taken). ProtocolError where the outer
-    step came out non-finite: the codec refuses such an update, or Θ_p + update overflowed."""
+               workers: Workers, timing: Timing, theta_sq: float | None = None) -> Encoded:
+    """The encoded update for the merged ``delta``, its values in the update's own arrays; Θ_p and the
+    momentum untouched (``outer.commit`` advances it once the round is taken; ``apply_update`` then makes
+    the new Θ_p). ProtocolError where the outer step came out non-finite: the codec refuses such an update,
+    or Θ_p + update would overflow (checked by a pass only where ||Θ_p|| (``theta_sq``) and the update's
+    norm leave it possible: ``apply_update`` must not fail once the momentum has moved)."""
     with np.errstate(over="ignore", invalid="ignore"), timing("outer_step"):
         update = outer.update(p, delta, workers)
     # Everyone, the syncer included, applies the same decoded update: all copies stay bit-identical.
-    # The codec refuses a non-finite update (an outer step that overflowed).
+    # The codec refuses a non-finite update (an outer step that overflowed). Decoded over the update's
+    # own arrays (encoded, they are not needed again): a round holds no third fragment.
     with timing("encode"):
-        enc = encode_or_refuse(codec, update, f"update of fragment {p}")
-    # Not in place: a snapshot being written shares Θ_p's arrays (``export``). Into the update's arrays
-    # instead (encoded, it is not needed again), with the next norm check's ||Θ_p||² from the same pass.
-    new, theta_sq = add(theta, enc.values, workers, out=update)
-    if not math.isfinite(theta_sq):
-        raise ProtocolError("the outer step overflowed (non-finite result)")
-    return enc, new, theta_sq
+        enc = encode_or_refuse(codec, update, f"update of fragment {p}", in_place=True)
+    u_sq = getattr(enc.values, "sum_squares", None)
+    if theta_sq is None or u_sq is None or math.sqrt(theta_sq) + math.sqrt(float(np.sum(u_sq))) >= _NO_OVERFLOW:
+        if not math.isfinite(add(theta, enc.values, workers)[1]):
+            raise ProtocolError("the outer step overflowed (non-finite result)")
+    return enc
+
+
+def apply_update(theta: Tensors, update: Tensors, workers: Workers, out: Mapping[str, np.ndarray]
+                 ) -> tuple[dict[str, np.ndarray], float]:
+    """(the new Θ_p = Θ_p + update in ``out``'s arrays, ||new Θ_p||² from the same pass). Not in place:
+    a snapshot being written shares Θ_p's arrays (``export``); ``out`` is the merged Δ, spent once the
+    momentum has taken it."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        return add(theta, update, workers, out=out)
 
 
 def finals_complete(finals: Mapping[tuple[int, int], FragmentUpload], owned: Sequence[int],
@@ -261,6 +276,8 @@ class SyncerRounds:
             return
         self._fold(self._sums(rnd, msg.fragment), msg, delta_sq)
         rnd.contributions[msg.learner] = replace(msg, delta={}, payload=None)  # its counters; Δ is in the sums
+        if getattr(msg.delta, "handed_over", False):
+            msg.delta.clear()  # no one else holds it (``compression.Decoded``): its memory is free for the close
 
     def _sums(self, rnd: Round, p: int) -> Accumulator:
         if rnd.sums is None:
@@ -308,7 +325,8 @@ class SyncerRounds:
         with self.timing("merge"):
             delta = dict(zip(self.fragments[p], sums.result()))
         try:
-            enc, new, theta_sq = outer_step(self.outer, self.codec, p, self.theta[p], delta, self.workers, self.timing)
+            enc = outer_step(self.outer, self.codec, p, self.theta[p], delta, self.workers, self.timing,
+                             self.theta_sq[p])
         except ProtocolError as e:
             # Θ_p and its momentum stay as they were; the learners keep their Δs' steps in θ and send again.
             self.stats.refused_rounds += 1
@@ -316,7 +334,7 @@ class SyncerRounds:
             return []
         with self.timing("outer_step"):
             self.outer.commit(p, delta, self.workers)
-        self.theta[p], self.theta_sq[p] = new, theta_sq
+            self.theta[p], self.theta_sq[p] = apply_update(self.theta[p], enc.values, self.workers, out=delta)
         from_version = self.version[p]
         self.version[p] += 1
         self.last_closed_due[p] = max(self.last_closed_due[p], due)

@@ -37,6 +37,7 @@ from typing import Any, Mapping, Union
 import numpy as np
 
 from wan_diloco import transport
+from wan_diloco.compression.fragment import Decoded
 from wan_diloco.core import fingerprint
 from wan_diloco.core.recovery import state_digest
 from wan_diloco.core.messages import (  # noqa: F401 - the table's names, importable from serde as before
@@ -170,6 +171,8 @@ def upload_from_frame(frame: transport.Frame, codec, num_learners: int) -> Fragm
     learner = _learner_of(FragmentUpload, frame.sender, num_learners)
     fields = _fields_of(FragmentUpload, _without_kind(FragmentUpload, frame.meta))
     delta = _decode(codec, frame.fragment, frame.payload)
+    if isinstance(delta, Decoded):
+        delta.handed_over = True  # decoded for this upload alone: the syncer drops it once folded
     return FragmentUpload(learner=learner, fragment=frame.fragment, delta=delta, nbytes=len(frame.payload),
                           payload=None, **fields)
 

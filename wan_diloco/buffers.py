@@ -1,0 +1,65 @@
+"""Float32 buffers handed out again once nothing refers to them: the syncer's hot path without fresh pages.
+
+A syncer decodes every upload into a fragment-sized array, folds it into a round's sums and drops it;
+each close makes the update and the new Θ. Fresh arrays that size come from ``mmap`` and each first
+touch of a page is a fault the kernel zeroes: a quarter of a CPU second per GB, as much as the NF4
+lookup itself. ``BufferPool.empty`` hands out a slice of a buffer it made before once no array refers to
+it any more (numpy views keep their base alive, so the base's reference count says when the last one
+went away): nothing handed out is ever written under its holder. It keeps a few buffers; past that
+the oldest leaves the pool (freed once its holders let go). Memory it keeps idle is the price: at most
+``keep`` buffers.
+"""
+from __future__ import annotations
+
+import sys
+import threading
+
+import numpy as np
+
+# getrefcount while a buffer sits idle in the list: the list's reference, the loop variable's, the call's own.
+_IDLE_REFS = 3
+
+
+class BufferPool:
+    """``empty(n)``: a float32 array of n values, reusing an idle pooled buffer when one is large enough."""
+
+    def __init__(self, keep: int = 4):
+        if not isinstance(keep, int) or keep < 1:
+            raise ValueError(f"keep must be an integer >= 1, got {keep!r}")
+        self.keep = keep
+        self._bufs: list[np.ndarray] = []
+        self._lock = threading.Lock()
+
+    def empty(self, n: int) -> np.ndarray:
+        with self._lock:
+            fit, fit_size = -1, None
+            for i in range(len(self._bufs)):  # not enumerate: its tuple would hold a reference
+                b = self._bufs[i]
+                if b.size >= n and sys.getrefcount(b) == _IDLE_REFS and (fit_size is None or b.size < fit_size):
+                    fit, fit_size = i, b.size
+            b = None
+            if fit >= 0:
+                return self._bufs[fit][:n]
+            buf = np.empty(n, np.float32)
+            self._bufs.append(buf)
+            if len(self._bufs) > self.keep:
+                del self._bufs[0]
+            return buf[:n]
+
+    def clear(self) -> None:
+        """Forget every buffer (those still held live on with their holders): memory measured from here
+        counts the pool's buffers too."""
+        with self._lock:
+            self._bufs.clear()
+
+    def split(self, sizes: list[int]) -> list[np.ndarray]:
+        """One pooled buffer cut into flat arrays of ``sizes`` (a fragment's tensors)."""
+        buf = self.empty(sum(sizes))
+        out, pos = [], 0
+        for n in sizes:
+            out.append(buf[pos:pos + n])
+            pos += n
+        return out
+
+
+POOL = BufferPool()
