@@ -37,6 +37,7 @@ from wan_diloco.transport import (
 )
 
 log = logging.getLogger(__name__)
+REFETCH_WAIT_S = 10.0  # the loop thread answers at once; only a stopped one would not
 
 
 class NetThread:
@@ -296,6 +297,18 @@ class NetThread:
         if isinstance(request, str):  # the syncer checks the learner bound; here only the form matters
             request = ObjectRequest.parse(request, len(self.codec.layout.fragments), MAX_LEARNERS)
         return request.name, 0 if self.view is None else self.view.routes.serves(request)
+
+    def refetch(self, epoch: int) -> list[int]:
+        """The fragments a learner that followed incarnation ``epoch`` fetches to join the syncer: with S shards
+        those of the shards that resumed since (``ShardView.refetch``, read on the loop thread, which moves
+        the view), else every one."""
+        if self.view is None:
+            return list(range(len(self.codec.layout.fragments)))
+
+        async def ask() -> list[int]:
+            return self.view.refetch(epoch)
+
+        return asyncio.run_coroutine_threadsafe(ask(), self.loop).result(REFETCH_WAIT_S)
 
     def fetch_fragment(self, request: ObjectRequest | str) -> concurrent.futures.Future:
         """Bulk-fetch ``fragment/P`` or ``final/P`` (an ``ObjectRequest`` or its name).
