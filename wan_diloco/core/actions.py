@@ -18,7 +18,7 @@ from wan_diloco.core.recovery import AskDonor, NoDonor, RecoveryStarted, StateRe
 from wan_diloco.core.rejoin import Resynced, TakeUpStep
 from wan_diloco.core.reports import Report
 from wan_diloco.core.restore import InstallPart, LoadPart, RecoverFromPeer, TakeUpPosition
-from wan_diloco.core.snapshots import SnapshotComplete, WriteManifest, WriteSyncerPart
+from wan_diloco.core.snapshots import AnnounceSnapshot, SnapshotComplete, WriteManifest, WriteSyncerPart
 
 LearnerAction = typing.Union[
     ApplyGlobal, Snapshot, SendFragment, SendMetadata, Resync, Rejoin, SaveState,  # LearnerCore
@@ -29,7 +29,7 @@ LearnerAction = typing.Union[
 
 SyncerAction = typing.Union[
     Broadcast, SetTimer,  # SyncerCore
-    WriteSyncerPart, WriteManifest, SnapshotComplete,  # snapshots.SnapshotCoordinator
+    WriteSyncerPart, AnnounceSnapshot, WriteManifest, SnapshotComplete,  # snapshots.SnapshotCoordinator
     AskDonor, NoDonor, RecoveryStarted, StateReady, StateTaken,  # recovery.Donations
     AnnounceBarrier, FailRun,  # barrier.StartBarrier
 ]

@@ -43,7 +43,7 @@ from wan_diloco.core import (
 from wan_diloco.core import rejoin as rj
 from wan_diloco.core.barrier import BarrierView
 from wan_diloco.core.peer import Donor, SendState, position_field
-from wan_diloco.core.messages import Barrier, Donate, Identity
+from wan_diloco.core.messages import Barrier, Donate, Identity, SnapshotCut
 from wan_diloco.core.protocol import ObjectRequest
 from wan_diloco.core.reports import Report
 from wan_diloco.core.restore import InstallPart, LoadPart, RecoverFromPeer, Resume, TakeUpPosition
@@ -235,6 +235,8 @@ class Learner:
                     self.barrier.on_status(item.started, item.need, item.joined, item.waiting_for)
                 case Donate():
                     self.handle(self.donor.on_donate(time.monotonic(), item.recipient, item.versions))
+                case SnapshotCut():  # its part of the snapshot is due
+                    self.handle(self.core.on_snapshot_cut(time.monotonic(), item))
                 case LinkSample():
                     self.replanner.on_link(item, self.core, self.payload_bytes, self.uploads)
                 case ChannelsWidened():

@@ -9,7 +9,7 @@ metadata is kept, and at most one upload per fragment is pending (a newer
 snapshot of a fragment supersedes an older one still waiting to be sent).
 
 The inbox is typed: each item is one of ``runtime.inbox.InboxItem`` (the core's ``Identity``,
-``Barrier``, ``Donate``; ``Arrived`` around a core ``GlobalUpdate``;
+``Barrier``, ``Donate``, ``SnapshotCut``; ``Arrived`` around a core ``GlobalUpdate``;
 ``transport.LinkSample``; ``ChannelsWidened``; ``Refused``; ``StreamLost``),
 and the training thread dispatches them with one ``match`` on their classes.
 """
@@ -27,7 +27,7 @@ from wan_diloco.compression import FragmentCodec
 from wan_diloco import shards
 from wan_diloco.core import FragmentUpload, Metadata, ProtocolError
 from wan_diloco.core.fingerprint import SETTINGS_DIFFER
-from wan_diloco.core.messages import MAX_LEARNERS, Identity, ObjectRequest
+from wan_diloco.core.messages import MAX_LEARNERS, Identity, ObjectRequest, SnapshotCut
 from wan_diloco.runtime.inbox import Arrived, ChannelsWidened, InboxItem, Refused, StreamLost  # noqa: F401
 from wan_diloco.runtime import serde
 from wan_diloco.runtime.shard_view import ShardView
@@ -134,7 +134,9 @@ class NetThread:
                         E, resumed = self.view.seen(shard, control.epoch, control.resumed_from)
                         control = dataclasses.replace(control, epoch=E, resumed_from=resumed,
                                                       process=self.view.process_ids(shard, control.process))
-                    if control is not None:  # Identity, Barrier or Donate, as the core's types
+                    elif self.view is not None and isinstance(control, SnapshotCut):
+                        control = self.view.cut(shard, control)
+                    if control is not None:  # Identity, Barrier, Donate or SnapshotCut, as the core's types
                         self.inbox.put(control)
                         continue
                     # Off the loop: decoding a large fragment must not stall uploads in flight.

@@ -40,7 +40,8 @@ from wan_diloco.core.recovery import (
 )
 from wan_diloco.core.shards import ShardPlan
 from wan_diloco.core.snapshots import (
-    ForkRefused, ResumeError, SnapshotComplete, SnapshotCoordinator, WriteManifest, WriteSyncerPart, fork_refusal,
+    AnnounceSnapshot, ForkRefused, ResumeError, SnapshotComplete, SnapshotCoordinator, WriteManifest, WriteSyncerPart,
+    fork_refusal,
 )
 from wan_diloco.runtime import serde
 from wan_diloco.runtime.events import emit
@@ -147,6 +148,8 @@ class SyncerService(StatusPage, FinalWrite, SnapshotFiles):
                     self._timers[key] = asyncio.get_running_loop().call_later(delay, self._on_timer, key)
                 case WriteSyncerPart():
                     asyncio.get_running_loop().create_task(self._write_syncer_part(a))
+                case AnnounceSnapshot(msg=msg):
+                    self.hub.publish(serde.control_to_frame(msg))
                 case WriteManifest():
                     self._write_manifest(a)
                 case SnapshotComplete():
@@ -285,6 +288,8 @@ class SyncerService(StatusPage, FinalWrite, SnapshotFiles):
             yield serde.control_to_frame(serde.Identity(self.core.run_id, self.core.epoch, self.core.resumed_from,
                                                            self.process_id))
             yield serde.control_to_frame(self._barrier_msg())
+            if (cut := self.snapshots.announcement()) is not None:  # a learner that reconnects misses no cut
+                yield serde.control_to_frame(cut)
             async for item in stream:
                 yield item
             superseded = True  # a newer subscription of the same learner took over
