@@ -290,20 +290,6 @@ class Simulation(FaultReplay, ResumeReplay, StartAndEnd):
         self._learner_actions(m, l.core.on_update(self.now, msg))
         self._resume_if_unblocked(m)
 
-    def _announce_cut(self, now_s: float, cut) -> None:
-        """The syncer (shard 0) cut a snapshot: each listening learner hears of it over its down link, after
-        what is queued there, as on the update stream."""
-        if self.sharded:
-            cut = self.syncer.view.cut(0, cut)
-        for m, l in enumerate(self.learners):
-            if l.listening:
-                self._at(l.down_link.send(now_s, 0), self._deliver_cut, m, l.life, cut)
-
-    def _deliver_cut(self, m: int, life: int, cut) -> None:
-        l = self.learners[m]
-        if l.listening and life == l.life:
-            self._learner_actions(m, l.core.on_snapshot_cut(self.now, cut))
-
     def _resume_if_unblocked(self, m: int) -> None:
         l = self.learners[m]
         if l.up and l.waiting and not l.core.blocked:
