@@ -10,6 +10,7 @@ from wan_diloco.core import (
     ApplyGlobal, IncarnationError, LearnerConfig, LearnerCore, ProtocolError, Rejoin, SaveState,
     SyncerConfig, SyncerCore,
 )
+from wan_diloco.core.messages import SnapshotCut
 from wan_diloco.outer import OuterConfig
 
 from .helpers import CODEC, FRAGS, PARAMS, is_embedding, meta, upload
@@ -113,11 +114,12 @@ def test_a_delta_sent_before_its_learner_saw_its_previous_merge_is_dropped_as_a_
 # ---- identity ---------------------------------------------------------------------------
 
 
-def test_updates_carry_the_run_the_incarnation_and_the_snapshot():
+def test_updates_carry_the_run_and_the_incarnation_and_no_snapshot_announcement():
     s = syncer()
     s.run_id, s.epoch, s.resumed_from, s.snapshot_id = "run-a", 3, 7, 8
     [b] = s.on_fragment(1.0, upload(0))
-    assert (b.msg.run_id, b.msg.epoch, b.msg.resumed_from, b.msg.snapshot) == ("run-a", 3, 7, 8)
+    assert (b.msg.run_id, b.msg.epoch, b.msg.resumed_from) == ("run-a", 3, 7)
+    assert not hasattr(b.msg, "snapshot")  # a SnapshotCut of its own (core.snapshots)
 
 
 def test_uploads_of_an_earlier_incarnation_are_dropped():
@@ -166,15 +168,25 @@ def test_a_syncer_of_another_run_stops_the_learner():
         core.join("run-b", 1, 0, [(PARAMS, 0), (PARAMS, 0)], 0)
 
 
-def test_a_learner_writes_its_part_after_the_update_that_announces_a_snapshot_and_reports_it():
+def test_a_learner_writes_its_part_when_a_snapshot_is_announced_and_reports_it():
     core = joined()
-    s = syncer()
-    s.run_id, s.snapshot_id = "run-a", 4
-    acts = core.on_update(0.0, _update(s))
-    assert isinstance(acts[0], ApplyGlobal) and acts[-1] == SaveState(4)
+    assert core.on_snapshot_cut(0.0, SnapshotCut(4, 1)) == [SaveState(4)]
+    assert core.on_snapshot_cut(0.0, SnapshotCut(4, 1)) == []  # announced again (a reconnected stream): written
+    assert core.on_snapshot_cut(0.0, SnapshotCut(3, 1)) == []  # an older cut
     assert core.metadata().snapshot == 0
     core.saved(4)
     assert core.metadata().snapshot == 4 and core.metadata().epoch == 1
+
+
+def test_a_cut_announced_during_a_step_is_written_after_it_and_stale_or_early_cuts_are_not():
+    core = joined()
+    core.begin_step(0.0)
+    assert core.on_snapshot_cut(0.0, SnapshotCut(5, 1)) == []
+    assert core.step_done(1.0, 10).count(SaveState(5)) == 1
+    core.begin_step(1.5)
+    assert SaveState(5) not in core.step_done(2.0, 10)  # once
+    assert joined(epoch=2).on_snapshot_cut(0.0, SnapshotCut(9, 1)) == []  # of an incarnation it no longer follows
+    assert learner().on_snapshot_cut(0.0, SnapshotCut(9, 1)) == []  # not joined: no state of the run to keep
 
 
 # ---- snapshot state ----------------------------------------------------------------------

@@ -3,16 +3,17 @@ import pytest
 
 from wan_diloco.clock import VectorClock
 from wan_diloco.core import GlobalUpdate, ProtocolError
+from wan_diloco.core.messages import SnapshotCut
 from wan_diloco.runtime.serde import BulkFragment
 from wan_diloco.core.shards import OTHER_SHARD_RESUMED, ShardView
 
 PLAN = [0, 1, 0, 1]  # fragment -> shard
 
 
-def update(p, epoch, snapshot=0, resumed_from=0):
+def update(p, epoch, resumed_from=0):
     return GlobalUpdate(fragment=p, from_version=0, to_version=1, due_step=4, global_step=4, clock=VectorClock(),
                         update={"w": np.zeros(2, np.float32)}, nbytes=8, contributors=(0,), held_s={},
-                        run_id="r", epoch=epoch, resumed_from=resumed_from, snapshot=snapshot)
+                        run_id="r", epoch=epoch, resumed_from=resumed_from)
 
 
 def test_fresh_shards_look_like_one_syncer_of_incarnation_one():
@@ -33,17 +34,30 @@ def test_a_resumed_shard_moves_the_combined_epoch_and_messages_map_back_per_shar
     assert v.outgoing(0, 3) == 2 and v.outgoing(1, 3) == 2
 
 
-def test_updates_carry_shard_zeros_snapshots_only_and_must_come_from_their_owner():
+def test_updates_must_come_from_their_owner():
     v = ShardView(PLAN)
-    u0 = v.update(0, update(0, 1, snapshot=3))
-    u1 = v.update(1, update(1, 1, snapshot=11))  # shard 1's own numbering never reaches the learner
-    assert (u0.snapshot, u1.snapshot, u1.epoch) == (3, 3, 1)
+    assert v.update(1, update(1, 1)).epoch == 1
     with pytest.raises(ProtocolError, match="fragment 1 came from syncer shard 0; its owner is shard 1"):
         v.update(0, update(1, 1))
     bulk = BulkFragment(3, 5, 4, {}, "r", 2, 4)
     assert v.update(1, bulk) == bulk._replace(epoch=2, resumed_from=OTHER_SHARD_RESUMED)  # not shard 1's 4
     with pytest.raises(ProtocolError, match="fragment 4 out of range"):
         v.shard_of(4)
+
+
+def test_snapshot_announcements_are_shard_zeros_only_in_the_learners_terms():
+    v = ShardView(PLAN)
+    v.seen(0, 1, 0), v.seen(1, 1, 0)
+    assert v.cut(0, SnapshotCut(3, 1)) == SnapshotCut(3, 1)
+    with pytest.raises(ProtocolError, match="from syncer shard 1; learners write their parts into shard 0's") as e:
+        v.cut(1, SnapshotCut(11, 1))  # shard 1's own numbering never reaches the learner
+    assert e.value.field == "cut"
+    v.seen(1, 2, 7)  # shard 1 resumed: E = 2, shard 0 still at its incarnation 1
+    assert v.cut(0, SnapshotCut(4, 1)) == SnapshotCut(4, 2)
+    v.seen(0, 2, 4)  # shard 0 resumed too: E = 3; a cut of its old incarnation is stale (an earlier E)
+    assert v.cut(0, SnapshotCut(5, 2)).epoch == 3 and v.cut(0, SnapshotCut(4, 1)).epoch == 2
+    with pytest.raises(ProtocolError, match="incarnation 3, which its update stream has not named"):
+        v.cut(0, SnapshotCut(6, 3))
 
 
 def test_messages_without_an_incarnation_pass_unchanged():
@@ -57,10 +71,10 @@ def test_a_learner_is_told_a_snapshot_of_its_own_parts_only_when_shard_zero_resu
     v.seen(0, 1, 0), v.seen(1, 1, 0)
     # Shard 1 resumes from its snapshot 12 while shard 0 has cut 3: 12 is not a snapshot of the learners' parts
     # (taken for one, the learner would skip writing its parts of shard 0's snapshots 4..12).
-    v.update(0, update(0, 1, snapshot=3))
+    v.cut(0, SnapshotCut(3, 1))
     E, resumed = v.seen(1, 2, 12)
     assert (E, resumed) == (2, OTHER_SHARD_RESUMED) and resumed < 3 and resumed  # below every id, yet "resumed"
-    assert v.update(1, update(1, 2, snapshot=12, resumed_from=12)).resumed_from == OTHER_SHARD_RESUMED
+    assert v.update(1, update(1, 2, resumed_from=12)).resumed_from == OTHER_SHARD_RESUMED
     assert v.seen(0, 2, 3) == (3, 3)  # shard 0 resumes from its 3: the learners' parts of 3 are its state
     # Shard 1 resumes again: shard 0 lost nothing since its resume, so nobody goes back to its snapshot 3.
     assert v.seen(1, 3, 14) == (4, OTHER_SHARD_RESUMED)

@@ -103,7 +103,7 @@ def snapshotted(tmp_path):
     cfg = rt.load(config(tmp_path))
     parts = Assembly(cfg)
     fresh = SyncerService(cfg, TransportMetrics(), parts)
-    [w] = fresh.snapshots.cut(0.0, 0.0)
+    w, _ = fresh.snapshots.cut(0.0, 0.0)  # and its announcement to the learners
     fresh.store.save_part(w.snapshot, "syncer", w.tensors, w.info, "syncer")
     fresh.store.mark_complete(w.snapshot, {"parts": ["syncer"], "run_id": fresh.core.run_id, "epoch": 1})
     return cfg, parts

@@ -362,11 +362,12 @@ def test_netthread_speaks_core_messages_over_loopback():
 
             # The inbox holds the core's own classes, matched on as such (no class names as strings).
             ident, barrier = serde.Identity("run-a", 2, 1, "p1"), serde.Barrier(True, 2, (0, 1), ())
-            for msg in (ident, barrier, serde.Donate(0, (5, 0))):
+            sent = (ident, barrier, serde.Donate(0, (5, 0)), serde.SnapshotCut(4, 2))
+            for msg in sent:
                 loop.call_soon_threadsafe(handler.hub.publish, serde.control_to_frame(msg))
-            got = [net.next(block_s=10) for _ in range(3)]
-            assert got == [ident, barrier, serde.Donate(0, (5, 0))]
-            assert [type(m).__module__ for m in got] == ["wan_diloco.core.messages"] * 3
+            got = [net.next(block_s=10) for _ in range(len(sent))]
+            assert got == list(sent)
+            assert [type(m).__module__ for m in got] == ["wan_diloco.core.messages"] * len(sent)
             saved = Saved(3, concurrent.futures.Future())
             net.inbox.put(saved)
             assert net.next() is saved
@@ -438,6 +439,43 @@ def test_control_frames_round_trip_and_updates_are_not_control_frames():
                 transport.Frame("syncer", 0, {"identity": serde._meta_of(ident), "more": 1})):
         with pytest.raises(ProtocolError, match="Identity"):
             serde.control_from_frame(bad)
+
+
+def test_a_snapshot_cut_is_a_control_frame_of_its_own_kind_and_refuses_malformed_fields():
+    from wan_diloco.core.messages import SnapshotCut
+
+    cut = SnapshotCut(snapshot=7, epoch=2)
+    frame = transport.decode_message(transport.encode_message(serde.control_to_frame(cut)))
+    assert frame.meta == {"cut": {"snapshot": 7, "epoch": 2}} and frame.fragment == serde.CUT_KEY
+    assert serde.control_from_frame(frame) == cut and type(serde.control_from_frame(frame)) is SnapshotCut
+    assert len({serde.CUT_KEY, serde.BARRIER_KEY, serde.DONATE_KEY}) == 3  # a cut never replaces another kind
+    assert "snapshot" not in serde.to_frame(update()).meta  # the field it replaced is gone from updates
+    for meta, field, match in [
+        ({"snapshot": -1, "epoch": 2}, "cut.snapshot", "SnapshotCut.snapshot: expected a non-negative integer"),
+        ({"snapshot": 7, "epoch": "2"}, "cut.epoch", "SnapshotCut.epoch: expected a non-negative integer"),
+        ({"snapshot": 7}, "cut.epoch", "SnapshotCut.epoch: missing"),
+        ({"snapshot": 7, "epoch": 2, "run": 1}, "cut.unknown", "SnapshotCut.run: unknown field"),
+        ([7, 2], "frame", "SnapshotCut: meta must be an object"),
+    ]:
+        with pytest.raises(ProtocolError, match=match) as e:
+            serde.control_from_frame(transport.Frame("syncer", serde.CUT_KEY, {"cut": meta}))
+        assert e.value.field == field
+    for bad in (transport.Frame("learner-0", serde.CUT_KEY, {"cut": {"snapshot": 7, "epoch": 2}}),
+                transport.Frame("syncer", serde.CUT_KEY, {"cut": {"snapshot": 7, "epoch": 2}}, b"x")):
+        with pytest.raises(ProtocolError, match="SnapshotCut: a frame from the syncer with only meta.cut"):
+            serde.control_from_frame(bad)
+
+
+def test_a_learner_of_protocol_version_one_is_refused_at_its_hello_with_one_line():
+    from wan_diloco.core import fingerprint
+
+    assert serde.PROTOCOL_VERSION == 2  # 2: the snapshot announcement became SnapshotCut
+    old = "protocol=version:1;layout=#0"
+    frame = with_meta(wire(metadata()), fingerprint=old)
+    with pytest.raises(ProtocolError) as e:
+        serde.metadata_from_frame(frame, 4)
+    assert str(e.value) == f"learner 2: {fingerprint.SETTINGS_DIFFER}: protocol version (protocol.version 1 vs 2)"
+    assert e.value.field == "fingerprint"
 
 
 def test_donation_frames_name_donor_and_recipient_and_refuse_nonsense():
@@ -520,7 +558,7 @@ def test_every_decode_refusal_names_its_field(decode, frame, field):
 
 def test_serde_defines_no_message_of_its_own():
     from wan_diloco.core import messages
-    for name in ("Identity", "Donate", "Donation", "Barrier", "BulkFragment", "_Bulk"):
+    for name in ("Identity", "Donate", "Donation", "Barrier", "SnapshotCut", "BulkFragment", "_Bulk"):
         cls = getattr(serde, name)
         assert cls.__module__ == "wan_diloco.core.messages" and cls in {*messages.KIND_OF, messages.BulkFragment}
     own = [n for n, v in vars(serde).items() if isinstance(v, type) and v.__module__ == serde.__name__

@@ -7,9 +7,10 @@ import numpy as np
 from wan_diloco import spec as rt
 from wan_diloco.clock import VectorClock
 from wan_diloco.core import Metadata
+from wan_diloco.core.messages import Barrier, Identity, SnapshotCut
 from wan_diloco.runtime import serde
 from wan_diloco.runtime.syncer import SyncerService
-from wan_diloco.transport import TransportMetrics
+from wan_diloco.transport import Subscribe, TransportMetrics
 
 from .conftest import micro_config
 
@@ -36,6 +37,11 @@ def test_a_learner_that_never_trained_is_not_in_the_cut_and_a_resume_says_what_i
         assert service.snapshots.pending[snap].learners == {0, 1}
         while not service.snapshots.pending[snap].syncer:
             await asyncio.sleep(0.05)
+        # The cut was announced (SnapshotCut); an update stream opened since starts with it, after the barrier.
+        stream = service.subscribe(Subscribe(sender="learner-2", region="eu", instance="i-2"))
+        first = [serde.control_from_frame(await anext(stream)) for _ in range(3)]
+        await stream.aclose()  # learner 2 leaves: it was not in the cut
+        assert [type(m) for m in first] == [Identity, Barrier, SnapshotCut] and first[2] == SnapshotCut(snap, 1)
         return snap
 
     snap = asyncio.run(run())

@@ -89,3 +89,6 @@ def test_a_killed_shard_resumes_alone_while_the_other_keeps_merging(tmp_path):
         assert all(f["digests"] == [x or y for x, y in zip(a, b)] and not f["digest_mismatch"] for f in finals)
         # They took up the resumed shard, told that shard 0 (their parts) lost nothing: no shard 1 snapshot id.
         assert all("shard other than 0 resumed" in event(c, "rejoin")["why"] for c in learners)
+        # And fetched shard 1's fragments only, keeping their copies of shard 0's (runtime.learner_join).
+        joins = [[(e["epoch"], e["fetched"]) for e in c.events if e.get("event") == "join"] for c in learners]
+        assert all(j[0] == (1, list(range(len(plan)))) and (2, shards.owned(plan, 1)) in j[1:] for j in joins), joins

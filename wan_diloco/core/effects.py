@@ -21,7 +21,7 @@ import typing
 from typing import Any, Mapping, Protocol
 
 from wan_diloco.core.barrier import AnnounceBarrier, FailRun
-from wan_diloco.core.messages import FragmentUpload, GlobalUpdate, Metadata
+from wan_diloco.core.messages import FragmentUpload, GlobalUpdate, Metadata, SnapshotCut
 from wan_diloco.core.peer import SendState
 from wan_diloco.core.protocol import (
     ApplyGlobal, Broadcast, Rejoin, Resync, SaveState, SendFragment, SendMetadata, SetTimer, Snapshot,
@@ -30,7 +30,7 @@ from wan_diloco.core.recovery import AskDonor, NoDonor, RecoveryStarted, StateRe
 from wan_diloco.core.rejoin import Resynced, TakeUpStep
 from wan_diloco.core.reports import Report
 from wan_diloco.core.restore import InstallPart, LoadPart, RecoverFromPeer, TakeUpPosition
-from wan_diloco.core.snapshots import SnapshotComplete, WriteManifest, WriteSyncerPart
+from wan_diloco.core.snapshots import AnnounceSnapshot, SnapshotComplete, WriteManifest, WriteSyncerPart
 
 LearnerAction = typing.Union[
     ApplyGlobal, Snapshot, SendFragment, SendMetadata, Resync, Rejoin, SaveState,  # LearnerCore
@@ -41,7 +41,7 @@ LearnerAction = typing.Union[
 
 SyncerAction = typing.Union[
     Broadcast, SetTimer,  # SyncerCore
-    WriteSyncerPart, WriteManifest, SnapshotComplete,  # snapshots.SnapshotCoordinator
+    WriteSyncerPart, AnnounceSnapshot, WriteManifest, SnapshotComplete,  # snapshots.SnapshotCoordinator
     AskDonor, NoDonor, RecoveryStarted, StateReady, StateTaken,  # recovery.Donations
     AnnounceBarrier, FailRun,  # barrier.StartBarrier
 ]
@@ -76,6 +76,7 @@ class SyncerEffects(Protocol):
     def broadcast(self, msg: GlobalUpdate) -> None: ...  # Broadcast
     def set_timer(self, key: tuple[int, int], at_s: float) -> None: ...  # SetTimer: then SyncerCore.on_timer
     def write_part(self, part: WriteSyncerPart) -> None: ...  # then SnapshotCoordinator.on_part_written
+    def announce_snapshot(self, msg: SnapshotCut) -> None: ...  # AnnounceSnapshot: to every learner
     def write_manifest(self, manifest: WriteManifest) -> None: ...  # then .on_manifest_written
     def snapshot_complete(self, done: SnapshotComplete) -> None: ...  # drop old snapshots, report
     def send_donate(self, donor: int, recipient: int, versions: tuple[int, ...]) -> None: ...  # AskDonor
@@ -139,6 +140,8 @@ def dispatch_syncer(action: SyncerAction, fx: SyncerEffects) -> None:
             fx.set_timer(key, at_s)
         case WriteSyncerPart():
             fx.write_part(action)
+        case AnnounceSnapshot(msg=msg):
+            fx.announce_snapshot(msg)
         case WriteManifest():
             fx.write_manifest(action)
         case SnapshotComplete():

@@ -28,6 +28,7 @@ from wan_diloco.core.protocol import (
     Rejoin,
     Resync,
     SaveState,
+    SnapshotCut,
     SendFragment,
     SendMetadata,
     Snapshot,
@@ -156,6 +157,7 @@ class LearnerCore:
         self.syncer_processes: list[str] = []  # each syncer shard's process id, as its update stream said
         self.stale_updates = 0  # updates of an earlier incarnation, dropped
         self.snapshot_seen = 0  # the newest snapshot the syncer announced
+        self.cut_due = 0  # a snapshot announced during a step: its part is written after the step
         self.snapshot_saved = 0  # the newest one whose part this learner wrote (reported in metadata)
 
     # ---- driver calls ---------------------------------------------------------------
@@ -262,6 +264,18 @@ class LearnerCore:
             self.buffer.append((now_s, update))
             return []
         return self._apply(now_s, update)
+
+    def on_snapshot_cut(self, now_s: float, cut: SnapshotCut) -> list:
+        """The syncer cut a snapshot: this learner's part of it is due (``SaveState``), now if between steps,
+        else after the current step. Nothing for a cut it saw already (or a newer one), nor before it
+        joined (it has no state of the run to keep), nor for one of an incarnation it no longer follows."""
+        if cut.snapshot <= self.snapshot_seen or not self.epoch or cut.epoch < self.epoch:
+            return []
+        self.snapshot_seen = cut.snapshot
+        if self.in_step:
+            self.cut_due = cut.snapshot
+            return []
+        return [SaveState(cut.snapshot)]
 
     def identity(self, run_id: str, epoch: int, resumed_from: int) -> str:
         """How a message of (run, incarnation) relates to what this learner follows: "same", "stale" (an
@@ -453,6 +467,9 @@ class LearnerCore:
         for arrived_s, update in self.buffer:
             actions += self._apply(arrived_s, update)
         self.buffer.clear()
+        if self.cut_due:
+            actions.append(SaveState(self.cut_due))
+            self.cut_due = 0
         return actions
 
     def _apply(self, arrived_s: float, u: GlobalUpdate) -> list:
@@ -490,14 +507,6 @@ class LearnerCore:
             # The steps since the snapshot stay in θ_p, so they stay on the counters of the next Δ.
             self.c_steps[p] -= sent.c_steps
             self.c_tokens[p] -= sent.c_tokens
-            return [ApplyGlobal(p, {n: self.base[p][n] - sent.theta[n] for n in base}, 0.0, shift=True),
-                    *self._snapshot_due(u)]
+            return [ApplyGlobal(p, {n: self.base[p][n] - sent.theta[n] for n in base}, 0.0, shift=True)]
         self.c_steps[p] = self.c_tokens[p] = 0
-        return [ApplyGlobal(p, self.base[p], self.cfg.alpha), *self._snapshot_due(u)]
-
-    def _snapshot_due(self, u: GlobalUpdate) -> list:
-        """The syncer cut a snapshot newer than we saw: our part is due, written after this update."""
-        if u.snapshot <= self.snapshot_seen:
-            return []
-        self.snapshot_seen = u.snapshot
-        return [SaveState(u.snapshot)]
+        return [ApplyGlobal(p, self.base[p], self.cfg.alpha)]

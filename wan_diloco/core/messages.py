@@ -18,7 +18,8 @@ from wan_diloco.clock import VectorClock
 # The version of this table. A learner sends it in its hello (``fingerprint``'s ``protocol`` component)
 # and the syncer refuses another before it reads anything else of that learner.
 # 1: the first versioned table (#24): Upload frames name their kind (``upload`` or ``donation``).
-PROTOCOL_VERSION = 1
+# 2: the snapshot announcement is a message of its own (``SnapshotCut``), no longer ``GlobalUpdate.snapshot``.
+PROTOCOL_VERSION = 2
 SYNCER = "syncer"  # the syncer's sender name; a learner's is ``learner_node(m)``
 MAX_STR_CHARS = 256  # every string field but the fingerprint
 MAX_FINGERPRINT_CHARS = 512  # ``Metadata.fingerprint``: every setting both ends must agree on, readable
@@ -112,7 +113,6 @@ class GlobalUpdate:
     run_id: str = ""
     epoch: int = 0
     resumed_from: int = 0
-    snapshot: int = 0  # the newest snapshot the syncer has cut: learners write their part when it grows
 
 
 @dataclass(frozen=True)
@@ -159,6 +159,17 @@ class Identity:
     # The syncer process (random per start): a syncer restarted without --resume comes back at the same
     # incarnation and run id; only this tells the learner its model is not the one it followed.
     process: str = ""
+
+
+@dataclass(frozen=True)
+class SnapshotCut:
+    """Syncer -> every learner, the snapshot announcement: the syncer, in its incarnation ``epoch``, cut
+    snapshot ``snapshot``. A learner that follows that incarnation (or a later one) and saw no newer cut
+    writes its part of it, between two steps, and then reports it in ``Metadata.snapshot``. Sent when the
+    syncer cuts, and after ``Barrier`` on every update stream opened later in the same incarnation."""
+
+    snapshot: int
+    epoch: int
 
 
 @dataclass(frozen=True)
@@ -296,7 +307,6 @@ MESSAGES: tuple[MessageSpec, ...] = (
         "run_id": _STR,
         "epoch": f"{_INT}: the syncer incarnation (1 fresh; a resume: max(every incarnation seen) + 1)",
         "resumed_from": f"{_INT}: the snapshot this incarnation resumed from (0: fresh)",
-        "snapshot": f"{_INT}: the newest snapshot cut: the snapshot announcement",
     }),
     MessageSpec("identity", Identity, "syncer", "Subscribe", {
         "run_id": _STR,
@@ -309,6 +319,10 @@ MESSAGES: tuple[MessageSpec, ...] = (
         "need": f"{_INT}: learners the barrier waits for",
         "joined": f"{_IDS}: learners joined so far",
         "waiting_for": f"{_IDS}: learners not joined yet",
+    }),
+    MessageSpec("cut", SnapshotCut, "syncer", "Subscribe", {
+        "snapshot": f"{_INT}: the snapshot cut (ids grow, never reused in a run); the name of the part to write",
+        "epoch": f"{_INT}: the syncer incarnation that cut it; a learner that follows a later one ignores it",
     }),
     MessageSpec("donate", Donate, "syncer", "Subscribe", {
         "recipient": "int < 2^20: the learner that gets the state",
@@ -328,6 +342,5 @@ MESSAGES: tuple[MessageSpec, ...] = (
 )
 BY_KIND = {s.kind: s for s in MESSAGES}
 KIND_OF = {s.cls: s.kind for s in MESSAGES}
-# The snapshot announcement has no message of its own: the syncer announces a cut in ``GlobalUpdate.snapshot``
-# of every update after it (a learner writes its part when the number grows); a learner reports the part it
-# wrote in ``Metadata.snapshot``.
+# The snapshot announcement is ``SnapshotCut`` (syncer -> learners); a learner reports the part it wrote in
+# ``Metadata.snapshot``.

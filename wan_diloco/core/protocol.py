@@ -17,7 +17,7 @@ from wan_diloco.fragments import Encoded
 # The messages live in ``core.messages`` (the wire's one table); importable from here as before.
 from wan_diloco.core.messages import (  # noqa: F401
     MESSAGES, PROTOCOL_VERSION, SYNCER, Barrier, BulkFragment, BulkHeader, Donate, Donation, FragmentUpload,
-    GlobalUpdate, Identity, Metadata, ObjectRequest, ProtocolError, learner_node,
+    GlobalUpdate, Identity, Metadata, ObjectRequest, ProtocolError, SnapshotCut, learner_node,
 )
 
 Tensors = Mapping[str, np.ndarray]

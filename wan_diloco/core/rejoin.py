@@ -4,7 +4,7 @@ A syncer that comes back from a snapshot is a new incarnation: its identity at t
 update stream (``on_identity``), or on a fragment fetched after a version gap (``on_fetched``), says
 so, and the learner rejoins it (``Rejoin``: fetch the global fragments, ``LearnerCore.join``; with S
 syncer shards only those of the shards that resumed need fetching: ``ShardView.refetch`` and
-``rejoin_fragments``, which the simulator uses; the network learner still fetches every one). A
+``rejoin_fragments``, as the simulator's and the network learner's joins do). A
 syncer of another run, or one restarted without a snapshot, ends the learner (``IncarnationError``,
 from ``LearnerCore.meet``/``identity``). After a (re)join or a resync the learner takes up the
 global step (``take_up_step``).

@@ -18,8 +18,8 @@ of the E it was stamped with. Messages of an earlier incarnation of a shard map
 to an earlier E and are dropped as stale, as from a single syncer.
 
 Snapshots are shard 0's: learners write their parts into its snapshots only,
-so the snapshot ids riding on the other shards' updates (their own numbering)
-are replaced by the newest one shard 0 announced, and the learner is told a
+so only shard 0 announces its cuts (``SnapshotCut``; ``cut`` refuses one from
+another shard), and the learner is told a
 snapshot to resume its own part from only when shard 0 resumed: the
 ``resumed_from`` it sees is shard 0's snapshot when shard 0's incarnation is
 the one that changed last, and ``OTHER_SHARD_RESUMED`` when another shard
@@ -36,7 +36,7 @@ import dataclasses
 from typing import Sequence
 
 from wan_diloco import shards as shards_lib
-from wan_diloco.core.protocol import ObjectRequest, ProtocolError
+from wan_diloco.core.protocol import ObjectRequest, ProtocolError, SnapshotCut
 
 
 # ``resumed_from`` shown to a learner after a shard other than 0 resumed last: a new incarnation (not 0, which
@@ -84,7 +84,6 @@ class ShardView:
         self.S = self.routes.shards
         self.epochs = [0] * self.S  # 0: not heard from yet (taken as its first incarnation)
         self.resumed = [0] * self.S  # the snapshot each shard's current incarnation resumed from
-        self.snapshot = 0  # the newest snapshot shard 0 cut
         self.last_changed = 0  # the shard whose incarnation changed last (a first hearing is no change)
         self.history: dict[int, tuple[int, ...]] = {}  # E -> the shards' epochs it stood for
         self.processes = [""] * self.S  # each shard's process id, from its Identity ("" : not heard from)
@@ -146,13 +145,23 @@ class ShardView:
         return max(known[shard], 1)
 
     def update(self, shard: int, u):
-        """A GlobalUpdate (or a BulkFragment, without snapshot) from ``shard``, in the learner's terms."""
+        """A GlobalUpdate (or a BulkFragment) from ``shard``, in the learner's terms."""
         if self.plan[u.fragment] != shard:
             raise ProtocolError(f"fragment {u.fragment} came from syncer shard {shard}; its owner is shard "
                                 f"{self.plan[u.fragment]}")
         E, resumed = self.seen(shard, u.epoch, u.resumed_from)
-        if not hasattr(u, "snapshot"):
+        if isinstance(u, tuple):  # a BulkFragment
             return u._replace(epoch=E, resumed_from=resumed)
-        if shard == 0:
-            self.snapshot = max(self.snapshot, u.snapshot)
-        return dataclasses.replace(u, epoch=E, resumed_from=resumed, snapshot=self.snapshot)
+        return dataclasses.replace(u, epoch=E, resumed_from=resumed)
+
+    def cut(self, shard: int, msg: SnapshotCut) -> SnapshotCut:
+        """A snapshot announcement from ``shard``, in the learner's terms (its epoch an E); ProtocolError
+        from a shard other than 0 (the learners' parts are in shard 0's snapshots only)."""
+        if shard != 0:
+            raise ProtocolError(f"a snapshot announcement came from syncer shard {shard}; learners write "
+                                f"their parts into shard 0's snapshots only", "cut")
+        if not 0 < msg.epoch <= max(self.epochs[0], 1):
+            raise ProtocolError(f"a snapshot announcement of shard 0's incarnation {msg.epoch}, which its "
+                                f"update stream has not named", "cut.epoch")
+        # An earlier incarnation's maps to an E as many incarnations back (stale), as in ``seen``.
+        return dataclasses.replace(msg, epoch=max(1, self.epoch - (max(self.epochs[0], 1) - msg.epoch)))

@@ -2,9 +2,10 @@
 
 Every ``every_merges`` merges (or when the operator asks, ``cut``) the syncer
 cuts snapshot S: its core's state as of this instant is written off the event
-loop (``WriteSyncerPart``), and every later update carries S, so each learner
-writes its part after its first such update and reports S in its metadata
-(``on_metadata``). Once the syncer's part and every waited-for learner's are
+loop (``WriteSyncerPart``), and S is announced to every learner
+(``AnnounceSnapshot``: a ``SnapshotCut``, also sent on every update stream opened
+later in this incarnation, ``announcement``), so each learner writes its part and
+reports S in its metadata (``on_metadata``). Once the syncer's part and every waited-for learner's are
 written (a learner that died, or stayed silent for ``patience_s``, is no
 longer waited for: it resumes like a new learner), the manifest marks S
 complete (``WriteManifest``, then ``SnapshotComplete``). ``resume`` takes up
@@ -18,7 +19,9 @@ with ``on_part_written`` and ``on_manifest_written``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
 from wan_diloco.core.barrier import StartBarrier
+from wan_diloco.core.messages import SnapshotCut
 from wan_diloco.core.positions import Positions
 from wan_diloco.core.syncer import SyncerCore
 
@@ -40,6 +43,14 @@ class WriteSyncerPart:
     snapshot: int
     tensors: dict
     info: dict
+
+
+@dataclass(frozen=True)
+class AnnounceSnapshot:
+    """Driver: send ``msg`` to every learner (on the update stream; a newer cut replaces an older one not yet
+    delivered)."""
+
+    msg: SnapshotCut
 
 
 @dataclass(frozen=True)
@@ -144,7 +155,15 @@ class SnapshotCoordinator:
         waiting = ({m for m, ln in self.core.learners.items() if ln.alive and ln.step > 0}
                    if self.learner_parts else set())
         self.pending[snap] = Pending(waiting, now_s, list(self.core.version))
-        return [WriteSyncerPart(snap, tensors, info)]
+        announce = self.announcement()
+        return [WriteSyncerPart(snap, tensors, info), *([AnnounceSnapshot(announce)] if announce else [])]
+
+    def announcement(self) -> SnapshotCut | None:
+        """The newest cut of this incarnation, for the learners (whose parts are in this syncer's snapshots);
+        None if it cut none since it started or resumed."""
+        if not self.learner_parts or self.core.snapshot_id <= self.core.resumed_from:
+            return None
+        return SnapshotCut(self.core.snapshot_id, self.core.epoch)
 
     # ---- parts and completion -------------------------------------------------------
 

@@ -110,7 +110,7 @@ class SyncerCore(SyncerRounds):
         self.run_id = ""
         self.epoch = 1
         self.resumed_from = 0
-        self.snapshot_id = 0  # the newest snapshot cut: every update carries it, learners save their part
+        self.snapshot_id = 0  # the newest snapshot cut (announced to learners: ``snapshots.SnapshotCoordinator``)
         self.merged_at: dict[tuple[int, int], int] = {}  # (learner, fragment) -> version its last Δ went into
         self.quarantined: dict[int, tuple[float, str]] = {}  # learner -> (until, why)
         self.notices: deque[str] = deque(maxlen=1000)  # what the driver should log: quarantines, refused merges
@@ -383,7 +383,7 @@ class SyncerCore(SyncerRounds):
         self.fingerprint = fingerprint
 
     def cut_snapshot(self, snapshot: int) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-        """Snapshot ``snapshot`` is cut now: every later update carries it; (tensors, info) as ``export``."""
+        """Snapshot ``snapshot`` is cut now; (tensors, info) as ``export``."""
         self.snapshot_id = snapshot
         return self.export()
 

@@ -193,7 +193,6 @@ class SyncerRounds:
     run_id: str
     epoch: int
     resumed_from: int
-    snapshot_id: int
 
     def alive(self) -> list[int]:
         raise NotImplementedError  # SyncerCore's: the learners not known to be down
@@ -352,7 +351,6 @@ class SyncerRounds:
             global_step=self.global_step, clock=self.clock, update=enc.values, nbytes=enc.nbytes,
             contributors=tuple(learners), held_s={m: now_s - t for m, t in rnd.received_s.items()},
             payload=enc.payload, final=final, run_id=self.run_id, epoch=self.epoch, resumed_from=self.resumed_from,
-            snapshot=self.snapshot_id,
         )
         return [Broadcast(msg)]
 

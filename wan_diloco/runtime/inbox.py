@@ -1,7 +1,7 @@
 """What a learner's network thread (``runtime.netthread``) puts on the training thread's inbox: typed
 items, dispatched with one ``match`` on their classes, never on names.
 
-Besides these, the inbox carries the core's own ``Identity``, ``Barrier`` and ``Donate`` as they came
+Besides these, the inbox carries the core's own ``Identity``, ``Barrier``, ``Donate`` and ``SnapshotCut`` as they came
 off the update stream, and ``transport.LinkSample``s of the link probe (``InboxItem`` lists them all).
 ``Saved`` and ``Donated`` are the training thread's own: its background writes report back through the
 same inbox, so that one loop sees every event in the order it happened.
@@ -12,7 +12,7 @@ import concurrent.futures
 import dataclasses
 from typing import Union
 
-from wan_diloco.core.messages import Barrier, Donate, GlobalUpdate, Identity
+from wan_diloco.core.messages import Barrier, Donate, GlobalUpdate, Identity, SnapshotCut
 from wan_diloco.transport import LinkSample
 
 
@@ -67,4 +67,5 @@ class Donated:
     result: concurrent.futures.Future
 
 
-InboxItem = Union[Identity, Barrier, Donate, Arrived, LinkSample, ChannelsWidened, Refused, StreamLost, Saved, Donated]
+InboxItem = Union[Identity, Barrier, Donate, SnapshotCut, Arrived, LinkSample, ChannelsWidened, Refused, StreamLost,
+                  Saved, Donated]

@@ -39,14 +39,13 @@ from wan_diloco.core import ProtocolError, learner_node
 from wan_diloco.core import rejoin as rj
 from wan_diloco.core.barrier import BarrierView
 from wan_diloco.core.peer import Donor, position_field
-from wan_diloco.core.messages import Barrier, Donate, Identity
-from wan_diloco.core.protocol import ObjectRequest
+from wan_diloco.core.messages import Barrier, Donate, Identity, SnapshotCut
 from wan_diloco.core.restore import Resume
 from wan_diloco.runtime import learner_state as ls_io
 from wan_diloco.runtime import lockstep as lk
 from wan_diloco.runtime import serde
 from wan_diloco.runtime.events import emit
-from wan_diloco.runtime import learner_eval, learner_start
+from wan_diloco.runtime import learner_eval, learner_join, learner_start
 from wan_diloco.runtime.exits import StartTimeout, Stopped, SyncerLost
 from wan_diloco.runtime.inbox import Arrived, ChannelsWidened, Donated, Refused, Saved, StreamLost
 from wan_diloco.runtime.learner_effects import LearnerEffectsIO
@@ -162,6 +161,8 @@ class Learner(LearnerEffectsIO):
                     self.barrier.on_status(item.started, item.need, item.joined, item.waiting_for)
                 case Donate():
                     self.handle(self.donor.on_donate(time.monotonic(), item.recipient, item.versions))
+                case SnapshotCut():  # its part of the snapshot is due
+                    self.handle(self.core.on_snapshot_cut(time.monotonic(), item))
                 case LinkSample():
                     self.replanner.on_link(item, self.core, self.payload_bytes, self.uploads)
                 case ChannelsWidened():
@@ -208,25 +209,7 @@ class Learner(LearnerEffectsIO):
     _await_start = learner_start.await_start
     _maybe_eval = learner_eval.maybe_eval
     evaluate = learner_eval.evaluate
-
-    def join(self, timeout_s: float):
-        """Take up the syncer's global parameters (fresh start, rejoin, a resumed syncer); returns the
-        first fragment fetched (its identity fields say which syncer incarnation it is)."""
-        if self.sync is not None:
-            self.sync.flush()  # what was encoded for the old state is sent before its residuals go
-        for _ in range(rj.JOIN_TRIES):
-            futs = [self.net.fetch_fragment(ObjectRequest("fragment", p).name) for p in range(len(self.layout.fragments))]
-            got = [self.wait(fut, timeout_s) for fut in futs]
-            if rj.same_incarnation([(g.run_id, g.epoch) for g in got]):
-                break  # else the syncer restarted while we fetched: again
-        else:
-            raise SyncerLost(f"learner {self.m}: the syncer changed incarnation during each of {rj.JOIN_TRIES} joins")
-        self.pending_resync.clear()  # fetches of the old incarnation mean nothing now
-        first = got[0]
-        self.handle(self.core.join(first.run_id, first.epoch, first.resumed_from,
-                                    [(g.values, g.version) for g in got], max(g.global_step for g in got)))
-        self.take_up_step()
-        return first
+    join = learner_join.join
 
     def train_step(self) -> float:
         """One inner step and what syncing asks around it: merge what arrived, wait where the protocol says,

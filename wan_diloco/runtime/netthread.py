@@ -9,7 +9,7 @@ metadata is kept, and at most one upload per fragment is pending (a newer
 snapshot of a fragment supersedes an older one still waiting to be sent).
 
 The inbox is typed: each item is one of ``runtime.inbox.InboxItem`` (the core's ``Identity``,
-``Barrier``, ``Donate``; ``Arrived`` around a core ``GlobalUpdate``;
+``Barrier``, ``Donate``, ``SnapshotCut``; ``Arrived`` around a core ``GlobalUpdate``;
 ``transport.LinkSample``; ``ChannelsWidened``; ``Refused``; ``StreamLost``),
 and the training thread dispatches them with one ``match`` on their classes.
 """
@@ -27,7 +27,7 @@ from wan_diloco.compression import FragmentCodec
 from wan_diloco import shards
 from wan_diloco.core import FragmentUpload, Metadata, ProtocolError
 from wan_diloco.core.fingerprint import SETTINGS_DIFFER
-from wan_diloco.core.messages import MAX_LEARNERS, Identity, ObjectRequest
+from wan_diloco.core.messages import MAX_LEARNERS, Identity, ObjectRequest, SnapshotCut
 from wan_diloco.runtime.inbox import Arrived, ChannelsWidened, InboxItem, Refused, StreamLost  # noqa: F401
 from wan_diloco.runtime import serde
 from wan_diloco.runtime.shard_view import ShardView
@@ -37,6 +37,7 @@ from wan_diloco.transport import (
 )
 
 log = logging.getLogger(__name__)
+REFETCH_WAIT_S = 10.0  # the loop thread answers at once; only a stopped one would not
 
 
 class NetThread:
@@ -133,7 +134,9 @@ class NetThread:
                         E, resumed = self.view.seen(shard, control.epoch, control.resumed_from)
                         control = dataclasses.replace(control, epoch=E, resumed_from=resumed,
                                                       process=self.view.process_ids(shard, control.process))
-                    if control is not None:  # Identity, Barrier or Donate, as the core's types
+                    elif self.view is not None and isinstance(control, SnapshotCut):
+                        control = self.view.cut(shard, control)
+                    if control is not None:  # Identity, Barrier, Donate or SnapshotCut, as the core's types
                         self.inbox.put(control)
                         continue
                     # Off the loop: decoding a large fragment must not stall uploads in flight.
@@ -296,6 +299,18 @@ class NetThread:
         if isinstance(request, str):  # the syncer checks the learner bound; here only the form matters
             request = ObjectRequest.parse(request, len(self.codec.layout.fragments), MAX_LEARNERS)
         return request.name, 0 if self.view is None else self.view.routes.serves(request)
+
+    def refetch(self, epoch: int) -> list[int]:
+        """The fragments a learner that followed incarnation ``epoch`` fetches to join the syncer: with S shards
+        those of the shards that resumed since (``ShardView.refetch``, read on the loop thread, which moves
+        the view), else every one."""
+        if self.view is None:
+            return list(range(len(self.codec.layout.fragments)))
+
+        async def ask() -> list[int]:
+            return self.view.refetch(epoch)
+
+        return asyncio.run_coroutine_threadsafe(ask(), self.loop).result(REFETCH_WAIT_S)
 
     def fetch_fragment(self, request: ObjectRequest | str) -> concurrent.futures.Future:
         """Bulk-fetch ``fragment/P`` or ``final/P`` (an ``ObjectRequest`` or its name).

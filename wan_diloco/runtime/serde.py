@@ -42,7 +42,7 @@ from wan_diloco.core import fingerprint
 from wan_diloco.core.recovery import state_digest
 from wan_diloco.core.messages import (  # noqa: F401 - the table's names, importable from serde as before
     KIND_OF, MAX_INT, MAX_LEARNERS, MAX_STR_CHARS, PROTOCOL_VERSION, SYNCER, Barrier, BulkFragment, BulkHeader,
-    Donate, Donation, FragmentUpload, GlobalUpdate, Identity, Metadata, ProtocolError, learner_node,
+    Donate, Donation, FragmentUpload, GlobalUpdate, Identity, Metadata, ProtocolError, SnapshotCut, learner_node,
 )
 from wan_diloco.runtime.serde_fields import ID, is_int, plain, schema
 
@@ -57,10 +57,13 @@ _LEARNER = re.compile(rf"learner-({ID.pattern})")
 _SCHEMAS = {cls: schema(cls) for cls in (Metadata, FragmentUpload, GlobalUpdate)}
 
 
-_CONTROL = {"identity": Identity, "donate": Donate, "barrier": Barrier}  # update-stream frames that are not GlobalUpdates
+# Update-stream frames that are not GlobalUpdates, by their table kind.
+_CONTROL = {KIND_OF[cls]: cls for cls in (Identity, Donate, Barrier, SnapshotCut)}
 DONATE_KEY = 1 << 30  # fan-out key of Donate frames (+ recipient): never a fragment, never dropped for one
 BARRIER_KEY = DONATE_KEY - 1  # fan-out key of Barrier frames: a newer one replaces an older, never an update
-for _cls in (Identity, Donate, Donation, Barrier, BulkHeader):
+CUT_KEY = DONATE_KEY - 2  # fan-out key of SnapshotCut frames: a newer cut replaces an older (its part covers it)
+_KEYS = {Barrier: BARRIER_KEY, SnapshotCut: CUT_KEY, Identity: 0}
+for _cls in (Identity, Donate, Donation, Barrier, SnapshotCut, BulkHeader):
     _SCHEMAS[_cls] = schema(_cls)
 
 
@@ -186,14 +189,13 @@ def update_from_frame(frame: transport.Frame, codec) -> GlobalUpdate:
     return GlobalUpdate(fragment=frame.fragment, update=update, nbytes=len(frame.payload), payload=None, **fields)
 
 
-def control_to_frame(msg: Identity | Donate | Barrier) -> transport.Frame:
-    """The update-stream frame of a control message (``Identity``, ``Donate`` or ``Barrier``)."""
-    name = next(k for k, cls in _CONTROL.items() if cls is type(msg))
-    key = DONATE_KEY + msg.recipient if isinstance(msg, Donate) else BARRIER_KEY if isinstance(msg, Barrier) else 0
-    return transport.Frame(SYNCER, key, {name: _meta_of(msg)})
+def control_to_frame(msg: Identity | Donate | Barrier | SnapshotCut) -> transport.Frame:
+    """The update-stream frame of a control message (``Identity``, ``Donate``, ``Barrier`` or ``SnapshotCut``)."""
+    key = DONATE_KEY + msg.recipient if isinstance(msg, Donate) else _KEYS[type(msg)]
+    return transport.Frame(SYNCER, key, {KIND_OF[type(msg)]: _meta_of(msg)})
 
 
-def control_from_frame(frame: transport.Frame) -> Identity | Donate | Barrier | None:
+def control_from_frame(frame: transport.Frame) -> Identity | Donate | Barrier | SnapshotCut | None:
     """The control message an update-stream frame carries, or None for a GlobalUpdate's frame."""
     meta = frame.meta
     names = [k for k in _CONTROL if isinstance(meta, Mapping) and k in meta]

@@ -169,6 +169,9 @@ class SyncerService(StatusPage, FinalWrite, SnapshotFiles):
             emit({"event": "barrier", "role": "syncer", **status})
             self._event("started", None, f"start barrier met: learners {joined} joined")
 
+    def announce_snapshot(self, msg) -> None:
+        self.hub.publish(serde.control_to_frame(msg))
+
     def fail(self, why: str) -> None:
         log.error("%s", why)
         emit({"event": "error", "role": "syncer", "error": why})
@@ -284,6 +287,8 @@ class SyncerService(StatusPage, FinalWrite, SnapshotFiles):
             yield serde.control_to_frame(serde.Identity(self.core.run_id, self.core.epoch, self.core.resumed_from,
                                                            self.process_id))
             yield serde.control_to_frame(self._barrier_msg())
+            if (cut := self.snapshots.announcement()) is not None:  # a learner that reconnects misses no cut
+                yield serde.control_to_frame(cut)
             async for item in stream:
                 yield item
             superseded = True  # a newer subscription of the same learner took over

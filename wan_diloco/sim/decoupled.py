@@ -111,7 +111,7 @@ class Simulation(FaultReplay, ResumeReplay, StartAndEnd, SimEffects):
                                     spec.run.start_timeout_s)
         self.positions = Positions(self.M)
         self.keepers = [SnapshotKeeper(core, every, s == 0, self.M, patience_s,
-                                       *((self.barrier, self.positions) if s == 0 else ()))
+                                       *((self.barrier, self.positions, self._announce_cut) if s == 0 else ()))
                         for s, core in enumerate(self._cores())] if kills else []
         self.learner_parts: dict[int, dict[int, tuple[dict, dict]]] = {}  # learner -> snapshot -> its part
         self.donations = Donations(spec.syncer.donor_timeout_s)

@@ -207,6 +207,9 @@ class SyncerFx:
     def write_manifest(self, manifest) -> None:
         self.run(self.keeper.manifest_written(self.sim.now, manifest))
 
+    def announce_snapshot(self, msg) -> None:
+        self.keeper.announce(self.sim.now, msg)
+
     def snapshot_complete(self, done) -> None:
         self.keeper.completed(self.sim.now, done)
 

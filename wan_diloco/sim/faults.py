@@ -7,7 +7,8 @@ code as the network driver:
   the data position the syncer kept and a healthy peer's parameters, inner optimizer and residuals;
   and replays the updates that arrive while the state travels;
 - a learner that joins late (an outage from 0): it never trains before ``up_at``, then recovers as above;
-- the syncer (or one shard) killed and resumed: what was sent to it meanwhile is lost, its timers die
+- the syncer (or one shard) killed and resumed: while it runs it cuts snapshots and announces each to the
+  learners over their down links (``SnapshotCut``); what was sent to it while down is lost, its timers die
   with it; at ``up_at`` a fresh core takes up its newest complete snapshot (``sim.snapshots``) as the
   next incarnation, and each learner that is up meets it as its reconnected update stream would
   (``LearnerCore.meet``) and rejoins (``Rejoin`` -> ``join``), between two steps as the runtime does.
@@ -154,6 +155,20 @@ class FaultReplay:
         self.faults.append({"event": event, "learner": m, "at_s": self.now, "epoch": epoch,
                             "resumed_from": resumed_from, "step": l.core.step, "fetched": fetched})
         self._resume_if_unblocked(m)
+
+    def _announce_cut(self, now_s: float, cut) -> None:
+        """The syncer (shard 0) cut a snapshot: each listening learner hears of it over its down link, after
+        what is queued there, as on the update stream."""
+        if self.sharded:
+            cut = self.syncer.view.cut(0, cut)
+        for m, l in enumerate(self.learners):
+            if l.listening:
+                self._at(l.down_link.send(now_s, 0), self._deliver_cut, m, l.life, cut)
+
+    def _deliver_cut(self, m: int, life: int, cut) -> None:
+        l = self.learners[m]
+        if l.listening and life == l.life:
+            self._learner_actions(m, l.core.on_snapshot_cut(self.now, cut))
 
     def _cores(self) -> list:
         return self.syncer.cores if self.sharded else [self.syncer]

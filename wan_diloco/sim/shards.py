@@ -11,8 +11,8 @@ A shard can be killed and resumed from its own snapshot (``down``/``resumed``)
 while the others go on. Learners see one syncer through the core's
 ``ShardView``, as through the network driver's: the incarnation E = 1 + Σ_s (e_s − 1)
 grows by one whenever a shard resumes, every message a learner sends carries, for
-the shard it goes to, that shard's incarnation as of the E it was stamped with, and
-updates carry shard 0's snapshot (the learners' parts are in shard 0's snapshots), and
+the shard it goes to, that shard's incarnation as of the E it was stamped with, only
+shard 0 announces its snapshots (the learners' parts are in shard 0's snapshots), and
 the snapshot a rejoin names is shard 0's only when shard 0 resumed last.
 """
 from __future__ import annotations

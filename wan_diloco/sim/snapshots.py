@@ -2,7 +2,8 @@
 memory (docs/operations.md, "Snapshots and resume").
 
 The decisions are the network driver's, made by the same code: cut every
-``checkpoint.every_merges`` merges; a cut waits for the syncer's part and for
+``checkpoint.every_merges`` merges and announce it to the learners (``SnapshotCut``,
+handed to ``announce``); a cut waits for the syncer's part and for
 the part of every live learner that trained (a learner that dies, or stays
 silent for twice the liveness timeout, is no longer waited for); resume from
 the newest complete snapshot as the next incarnation, one past every incarnation
@@ -11,8 +12,11 @@ manifest takes no virtual time and never fails here.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 from wan_diloco.core import SyncerCore
 from wan_diloco.core.barrier import StartBarrier
+from wan_diloco.core.messages import SnapshotCut
 from wan_diloco.core.positions import Positions
 from wan_diloco.core.snapshots import Found, SnapshotComplete, SnapshotCoordinator, WriteManifest, WriteSyncerPart
 
@@ -20,12 +24,14 @@ from wan_diloco.core.snapshots import Found, SnapshotComplete, SnapshotCoordinat
 class SnapshotKeeper:
     """One syncer core's (a shard's) snapshots and their parts, in memory. ``learner_parts``: learners write
     parts into these (the whole syncer's, or shard 0's of a sharded one); a shard's others hold its own part
-    alone."""
+    alone. ``announce(now_s, cut)`` sends a cut to the learners."""
 
     def __init__(self, core: SyncerCore, every_merges: int, learner_parts: bool, learners: int, patience_s: float,
-                 barrier: StartBarrier | None = None, positions: Positions | None = None):
+                 barrier: StartBarrier | None = None, positions: Positions | None = None,
+                 announce: Callable[[float, SnapshotCut], None] = lambda now_s, cut: None):
         self.every_merges, self.learner_parts, self.learners, self.patience_s = (
             every_merges, learner_parts, learners, patience_s)
+        self.announce = announce
         # The simulation's start barrier and ledger of data positions (shard 0's): its snapshots hold them, a
         # resume restores them. A shard's others only ride along in its parts.
         self.barrier = barrier if barrier is not None else StartBarrier(learners, learners, 1.0)
