@@ -104,7 +104,8 @@ SIM_DOES_NOT_REPLAY = {"send_state", "count_resync", "take_up_step", "hold_state
 def test_the_simulation_holds_every_effect_its_adapters_forward_to():
     for name in effect_names(LearnerEffects):
         assert callable(getattr(Simulation, f"learner_{name}")), name
-    for name in effect_names(SyncerEffects) - {"write_part", "write_manifest", "snapshot_complete"}:  # the keeper's
+    for name in effect_names(SyncerEffects) - {"write_part", "announce_snapshot", "write_manifest",
+                                               "snapshot_complete"}:  # the keeper's
         assert callable(getattr(Simulation, name)), name
 
 
