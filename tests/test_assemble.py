@@ -5,6 +5,8 @@ from wan_diloco import spec as spec_lib
 from wan_diloco.assemble import Assembly, fragment_digest, preflight
 from wan_diloco.config import ConfigError
 
+from tests.conftest import write_micro
+
 
 def micro(**kw):
     return spec_lib.from_short(preset="micro", learners=3, batch_size=2, eval_batches=1, **kw)
@@ -55,19 +57,9 @@ def test_preflight_finds_what_would_stop_every_process_without_building_the_mode
 
 def regional(tmp_path, eu_path):
     (tmp_path / "us.txt").write_bytes(bytes(range(32, 127)) * 400)
-    (tmp_path / "run.toml").write_text(f"""
-[run]
-learners = 3
-batch_size = 2
-eval_batches = 1
-[model]
-preset = "micro"
-[data]
-corpus = "{tmp_path / 'us.txt'}"
-[data.regions]
-eu-west = "{eu_path}"
-""")
-    return spec_lib.load(tmp_path / "run.toml")
+    path = write_micro(tmp_path / "run.toml", run={"batch_size": 2},
+                       data={"corpus": str(tmp_path / "us.txt"), "regions": {"eu-west": str(eu_path)}})
+    return spec_lib.load(path)
 
 
 def test_each_region_reads_its_own_corpus_split_among_its_learners(tmp_path):

@@ -51,12 +51,33 @@ def test_bad_configs_name_the_field(doc, text):
         rt.from_document(doc)
 
 
-def test_token_from_config_or_environment(monkeypatch):
-    monkeypatch.delenv(rt.TOKEN_ENV, raising=False)
-    with pytest.raises(ConfigError, match="WAN_DILOCO_TOKEN"):
-        rt.load(None).token()
-    monkeypatch.setenv(rt.TOKEN_ENV, "from-env-123456")
-    assert rt.load(None).token() == "from-env-123456"
+# The token follows the TLS files' rule (host_tls): the environment over the run file; an empty variable is unset.
+@pytest.mark.parametrize("env, file, token", [
+    ("from-env-123456", "", "from-env-123456"),
+    (None, "from-file-123456", "from-file-123456"),
+    ("", "from-file-123456", "from-file-123456"),
+    ("from-env-123456", "from-file-123456", "from-env-123456"),
+])
+def test_token_from_the_environment_over_the_run_file(monkeypatch, env, file, token):
+    if env is None:
+        monkeypatch.delenv(rt.TOKEN_ENV, raising=False)
+    else:
+        monkeypatch.setenv(rt.TOKEN_ENV, env)
+    assert rt.from_document({"run": {"token": file}}).token() == token
+
+
+@pytest.mark.parametrize("env, file, error", [
+    (None, "", "^WAN_DILOCO_TOKEN: not set and no run.token in the run file"),
+    ("short", "from-file-123456", "^WAN_DILOCO_TOKEN: must be"),  # the variable wins even when it is wrong
+    (None, "tiny", "^run.token: must be"),
+])
+def test_a_missing_or_short_token_names_its_source(monkeypatch, env, file, error):
+    if env is None:
+        monkeypatch.delenv(rt.TOKEN_ENV, raising=False)
+    else:
+        monkeypatch.setenv(rt.TOKEN_ENV, env)
+    with pytest.raises(ConfigError, match=error):
+        rt.from_document({"run": {"token": file}}).token()
 
 
 def test_one_default_per_setting():

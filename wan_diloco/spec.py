@@ -21,8 +21,8 @@ Tables (every key optional; each default is stated once, in the dataclass named)
 Values that must agree between tables are derived, and refused when set
 otherwise: ``syncer.num_learners`` is ``run.learners``, ``syncer.tau`` is
 ``learner.tau``, ``syncer.sync_every`` is ``learner.sync_every``, ``data.vocab_size`` is ``model.vocab_size``,
-``train.total_steps`` is the step budget. The bearer token comes from
-``run.token`` or the ``WAN_DILOCO_TOKEN`` environment variable.
+``train.total_steps`` is the step budget. The bearer token comes from the
+``WAN_DILOCO_TOKEN`` environment variable, else ``run.token`` (the variable wins, as for the TLS files).
 """
 from __future__ import annotations
 
@@ -67,7 +67,7 @@ class RunConfig:
     host: str = "127.0.0.1"  # syncer bind address
     port: int = 0  # syncer gRPC port; 0 picks a free one (the launcher tells the learners)
     status_port: int = 0  # syncer /status and /metrics; 0 picks a free one, -1 disables
-    token: str = ""  # bearer token; empty: taken from $WAN_DILOCO_TOKEN
+    token: str = ""  # bearer token; $WAN_DILOCO_TOKEN wins over it (a secret is better kept out of the file)
     tick_s: float = 1.0  # liveness check period of the syncer
     report_every_s: float = 0.5  # progress lines on stdout at most this often
     # Networked runs: the global model's held-out loss every this many steps (0: at start and end only).
@@ -234,16 +234,18 @@ class RunSpec:
         return [m for m in range(self.run.learners) if self.data_of(m).corpus == mine]
 
     def token(self) -> str:
-        """The bearer token: ``run.token``, else ``$WAN_DILOCO_TOKEN``; a missing one is a ConfigError."""
+        """The bearer token (see :meth:`given_token`); a missing one is a ConfigError."""
         token = self.given_token()
-        require(bool(token), "run.token", f"no bearer token: set run.token or the {TOKEN_ENV} environment variable")
+        require(bool(token), TOKEN_ENV, "not set and no run.token in the run file: the run needs a bearer token")
         return token
 
     def given_token(self) -> str:
-        """``run.token``, else ``$WAN_DILOCO_TOKEN``, else "" (the launcher makes one up); one too short
-        to be a token is a ConfigError naming where it came from (the key or the variable)."""
-        token = self.run.token or os.environ.get(TOKEN_ENV, "")
-        return token and check_token(token, "run.token" if self.run.token else TOKEN_ENV)
+        """``$WAN_DILOCO_TOKEN``, else ``run.token``, else "" (the launcher makes one up); one too short
+        to be a token is a ConfigError naming where it came from (the variable or the key). The environment
+        wins over the run file, as for the TLS files (``host_tls``): one run file is copied to every host,
+        and each host gives its own secret. An empty variable is an unset one."""
+        env = os.environ.get(TOKEN_ENV, "")
+        return check_token(env, TOKEN_ENV) if env else self.run.token and check_token(self.run.token, "run.token")
 
     def with_changes(self, **tables: Mapping[str, Any]) -> "RunSpec":
         """A new spec with some keys of some tables replaced (``with_changes(run={"learners": 8})``),

@@ -5,6 +5,7 @@ import socket
 
 from wan_diloco.cli import build_parser
 from wan_diloco.cli.join import announcement, lines
+from wan_diloco.spec import TOKEN_ENV
 
 from tests.conftest import micro_spec
 
@@ -54,14 +55,20 @@ def test_every_interface_is_said_and_learners_dial_this_hosts_name():
     assert v6["address"] == "[::]:7070" and v6["status_url"] is None
 
 
-def test_what_every_host_already_has_is_not_repeated():
+def test_what_every_host_already_has_is_not_repeated(monkeypatch):
     # Paths in the run file (the same on every host) and a token in it reach the learner with the file.
+    monkeypatch.delenv(TOKEN_ENV, raising=False)
     old_style = {"cert_file": "transport.tls.cert_file", "key_file": "transport.tls.key_file",
                  "ca_file": "transport.tls.ca_file", "mutual": "transport.tls.mutual"}
     spec = tls_spec(host="10.1.2.3", token="a-run-token-in-the-file")
     said = announcement(spec, "run.toml", 7070, None, old_style)
     assert said["join"] == "wan-diloco learner --config run.toml --id N --syncer 10.1.2.3:7070"
     assert not any("token" in line for line in lines(spec, "run.toml", said))
+    # $WAN_DILOCO_TOKEN wins over the file's token: the learners must be given theirs too.
+    monkeypatch.setenv(TOKEN_ENV, "the-syncers-own-token")
+    said = announcement(spec, "run.toml", 7070, None, old_style)
+    assert said["join"].startswith('WAN_DILOCO_TOKEN="$(cat learner-N.token)" wan-diloco learner')
+    monkeypatch.delenv(TOKEN_ENV)
     # A mutual run the syncer was told of by --tls-mutual: the learner must be told too.
     said = announcement(tls_spec("", host="10.1.2.3"), "run.toml", 7070, None, {**FROM_FLAGS, "mutual": "--tls-mutual"})
     assert parsed(said["join"], 1).tls_mutual

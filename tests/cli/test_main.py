@@ -9,14 +9,19 @@ import wan_diloco
 from wan_diloco.cli import main
 
 
-def test_version_prints_the_packages_version(capsys):
-    done = subprocess.run([sys.executable, "-m", "wan_diloco.cli", "--version"], capture_output=True, text=True,
-                          timeout=60)
+def test_version_prints_the_packages_version_without_loading_jax(capsys):
+    # `python -m wan_diloco.cli --version`, then whether it loaded JAX (each command's module does: 20-40 s
+    # of imports on a loaded machine, for a line that needs none of it).
+    code = ("import runpy, sys\nsys.argv = ['wan-diloco', '--version']\ntry:\n"
+            "    runpy.run_module('wan_diloco.cli', run_name='__main__')\n"
+            "except SystemExit as e:\n    print('jax' in sys.modules, e.code)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
-    assert done.stdout == f"wan-diloco {wan_diloco.__version__}\n"
+    line = f"wan-diloco {wan_diloco.__version__}\n"
+    assert done.stdout == line + "False 0\n"
     with pytest.raises(SystemExit) as e:
         main(["-V"])
-    assert e.value.code == 0 and capsys.readouterr().out == done.stdout
+    assert e.value.code == 0 and capsys.readouterr().out == line
 
 
 def test_an_unknown_command_suggests_the_near_one(capsys):

@@ -5,28 +5,6 @@ import pytest
 from wan_diloco import cli
 
 
-def test_cli_simulate_writes_json(tmp_path, capsys):
-    out = tmp_path / "r.json"
-    tape = tmp_path / "tape.json"
-    tape.write_text(json.dumps([{"learner": 0, "down_at": 1.0, "up_at": 3.0}]))
-    rc = cli.main(["simulate", "--preset", "micro", "--learners", "2", "--steps", "8", "--sync-every", "4",
-                   "--fragments", "2", "--batch-size", "4", "--speeds", "1,1.2", "--failures", str(tape),
-                   "--no-data-failover", "--keep-local", "--json", str(out)])
-    assert rc == 0
-    data = json.loads(out.read_text())
-    for key in ("initial_eval_loss", "final_eval_loss", "tokens", "goodput", "uptime", "fragment_syncs", "bytes_sent"):
-        assert key in data
-    assert len(data["fragment_syncs"]) == 2 and data["bytes_sent"] > 0
-    assert data["config"]["simulate"]["data_failover"] is False and data["config"]["learner"]["keep_local"] is True
-    assert data["config"]["simulate"]["speeds"] == [1.0, 1.2]
-    assert "goodput" in capsys.readouterr().out
-    # Its picture beside the JSON: eval loss against tokens and, below, throughput.
-    import matplotlib.image
-
-    picture = matplotlib.image.imread(tmp_path / "r.png")
-    assert picture.shape[0] >= picture.shape[1] and len(data["curve"]) >= 2  # two panels: taller than wide
-
-
 def test_tokens_flag_takes_scientific_notation(tmp_path):
     from wan_diloco.cli.simulate import add_arguments, spec_from_args
     import argparse
@@ -48,24 +26,39 @@ def test_cli_bad_flags(argv, msg, capsys):
     assert msg in capsys.readouterr().err
 
 
-def test_simulate_keeps_its_model_and_it_evaluates_to_the_loss_it_reported(tmp_path, capsys, monkeypatch):
+def test_simulate_writes_its_result_picture_and_model_and_the_model_evaluates_to_the_loss_it_reported(
+        tmp_path, capsys, monkeypatch):
+    # One simulation (of a learner down, uneven speeds, no data failover) for every output: each costs a compile.
     from wan_diloco import spec as spec_lib
     from wan_diloco.assemble import Assembly
     from wan_diloco.checkpoint import read_params
 
     monkeypatch.chdir(tmp_path)  # without --json the result goes to run.run_dir ("runs") and it says where
-    params = tmp_path / "params.safetensors"
-    argv = ["simulate", "--preset", "micro", "--learners", "2", "--steps", "8", "--sync-every", "4", "--fragments", "2",
-            "--batch-size", "4", "--quiet", "--params-out", str(params)]
+    tape, params = tmp_path / "tape.json", tmp_path / "params.safetensors"
+    tape.write_text(json.dumps([{"learner": 0, "down_at": 1.0, "up_at": 3.0}]))
+    short = dict(preset="micro", learners=2, steps=8, sync_every=4, fragments=2, batch_size=4)
+    argv = ["simulate", *(w for k, v in short.items() for w in (f"--{k.replace('_', '-')}", str(v))),
+            "--speeds", "1,1.2", "--failures", str(tape), "--no-data-failover", "--keep-local",
+            "--params-out", str(params)]
     assert cli.main(argv) == 0
     (folder,) = (tmp_path / "runs").iterdir()
     rel = folder.relative_to(tmp_path)
     assert folder.name.startswith("simulate-")
-    assert f"result: {rel / 'simulate.json'}\npicture: {rel / 'simulate.png'}\n" in capsys.readouterr().out
-    assert (folder / "simulate.png").read_bytes().startswith(b"\x89PNG")
-    reported = json.loads((folder / "simulate.json").read_text())["final_eval_loss"]
-    spec = spec_lib.from_short(preset="micro", learners=2, steps=8, sync_every=4, fragments=2, batch_size=4)
-    parts = Assembly(spec)
+    out = capsys.readouterr().out
+    assert "goodput" in out and f"result: {rel / 'simulate.json'}\npicture: {rel / 'simulate.png'}\n" in out
+    data = json.loads((folder / "simulate.json").read_text())
+    for key in ("initial_eval_loss", "final_eval_loss", "tokens", "goodput", "uptime", "fragment_syncs", "bytes_sent"):
+        assert key in data
+    assert len(data["fragment_syncs"]) == 2 and data["bytes_sent"] > 0
+    assert data["config"]["simulate"]["data_failover"] is False and data["config"]["learner"]["keep_local"] is True
+    assert data["config"]["simulate"]["speeds"] == [1.0, 1.2]
+    # Its picture beside the JSON: eval loss against tokens and, below, throughput.
+    import matplotlib.image
+
+    picture = matplotlib.image.imread(folder / "simulate.png")
+    assert picture.shape[0] >= picture.shape[1] and len(data["curve"]) >= 2  # two panels: taller than wide
+    reported = data["final_eval_loss"]
+    parts = Assembly(spec_lib.from_short(**short))
     loaded, info = read_params(params, like=parts.params0)
     assert info["final_eval_loss"] == reported
     assert parts.evaluate(loaded) == reported  # the same parameters, bit for bit, give the same loss

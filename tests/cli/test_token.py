@@ -11,7 +11,8 @@ from wan_diloco.transport import derive_token
 from tests.conftest import MICRO_TOML
 
 
-def test_a_learners_own_token_is_what_launch_hands_it(tmp_path, capsys):
+def test_a_learners_own_token_is_what_launch_hands_it(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv(TOKEN_ENV, raising=False)  # it would win over the file's
     path = tmp_path / "run.toml"
     path.write_text('[run]\nlearners = 2\ntoken = "the-run-token-0123"\n')
     assert main(["token", "--learner", "1", "--config", str(path)]) == 0
@@ -24,12 +25,12 @@ def test_a_learners_own_token_is_what_launch_hands_it(tmp_path, capsys):
         main(["token", "--learner", "2", "--config", str(path)])
 
 
-@pytest.mark.parametrize("toml, env, where", [("", "short", TOKEN_ENV),
-                                              ('[run]\ntoken = "tiny"\n', "long-enough-token", "run.token")])
+@pytest.mark.parametrize("toml, env, where", [('[run]\ntoken = "long-enough-token"\n', "short", TOKEN_ENV),
+                                              ('[run]\ntoken = "tiny"\n', "", "run.token")])
 def test_a_short_token_is_named_by_where_it_came_from(tmp_path, capsys, monkeypatch, toml, env, where):
     config = tmp_path / "run.toml"
     config.write_text(toml)
-    monkeypatch.setenv(TOKEN_ENV, env)
+    monkeypatch.setenv(TOKEN_ENV, env)  # the variable wins over the file; empty, it is unset
     with pytest.raises(SystemExit) as e:
         main(["token", "--learner", "0", "--config", str(config)])
     assert e.value.code == 2

@@ -38,7 +38,9 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """Every command's parser; with ``only``, the arguments of that command alone (the others' modules,
+    which import JAX, are not loaded: `--version` or one command need not wait for them)."""
     parser = argparse.ArgumentParser(
         prog="wan-diloco",
         description="Decoupled DiLoCo across regions joined by WAN links: simulate, plan and train.",
@@ -47,6 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, (module, help_text) in SUBCOMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
+        if only is not None and name != only:
+            continue
         mod = importlib.import_module(module)
         mod.add_arguments(p)
         p.set_defaults(_module=mod)
@@ -58,9 +62,9 @@ def main(argv: list[str] | None = None) -> int:
         from wan_diloco.runtime.launch import die_with_parent
 
         die_with_parent()
-    parser = build_parser()
     argv = sys.argv[1:] if argv is None else argv
     command = next((a for a in argv if not a.startswith("-")), None)
+    parser = build_parser(only=command or "")
     if command is not None and command not in SUBCOMMANDS:  # argparse alone lists every choice, no near miss
         parser.error(f"unknown command {command!r}{did_you_mean(command, SUBCOMMANDS)} "
                      f"(commands: {', '.join(SUBCOMMANDS)})")

@@ -7,13 +7,19 @@ import shlex
 import socket
 
 from wan_diloco.host_tls import FLAGS, FROM_FILE
-from wan_diloco.spec import RunSpec
+from wan_diloco.spec import TOKEN_ENV, RunSpec
 
 EVERY_INTERFACE = ("0.0.0.0", "::", "")
 
 
 def _hostport(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _token_from_file(cfg: RunSpec) -> bool:
+    """Whether this syncer runs with the run file's token, which reaches every host with the file ($WAN_DILOCO_TOKEN
+    wins over it: then learners need theirs in the environment too)."""
+    return bool(cfg.run.token) and not os.environ.get(TOKEN_ENV)
 
 
 def announcement(cfg: RunSpec, config: str | None, port: int, status_port: int | None,
@@ -35,7 +41,7 @@ def announcement(cfg: RunSpec, config: str | None, port: int, status_port: int |
 
 def _command(cfg: RunSpec, config: str | None, dial: str, tls_origin: dict[str, str]) -> str:
     words = []
-    if not cfg.run.token:  # a token in the run file reaches every host with it
+    if not _token_from_file(cfg):
         words.append('WAN_DILOCO_TOKEN="$(cat learner-N.token)"' if cfg.transport.per_learner_tokens
                      else 'WAN_DILOCO_TOKEN="$(cat token)"')
     words += ["wan-diloco", "learner"] + (["--config", shlex.quote(config)] if config else [])
@@ -77,7 +83,7 @@ def lines(cfg: RunSpec, config: str | None, said: dict, shard: int = 0) -> list[
         return out
     out.append(f"{name}: learner N (0..{cfg.run.learners - 1}) joins from its host with:")
     out.append(f"  {said['join']}")
-    if not cfg.run.token and cfg.transport.per_learner_tokens:
+    if not _token_from_file(cfg) and cfg.transport.per_learner_tokens:
         token = " ".join(["wan-diloco token"] + (["--config", shlex.quote(config)] if config else []) + ["--learner N"])
         out.append(f"{name}: learner-N.token, made here: {token} > learner-N.token "
                    f"(a learner on this host: WAN_DILOCO_TOKEN=$({token}))")

@@ -95,8 +95,8 @@ def deployment(spec: RunSpec, options: ExportOptions) -> Deployment:
             f"{spec.run.host!r} is loopback: learners on other hosts could not reach the syncer; "
             'set run.host = "0.0.0.0" in the run file')
     require(not spec.run.token, "run.token",
-            "set in the run file, which every host gets (and it wins over $WAN_DILOCO_TOKEN): remove it; each "
-            "exported process reads its own token from $WAN_DILOCO_TOKEN")
+            "set in the run file, which every host gets (each learner host would hold the run's token): remove "
+            "it; each exported process reads its own token from $WAN_DILOCO_TOKEN")
     require(spec.learner.hosts == 1, "learner.hosts",
             f"{spec.learner.hosts}: export writes one process per learner; start multi-host learners by hand "
             "(docs/operations.md, Multi-host learners)")

@@ -195,6 +195,9 @@ class _Driver:
     # ---- faults ---------------------------------------------------------------------
 
     def _fire(self, f: Fault) -> None:
+        if f.kind == "disk_full" and self.syncer_restarting and not self.final_seen:
+            # It would stall the restart (its incarnation is written before it listens), timing that: it waits.
+            return self._at(time.time() + 0.5, lambda: self._fire(f))
         entry = {**f.to_dict(), "fired_t": time.time(), "undone_t": None, "skipped": None, "pid": None}
         self.fired.append(entry)
         why = self._why_not(f)
@@ -261,15 +264,13 @@ class _Driver:
             os.killpg(pid, signal.SIGCONT)
         self._say(f"{name} continued (SIGCONT)")
 
-    def _kill_syncer(self, f: Fault, entry: dict) -> None:
+    def _kill_syncer(self, f: Fault, entry: dict, fresh_first: bool = False) -> None:
         entry["pid"] = self._kill("syncer")["pid"]
         self.syncer_restarting = True
-        self._at(time.time() + f.hold_s, lambda: self._restart_syncer(entry))
+        self._at(time.time() + f.hold_s, lambda: self._restart_syncer(entry, fresh_first))
 
     def _restart_syncer_fresh(self, f: Fault, entry: dict) -> None:
-        entry["pid"] = self._kill("syncer")["pid"]
-        self.syncer_restarting = True
-        self._at(time.time() + f.hold_s, lambda: self._restart_syncer(entry, fresh_first=True))
+        self._kill_syncer(f, entry, fresh_first=True)
 
     def _restart_syncer(self, entry: dict, fresh_first: bool = False) -> None:
         """On the spawner thread: start_syncer blocks until the new syncer listens (seconds), and faults
