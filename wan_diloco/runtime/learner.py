@@ -118,7 +118,8 @@ class Learner:
             self.core.follow_run(cfg.run.run_id)  # a syncer serving another run is refused at the join
         # Snapshots finished off the training thread; a multi-process leader keeps them on it (its host
         # copies of global arrays stay beside its collectives), as does eager (its stand-in comes with them).
-        self.sync = (SyncWorker(self.core, self._send_fragment, cfg.learner.sync_in_flight, f"learner-{learner}-sync")
+        self.sync = (SyncWorker(self.core, lambda msg: self.net.upload(msg), cfg.learner.sync_in_flight,
+                                f"learner-{learner}-sync", on_sent=self._count_upload)
                      if cfg.learner.sync_in_flight and lockstep is None and not cfg.learner.eager else None)
 
     # ---- actions --------------------------------------------------------------------
@@ -180,11 +181,15 @@ class Learner:
                     typing.assert_never(a)
 
     def _send_fragment(self, msg) -> None:
-        """Count an upload and hand it to the network thread (from the training thread or the sync worker)."""
-        self.raw_bytes += self.layout.nbytes[msg.fragment]
-        self.payload_bytes += msg.nbytes
-        self.uploads += 1
+        """Count an upload and hand it to the network thread."""
+        self._count_upload(msg.fragment, msg.nbytes)
         self.net.upload(msg)
+
+    def _count_upload(self, fragment: int, nbytes: int) -> None:
+        """On the training thread only (the sync worker's uploads come through ``SyncWorker.check``)."""
+        self.raw_bytes += self.layout.nbytes[fragment]
+        self.payload_bytes += nbytes
+        self.uploads += 1
 
     def take_up_step(self) -> None:
         """Take up the global step: the step counter and the learning-rate schedule (``rejoin.take_up_step``)."""
