@@ -361,6 +361,10 @@ def test_roundtrip_delta_fuses_delta_feedback_and_encode_with_the_bits_of_the_st
             assert enc.values[n].shape == shapes[n] == got[n].shape and not enc.values[n].flags.writeable
             assert enc.values[n].tobytes() == decoded[n].tobytes(), n
             assert got[n].tobytes() == (delta[n] - decoded[n]).tobytes(), n
+        whole = c.roundtrip(delta)  # numpy values: the same one-pass encode and decode (the syncer's update)
+        assert whole.payload == payload and [whole.values[n].tobytes() for n in shapes] == \
+            [decoded[n].tobytes() for n in shapes]
+        np.testing.assert_array_equal(whole.values.sum_squares, decoded.sum_squares)
         enc, none = c.roundtrip_delta(base, theta)  # no residual in or out
         assert none is None and enc.payload == FragmentCodec(cfg, layout).encode(
             {n: base[n] - theta[n] for n in shapes})
