@@ -89,7 +89,8 @@ class FragmentCodec:
         thetas = [np.asarray(x) for x in thetas]
         if self._fused():
             enc, host = self._roundtrip_host(p, bases, thetas, pluses, residual)
-            return enc, {n: r.reshape(self.layout.shapes[n]) for n, r in zip(names, host.residual)} if residual else None
+            shaped = {n: r.reshape(self.layout.shapes[n]) for n, r in zip(names, host.residual or [])}
+            return enc, shaped if residual else None
         delta = {n: b - np.asarray(x, np.float32) for n, b, x in zip(names, bases, thetas)}
         if pluses is not None:
             delta = {n: d + r for (n, d), r in zip(delta.items(), pluses)}
