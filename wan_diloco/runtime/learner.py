@@ -148,7 +148,8 @@ class Learner:
                     theta = {n: np.asarray(flat[n]) for n in names}
                     self.handle(self.core.snapshot(time.monotonic(), fragment, due_step, theta, final))
                 case SendFragment(msg):
-                    self._send_fragment(msg)
+                    self._count_upload(msg.fragment, msg.nbytes)
+                    self.net.upload(msg)
                 case SendMetadata(msg):
                     self.send_metadata(msg)
                 case Resync(fragment):
@@ -179,11 +180,6 @@ class Learner:
                     emit(event)
                 case _:
                     typing.assert_never(a)
-
-    def _send_fragment(self, msg) -> None:
-        """Count an upload and hand it to the network thread."""
-        self._count_upload(msg.fragment, msg.nbytes)
-        self.net.upload(msg)
 
     def _count_upload(self, fragment: int, nbytes: int) -> None:
         """On the training thread only (the sync worker's uploads come through ``SyncWorker.check``)."""
