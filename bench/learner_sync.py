@@ -8,10 +8,15 @@ network itself. Variants:
 
 - ``off``: H so large that no fragment is ever due (the step, the drain and metadata only);
 - ``on_training_thread``: ``learner.sync_in_flight = 0`` (all on the training thread, the pre-#26 path);
-- ``on_worker``: ``learner.sync_in_flight = 2`` (runtime.sync_worker).
+- ``on_worker``: ``learner.sync_in_flight = 2`` (runtime.sync_worker, its thread at nice ``NICE``);
+- ``on_worker_nice0``: the same with the worker at the training thread's priority (the pre-nice worker).
 
-The variants run in alternating blocks of whole rounds, so drift of a shared machine falls on each alike.
-Per stage, the training thread's wall and CPU seconds per step, and the worker thread's CPU.
+The variants run in alternating blocks of whole rounds, so drift of a shared machine falls on each alike;
+each block's median on / off is one ratio, and a row gives their median, min and max. Per stage, the
+training thread's wall and CPU seconds per step, and the worker thread's CPU. ``encode`` in each row:
+a snapshot's Δ + error feedback + encode + decode in MB of fp32 per CPU-second, fused
+(``FragmentCodec.roundtrip_delta``) against the same steps one whole array at a time (the path before it),
+with ``np.copy`` of the same bytes, in the same run; the two must give the same bytes.
 
     python -m bench.train_throughput --sync                      # tiny, int4, H = 8 and 100
     python -m bench.learner_sync --preset base --sync-every 8 --batch-size 1 --steps 16 --block-steps 8
@@ -36,13 +41,15 @@ if str(ROOT) not in sys.path:
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from wan_diloco import model  # noqa: E402
+from wan_diloco import model, tree  # noqa: E402
 from wan_diloco.assemble import Assembly  # noqa: E402
+from wan_diloco.core.learner import LearnerCore  # noqa: E402
 from wan_diloco.core.messages import GlobalUpdate  # noqa: E402
-from wan_diloco.fragments import Schedule  # noqa: E402
+from wan_diloco.fragments import Encoded, Schedule  # noqa: E402
 from wan_diloco.runtime import serde  # noqa: E402
 from wan_diloco.runtime.inbox import Arrived  # noqa: E402
 from wan_diloco.runtime.learner import Learner  # noqa: E402
+from wan_diloco.runtime.sync_worker import NICE, SyncWorker  # noqa: E402
 from wan_diloco.spec import RunSpec  # noqa: E402
 
 OFF_H = 10**9  # "syncing off": no fragment is due within any run
@@ -187,13 +194,64 @@ def close(lrn: Learner) -> None:
     lrn.writer.shutdown(wait=True)
 
 
+class StepByStep:
+    """The codec path before ``roundtrip_delta``: ``LearnerCore`` then computes Δ and error feedback a whole
+    array at a time, and ``roundtrip`` packs and unpacks the raw bytes (the pair-table decode)."""
+
+    def __init__(self, codec):
+        self.codec = codec
+
+    def roundtrip(self, values) -> Encoded:
+        data, p, raw = self.codec._encode(values, None)
+        return Encoded(values=self.codec._unpack(p, self.codec.cfg.format, raw), nbytes=len(data), payload=data)
+
+
+def encode_row(lrn: Learner, reps: int = 3) -> dict:
+    """MB of fp32 per CPU-second of a snapshot's Δ + error feedback + encode (+ the decode the sender keeps),
+    fused against step by step, and ``np.copy`` of the same bytes, alternating, on this thread."""
+    flat = {n: np.asarray(v) for n, v in tree.flatten(lrn.state.params).items()}
+    cfg = lrn.core.cfg
+    cores = {name: LearnerCore(cfg, 0, lrn.core.fragments, flat, codec) for name, codec in
+             (("fused", lrn.core.codec), ("step_by_step", StepByStep(lrn.core.codec)))}
+    cpu = {"fused": 0.0, "step_by_step": 0.0, "np_copy": 0.0}
+    nbytes, rng = 0, np.random.default_rng(0)
+    for r in range(reps):
+        for p, names in enumerate(lrn.core.fragments):
+            theta = {n: flat[n] + np.float32(1e-3) * rng.standard_normal(flat[n].shape, np.float32) for n in names}
+            payloads = []
+            for name, core in cores.items():
+                c0 = time.thread_time()
+                [send] = core.snapshot(0.0, p, (r + 1) * cfg.sync_every, theta)
+                cpu[name] += time.thread_time() - c0
+                payloads.append(send.msg.payload)
+            assert payloads[0] == payloads[1], "fused and step-by-step encodes differ"
+            c0 = time.thread_time()
+            copies = [np.copy(theta[n]) for n in names]
+            cpu["np_copy"] += time.thread_time() - c0
+            del copies
+            nbytes += sum(theta[n].nbytes for n in names)
+    mb = {k: nbytes / 1e6 / v for k, v in cpu.items()}
+    return {"fp32_mb": nbytes / 1e6, "mb_per_cpu_s": mb, "cpu_s": cpu,
+            "speedup": mb["fused"] / mb["step_by_step"], "fused_vs_np_copy": mb["fused"] / mb["np_copy"]}
+
+
+VARIANTS = {"off": (True, 0, None), "on_training_thread": (False, 0, None), "on_worker": (False, 2, None),
+            "on_worker_nice0": (False, 2, 0)}  # name: (off, sync_in_flight, the worker's nice if not NICE)
+
+
 def sync_row(preset: str, sync_every: int, batch_size: int, bits: int, fragments: int, tau: int, steps: int,
-             warmup: int, block_steps: int = 16) -> dict:
-    variants = {"off": (OFF_H, 0), "on_training_thread": (sync_every, 0), "on_worker": (sync_every, 2)}
+             warmup: int, block_steps: int = 16, variants: list[str] | None = None, encode_reps: int = 0) -> dict:
+    variants = {v: VARIANTS[v] for v in ["off"] + [v for v in (variants or list(VARIANTS)) if v != "off"]}
     built = {}
-    for name, (H, inflight) in variants.items():
+    load0 = os.getloadavg()[0]
+    for name, (off, inflight, nice) in variants.items():
         stages = Stages()
-        lrn = local_learner(spec_for(preset, H, inflight, batch_size, bits, fragments, tau), stages)
+        lrn = local_learner(spec_for(preset, OFF_H if off else sync_every, inflight, batch_size, bits, fragments,
+                                     tau), stages)
+        if nice is not None:
+            lrn.sync.close()
+            lrn.sync = SyncWorker(lrn.core, lambda msg, lrn=lrn: lrn.net.upload(msg), inflight,
+                                  on_sent=lrn.count_upload, nice=nice)
         for _ in range(warmup):
             lrn.train_step()
         built[name] = (lrn, stages, [], [])
@@ -212,7 +270,10 @@ def sync_row(preset: str, sync_every: int, batch_size: int, bits: int, fragments
             if lrn.sync is not None:  # its last job must not run during the next variant's steps
                 lrn.sync.flush()
     out = {"preset": preset, "sync_every": sync_every, "num_fragments": fragments, "tau": tau, "bits": bits,
-           "batch_size": batch_size, "steps_per_variant": blocks * block, "warmup_steps": warmup, "variants": {}}
+           "batch_size": batch_size, "steps_per_variant": blocks * block, "block_steps": block, "blocks": blocks,
+           "warmup_steps": warmup, "worker_nice": NICE, "load_avg_1min_at_start": load0, "variants": {}}
+    if encode_reps:
+        out["encode"] = encode_row(built["off"][0], encode_reps)
     for name, (lrn, stages, times, cpu) in built.items():
         t = np.array(times)
         out["variants"][name] = {
@@ -230,8 +291,13 @@ def sync_row(preset: str, sync_every: int, batch_size: int, bits: int, fragments
         }
         close(lrn)
     off = out["variants"]["off"]
-    for name in ("on_training_thread", "on_worker"):
+    off_blocks = np.median(np.reshape(built["off"][2], (blocks, block)), axis=1)
+    for name in [v for v in variants if v != "off"]:
         v = out["variants"][name]
+        ratios = np.median(np.reshape(built[name][2], (blocks, block)), axis=1) / off_blocks
+        v["ratio_blocks"] = [float(x) for x in ratios]  # each block's median step on / off's in the same pass
+        v["ratio_block_median"], v["ratio_block_min"], v["ratio_block_max"] = (
+            float(np.median(ratios)), float(ratios.min()), float(ratios.max()))
         v["ratio_median"] = v["step_ms_median"] / off["step_ms_median"]
         v["ratio_mean"] = v["step_ms_mean"] / off["step_ms_mean"]
         v["ratio_p90"] = v["step_ms_p90"] / off["step_ms_p90"]
@@ -254,24 +320,35 @@ def main(argv: list[str] | None = None) -> None:
                     "in alternating blocks of at least --block-steps, two blocks or more)")
     ap.add_argument("--block-steps", type=int, default=16)
     ap.add_argument("--warmup", type=int, default=5, help="steps per variant before timing (the compile included)")
+    ap.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS),
+                    help="on-variants to run beside off")
+    ap.add_argument("--encode-reps", type=int, default=3, help="passes over every fragment for the encode row "
+                    "(first row only; 0: none)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "train_throughput_sync.json"))
     args = ap.parse_args(argv)
     doc = {"devices": [str(d) for d in jax.local_devices()], "cpu_count": os.cpu_count(),
            "machine": platform.machine(), "jax": jax.__version__, "rows": []}
-    for H in args.sync_every:
+    for i, H in enumerate(args.sync_every):
         row = sync_row(args.preset, H, args.batch_size, args.bits, args.fragments, args.tau, args.steps, args.warmup,
-                       args.block_steps)
+                       args.block_steps, args.variants, args.encode_reps if i == 0 else 0)
         row["load_avg_1min_at_end"] = os.getloadavg()[0]
         doc["rows"].append(row)
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(doc, indent=2) + "\n")  # each row as it finishes
         v = row["variants"]
-        print(f"{args.preset} H={H} int{args.bits}: off {v['off']['step_ms_median']:.1f} ms/step, "
-              f"{v['off']['cpu_ms_per_step']:.1f} CPU-ms/step; on/off median, p90, CPU: " + "; ".join(
-                  f"{k} {v[k]['ratio_median']:.3f}x {v[k]['ratio_p90']:.3f}x {v[k]['ratio_cpu']:.3f}x "
-                  f"(stages on the training thread {v[k]['sync_training_wall_ms_per_step']:.2f} ms/step: "
-                  f"{v[k]['ratio_from_stages']:.3f}x)"
-                  for k in ("on_training_thread", "on_worker")), flush=True)
+        if "encode" in row:
+            e = row["encode"]
+            print(f"{args.preset} encode, MB fp32 per CPU-s: fused {e['mb_per_cpu_s']['fused']:.0f}, step by step "
+                  f"{e['mb_per_cpu_s']['step_by_step']:.0f} ({e['speedup']:.2f}x), np.copy "
+                  f"{e['mb_per_cpu_s']['np_copy']:.0f}", flush=True)
+        print(f"{args.preset} H={H} int{args.bits} (load {row['load_avg_1min_at_start']:.1f} -> "
+              f"{row['load_avg_1min_at_end']:.1f}): off {v['off']['step_ms_median']:.1f} ms/step, "
+              f"{v['off']['cpu_ms_per_step']:.1f} CPU-ms/step; on/off per-block median [min, max], CPU, stages:\n  " +
+              "\n  ".join(f"{k} {v[k]['ratio_block_median']:.3f}x [{v[k]['ratio_block_min']:.3f}, "
+                          f"{v[k]['ratio_block_max']:.3f}] CPU {v[k]['ratio_cpu']:.3f}x, training thread "
+                          f"{v[k]['sync_training_wall_ms_per_step']:.2f} ms/step ({v[k]['ratio_from_stages']:.3f}x), "
+                          f"worker {v[k]['worker_cpu_ms_per_step']:.2f} CPU-ms/step, stall "
+                          f"{v[k]['stall_ms_per_step']:.2f} ms/step" for k in v if k != "off"), flush=True)
     print(f"wrote {args.out}")
 
 

@@ -40,6 +40,12 @@ class ErrorFeedback:
                for name, x in sent.items()}
         self._residuals[fragment_id] = new
 
+    def keep(self, fragment_id: int, residual: Mapping[str, np.ndarray]) -> None:
+        """Store a residual computed elsewhere (``FragmentCodec.roundtrip_delta``: ``update``'s
+        ``sent - decoded``, fused with the encode)."""
+        if self.enabled:
+            self._residuals[fragment_id] = {name: np.asarray(x, np.float32) for name, x in residual.items()}
+
     def residual(self, fragment_id: int) -> dict[str, np.ndarray] | None:
         """The stored residual of a fragment, or None."""
         return self._residuals.get(fragment_id)

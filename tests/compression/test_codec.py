@@ -351,3 +351,52 @@ def test_roundtrip_in_place_gives_the_same_payload_and_bits_over_the_callers_arr
         a.flags.writeable = False  # not writable: decoded into fresh arrays instead, nothing written
     got = c.roundtrip(read_only, in_place=True)
     assert got.payload == want.payload and all(np.array_equal(read_only[n], FRAG[n]) for n in FRAG)
+
+
+@pytest.mark.parametrize("bits,scale_dtype,codebook", [(32, "bfloat16", "nf4"), (16, "bfloat16", "nf4"),
+                                                       (8, "float16", "nf4"), (4, "bfloat16", "nf4"),
+                                                       (4, "float16", "uniform")])
+def test_roundtrip_delta_fuses_delta_feedback_and_encode_with_the_bits_of_the_steps_one_by_one(bits, scale_dtype,
+                                                                                              codebook):
+    from wan_diloco.merge import CHUNK, Workers
+    rng = np.random.default_rng(bits)
+    shapes = {"w": (2 * CHUNK + 77,), "b": (5, 3), "z": (64,)}
+    layout = Layout([tuple(shapes)], shapes)
+    base = {n: rng.standard_normal(s).astype(np.float32) for n, s in shapes.items()}
+    theta = {n: (b + rng.standard_normal(b.shape) * 1e-3).astype(np.float32) for n, b in base.items()}
+    theta["z"] = base["z"].copy()  # Δ = 0: a zero block
+    res = {n: (rng.standard_normal(s) * 1e-5).astype(np.float32) for n, s in shapes.items()}
+    cfg = CodecConfig(bits=bits, block_size=256, impl="jnp", scale_dtype=scale_dtype, int4_codebook=codebook)
+    # What the learner did before: Δ, + residual, encode, decode, Δ − decoded, each a whole array.
+    delta = {n: (base[n] - theta[n]) + res[n] for n in shapes}
+    payload = FragmentCodec(cfg, layout).encode(delta)
+    decoded = FragmentCodec(cfg, layout).decode(0, payload)
+    for workers in (Workers(1), Workers(2)):
+        c = FragmentCodec(cfg, layout, workers)
+        enc, got = c.roundtrip_delta(base, theta, res, residual=True)
+        assert enc.payload == payload and enc.nbytes == len(payload)
+        np.testing.assert_array_equal(enc.values.sum_squares, decoded.sum_squares)
+        for n in shapes:
+            assert enc.values[n].shape == shapes[n] == got[n].shape and not enc.values[n].flags.writeable
+            assert enc.values[n].tobytes() == decoded[n].tobytes(), n
+            assert got[n].tobytes() == (delta[n] - decoded[n]).tobytes(), n
+        whole = c.roundtrip(delta)  # numpy values: the same one-pass encode and decode (the syncer's update)
+        assert whole.payload == payload and [whole.values[n].tobytes() for n in shapes] == \
+            [decoded[n].tobytes() for n in shapes]
+        np.testing.assert_array_equal(whole.values.sum_squares, decoded.sum_squares)
+        enc, none = c.roundtrip_delta(base, theta)  # no residual in or out
+        assert none is None and enc.payload == FragmentCodec(cfg, layout).encode(
+            {n: base[n] - theta[n] for n in shapes})
+
+
+def test_roundtrip_delta_refuses_a_bad_residual_or_theta_naming_it():
+    shapes = {"w": (300,), "b": (5,)}
+    layout = Layout([tuple(shapes)], shapes)
+    base = {n: np.ones(s, np.float32) for n, s in shapes.items()}
+    c = FragmentCodec(CodecConfig(bits=4, block_size=64, impl="jnp"), layout)
+    with pytest.raises(EncodeError, match="'b'"):
+        c.roundtrip_delta(base, base, {"w": np.zeros(300, np.float32), "b": np.zeros(4, np.float32)}, True)
+    with pytest.raises(EncodeError, match="exactly its tensors"):
+        c.roundtrip_delta(base, base, {"w": np.zeros(300, np.float32)}, True)
+    with pytest.raises(NonFiniteError, match="'w'"):
+        c.roundtrip_delta(base, {"w": np.full(300, np.nan, np.float32), "b": np.ones(5, np.float32)})

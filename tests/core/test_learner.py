@@ -213,7 +213,6 @@ def test_a_begun_snapshot_encodes_from_the_base_it_was_taken_on():
     assert (msg.base_version, msg.c_steps, msg.due_step) == (0, 1, 1)
     np.testing.assert_array_equal(msg.delta["block_0/w"], PARAMS["block_0/w"] - theta["block_0/w"])
     assert later.feedback.state_dict().keys() == now.feedback.state_dict().keys()
-    assert later.bytes_sent == now.bytes_sent > 0
 
 
 def test_eager_steps_the_fragment_by_its_own_delta_then_rebases_the_steps_since_onto_the_global():

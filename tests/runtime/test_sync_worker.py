@@ -2,6 +2,7 @@
 bits as on it, hold at most ``sync_in_flight`` fragments, and raise a job's error on the training thread."""
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -12,7 +13,7 @@ from bench.learner_sync import close, local_learner, spec_for
 from wan_diloco import tree
 from wan_diloco.assemble import Assembly
 from wan_diloco.core import ProtocolError
-from wan_diloco.runtime.sync_worker import SyncWorker
+from wan_diloco.runtime.sync_worker import NICE, SyncWorker
 
 
 def _spec(sync_in_flight: int, keep_local: bool = False):
@@ -100,3 +101,38 @@ def test_a_job_that_fails_raises_on_the_training_thread(parts):
         assert lrn.net.uploads == []
     finally:
         close(lrn)
+
+
+def test_uploads_are_counted_on_the_training_thread_in_order_and_the_worker_yields_to_it(parts):
+    lrn = local_learner(_spec(0), parts=parts())
+    release, counted, sent = threading.Event(), [], []
+    worker = SyncWorker(lrn.core, lambda msg: (release.wait(30), sent.append((msg.fragment, msg.nbytes))), 2,
+                        on_sent=lambda fragment, nbytes: counted.append((threading.get_ident(), fragment, nbytes)))
+    try:
+        flat = tree.flatten(lrn.state.params)
+        for p, names in enumerate(lrn.layout.fragments):
+            worker.submit(lrn.core.begin_snapshot(0.0, p, 2), {n: flat[n] for n in names})
+        release.set()
+        deadline = time.monotonic() + 30
+        while len(sent) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(sent) == 2 and counted == []  # sent by the worker, counted by no one yet
+        worker.flush(0)
+        assert [c[1:] for c in counted] == sent
+        if hasattr(os, "getpriority"):
+            assert os.getpriority(os.PRIO_PROCESS, worker._thread.native_id) == NICE  # it ran jobs: set by now
+        worker.submit(lrn.core.begin_snapshot(0.0, 0, 4), {n: flat[n] for n in lrn.layout.fragments[0]})
+    finally:
+        release.set()
+        worker.close()  # counts what was sent since the last check
+        close(lrn)
+    assert [c[1:] for c in counted] == sent and len(sent) == 3
+    assert {c[0] for c in counted} == {threading.get_ident()}
+
+
+def test_a_learner_counts_the_worker_s_uploads_as_it_counts_its_own(parts):
+    for inflight in (0, 2):
+        lrn = _run(parts, inflight, False)
+        assert lrn.uploads == len(lrn.net.uploads) >= 10
+        assert lrn.payload_bytes == sum(m.nbytes for m in lrn.net.uploads)
+        assert lrn.raw_bytes == sum(lrn.layout.nbytes[m.fragment] for m in lrn.net.uploads)

@@ -71,7 +71,11 @@ class FragmentCodec:
     def roundtrip(self, values: Mapping[str, Any], key=None, *, in_place: bool = False) -> Encoded:
         """``encode`` plus exactly what ``decode`` gives for the payload, bit for bit. ``in_place``: the
         caller needs ``values`` no more, so the decoded values overwrite them where they are writable
-        float32 numpy arrays (8/4-bit formats): no second fragment-sized buffer."""
+        float32 numpy arrays (8/4-bit formats): no second fragment-sized buffer. Without it, host arrays
+        are encoded and decoded in one pass (``_roundtrip_host``), into new arrays."""
+        p, arrays = self._arrays(values)
+        if not in_place and self._fused() and all(isinstance(x, np.ndarray) for x in arrays):
+            return self._roundtrip_host(p, arrays)[0]
         data, p, raw = self._encode(values, key)
         into = None
         if in_place:
@@ -80,6 +84,48 @@ class FragmentCodec:
                    for x in flats):
                 into = [x.reshape(-1) for x in flats]
         return Encoded(values=self._unpack(p, self._fmt, raw, into), nbytes=len(data), payload=data)
+
+    def roundtrip_delta(self, base: Mapping[str, Any], theta: Mapping[str, Any], plus: Mapping[str, Any] | None = None,
+                        residual: bool = False) -> tuple[Encoded, dict[str, np.ndarray] | None]:
+        """``roundtrip`` of Δ = base − theta (+ ``plus``), each float32 as numpy computes it, and with
+        ``residual`` also Δ − decoded: a learner's outer gradient with error feedback. On the host (8 or 4
+        bits, round to nearest) one pass per chunk computes Δ, quantizes, packs and decodes it, so no
+        whole Δ is held; elsewhere the same arithmetic one whole array at a time (the same bits)."""
+        p, thetas = self._arrays(theta)
+        names = self.layout.fragments[p]
+        if set(base) != set(names) or (plus is not None and set(plus) != set(names)):
+            raise EncodeError(f"fragment {p}: base and residual must hold exactly its tensors")
+        bases = [np.asarray(base[n], np.float32) for n in names]
+        pluses = None if plus is None else [np.asarray(plus[n], np.float32) for n in names]
+        for n, b, r in zip(names, bases, pluses or bases):
+            if b.shape != self.layout.shapes[n] or r.shape != self.layout.shapes[n]:
+                raise EncodeError(f"tensor {n!r}: base or residual shape differs from {self.layout.shapes[n]}")
+        thetas = [np.asarray(x) for x in thetas]
+        if self._fused():
+            enc, host = self._roundtrip_host(p, bases, thetas, pluses, residual)
+            shaped = {n: r.reshape(self.layout.shapes[n]) for n, r in zip(names, host.residual or [])}
+            return enc, shaped if residual else None
+        delta = {n: b - np.asarray(x, np.float32) for n, b, x in zip(names, bases, thetas)}
+        if pluses is not None:
+            delta = {n: d + r for (n, d), r in zip(delta.items(), pluses)}
+        enc = self.roundtrip(delta)
+        return enc, {n: d - enc.values[n] for n, d in delta.items()} if residual else None
+
+    def _fused(self) -> bool:
+        """Whether host arrays are encoded and decoded in one pass (``pack.pack_host``)."""
+        return self._fmt.quantized and self._impl == "jnp" and not self.cfg.stochastic_rounding
+
+    def _roundtrip_host(self, p: int, arrays, minus=None, plus=None, residual: bool = False):
+        parts, host = pack.pack_host(self._fmt, self.layout.fragments[p], self._sizes[p], self.workers, arrays,
+                                     minus, plus, residual)
+        data, _ = self._frame(p, parts)
+        out = Decoded()
+        out.sum_squares = host.sum_squares
+        for n, flat in zip(self.layout.fragments[p], host.decoded):
+            a = flat.reshape(self.layout.shapes[n])
+            a.flags.writeable = False  # as ``_unpack``'s: the values sent are shared
+            out[n] = a
+        return Encoded(values=out, nbytes=len(data), payload=data), host
 
     def _encode(self, values: Mapping[str, Any], key) -> tuple[bytes, int, Any]:
         """(payload, fragment index, its raw pre-zstd bytes)."""
@@ -90,6 +136,11 @@ class FragmentCodec:
             raise EncodeError("stochastic_rounding needs a PRNG key: encode(values, key=...)")
         parts = pack.pack(fmt, self.layout.fragments[p], arrays, impl=self._impl,
                           key=key if stochastic else None, workers=self.workers)
+        data, raw = self._frame(p, parts)
+        return data, p, raw
+
+    def _frame(self, p: int, parts) -> tuple[bytes, Any]:
+        """(payload, its raw pre-zstd bytes) from the packed parts: zstd (if on) and the header."""
         raw_len = sum(memoryview(a).nbytes for a in parts)
         raw = packed = None
         if self.cfg.zstd:
@@ -98,10 +149,10 @@ class FragmentCodec:
             parts = None  # the codes, joined: not held through the compress and the frame (a syncer's peak)
             packed = entropy.compress(raw, self.cfg.zstd_level)
         body = parts if raw is None else [packed if packed is not None else raw]
-        header = frame.Header(fmt, packed is not None, p, raw_len, sum(memoryview(a).nbytes for a in body))
+        header = frame.Header(self._fmt, packed is not None, p, raw_len, sum(memoryview(a).nbytes for a in body))
         data = b"".join([frame.pack_header(header), *body])
         # The sender unpacks the raw bytes, not the zstd frame: the same bits, no decompression.
-        return data, p, memoryview(data)[frame.HEADER_BYTES:] if packed is None else raw
+        return data, memoryview(data)[frame.HEADER_BYTES:] if packed is None else raw
 
     def _arrays(self, values: Mapping[str, Any]) -> tuple[int, list]:
         if not isinstance(values, Mapping):

@@ -5,9 +5,15 @@ pads it and runs one XLA call per tensor on XLA's own threads. Here each chunk o
 where it lies, on the caller's ``Workers``, with the same float32 operations in the same order as
 ``quantize.quantize_tile`` (IEEE division, multiply, compares), so the codes and scales are the same
 bits (tests/compression/test_host_quantize.py pins them to jax.numpy's). Stochastic rounding stays on jax.
+
+``encode_host`` does more in the same pass over each chunk, while it is in cache: the values may be a
+difference and a sum of arrays (a learner's Δ = Θ − θ plus its error-feedback residual, never held
+whole), and the decoded values (level × scale from the level index, the multiply ``blocks.dequantize_into``
+does, so the same bits as decoding the payload), their Σx² and what the codes dropped may come with it.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import Sequence
 
@@ -15,7 +21,7 @@ import numpy as np
 
 from wan_diloco.compression.config import CODEBOOKS, INT4_QMAX, INT8_QMAX, MIN_SCALE, Format
 from wan_diloco.compression.quantize import BF16_MAX, n_levels, code_bytes_per_block, n_blocks
-from wan_diloco.merge import CHUNK, Workers
+from wan_diloco.merge import CHUNK, Workers, chunk_sum_squares, per_tensor
 
 
 @lru_cache(maxsize=None)
@@ -25,6 +31,12 @@ def _midpoints(codebook: str) -> tuple[np.ndarray, np.float32, np.float32]:
     lv = [float(v) for v in (CODEBOOKS[codebook] * INT4_QMAX)[:n_levels(CODEBOOKS[codebook] * INT4_QMAX)]]
     mids = np.array([(a + b) / 2 for a, b in zip(lv[:-1], lv[1:])], np.float32)
     return mids, np.float32(lv[0]), np.float32(lv[-1])
+
+
+@lru_cache(maxsize=None)
+def _levels(codebook: str) -> np.ndarray:
+    """The float32 level of each 4-bit code, as the decoder's table (``blocks``) holds them."""
+    return CODEBOOKS[codebook] * np.float32(INT4_QMAX)
 
 
 def _scales(absmax: np.ndarray, qmax: int, scale_dtype: str) -> np.ndarray:
@@ -42,15 +54,17 @@ def _scales(absmax: np.ndarray, qmax: int, scale_dtype: str) -> np.ndarray:
     return np.where(np.isfinite(absmax), s, np.float32(np.nan)).astype(np.float32, copy=False)
 
 
-def _tile(x: np.ndarray, fmt: Format) -> tuple[np.ndarray, np.ndarray]:
-    """``quantize.quantize_tile`` without noise: (rows, block) float32 -> (codes, scales)."""
+def _tile(x: np.ndarray, fmt: Format) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``quantize.quantize_tile`` without noise: (rows, block) float32 -> (codes, scales, level index
+    per value: the int8 codes themselves, or the 4-bit codes before two are packed in a byte)."""
     absmax = np.max(np.abs(x), axis=1)
     if fmt.bits == 8:
         s = _scales(absmax, INT8_QMAX, fmt.scale_dtype)
         inv = (np.float32(1.0) / np.where(s > 0, s, np.float32(1.0)))[:, None]
         with np.errstate(invalid="ignore"):
             y = np.rint(x * inv)
-        return np.clip(y, -INT8_QMAX, INT8_QMAX).astype(np.int8), s
+        q = np.clip(y, -INT8_QMAX, INT8_QMAX).astype(np.int8)
+        return q, s, q
     s = _scales(absmax, INT4_QMAX, fmt.scale_dtype)
     inv = (np.float32(1.0) / np.where(s > 0, s, np.float32(1.0)))[:, None]
     mids = _midpoints(fmt.codebook or "nf4")[0]
@@ -66,34 +80,83 @@ def _tile(x: np.ndarray, fmt: Format) -> tuple[np.ndarray, np.ndarray]:
         np.greater(y, m, out=above)
         k += above.view(np.uint8)
     if h % 8:
-        return k[:, :h] | (k[:, h:] << 4), s
+        return k[:, :h] | (k[:, h:] << 4), s, k
     # Codes are < 16: shifting 8 at a time in a u64 moves no bit into the next byte.
-    return (k[:, :h].view(np.uint64) | (k[:, h:].view(np.uint64) << np.uint64(4))).view(np.uint8), s
+    return (k[:, :h].view(np.uint64) | (k[:, h:].view(np.uint64) << np.uint64(4))).view(np.uint8), s, k
+
+
+@dataclass
+class HostEncoded:
+    """``encode_host``'s result, per tensor in the order given."""
+
+    blocks: list[tuple[np.ndarray, np.ndarray]]  # (codes, scales): ``blocks.quantize_fragment``'s result
+    decoded: list[np.ndarray] | None = None  # flat float32: what decoding the codes gives
+    sum_squares: np.ndarray | None = None  # Σ decoded², float64, summed as ``pack.unpack`` sums it
+    residual: list[np.ndarray] | None = None  # flat float32: values − decoded
+
+
+def encode_host(arrays: Sequence[np.ndarray], sizes: Sequence[int], fmt: Format, workers: Workers,
+                minus: Sequence[np.ndarray] | None = None, plus: Sequence[np.ndarray] | None = None,
+                decode: bool = False, residual: bool = False) -> HostEncoded:
+    """Quantize ``arrays − minus + plus`` (float32, computed a chunk at a time in that order: the bits of
+    the whole-array expression) and, with ``decode``, decode them; with ``residual`` also keep what the
+    codes dropped. The chunks of blocks are ``pack.unpack``'s, so Σx² is its sum to the bit."""
+    bs, cb = fmt.block_size, code_bytes_per_block(fmt.bits, fmt.block_size)
+    residual = residual and decode
+    step = max(1, CHUNK // bs)
+    out, dec, res, items = [], [], [], []
+    for t, n in enumerate(sizes):
+        k = n_blocks(n, bs)
+        out.append((np.empty((k, cb), np.int8 if fmt.bits == 8 else np.uint8), np.empty(k, np.float32)))
+        if decode:
+            dec.append(np.empty(k * bs, np.float32))
+        if residual:
+            res.append(np.empty(n, np.float32))
+        items += [(t, a, min(a + step, k)) for a in range(0, k, step)]
+    flat = [[np.ravel(x) for x in xs] if xs is not None else None for xs in (arrays, minus, plus)]
+    levels = None if fmt.bits == 8 else _levels(fmt.codebook or "nf4")
+
+    def values(t: int, lo: int, hi: int) -> np.ndarray:
+        x = np.asarray(flat[0][t][lo:hi], np.float32)
+        if minus is not None:
+            x = x - np.asarray(flat[1][t][lo:hi], np.float32)
+        if plus is not None:
+            x = x + np.asarray(flat[2][t][lo:hi], np.float32)
+        return x
+
+    def run(it) -> float | None:
+        t, a, b = it
+        lo, hi = a * bs, min(b * bs, sizes[t])
+        x = values(t, lo, hi)
+        if hi - lo == (b - a) * bs:
+            tile = x.reshape(b - a, bs)
+        else:  # the tensor's last block: zero-padded, as ``quantize.to_blocks`` pads
+            tile = np.zeros((b - a) * bs, np.float32)
+            tile[:hi - lo] = x
+            tile = tile.reshape(b - a, bs)
+        codes, scales, k = _tile(tile, fmt)
+        out[t][0][a:b], out[t][1][a:b] = codes, scales
+        if not decode:
+            return None
+        d = dec[t][lo:b * bs].reshape(b - a, bs)
+        if levels is None:
+            np.multiply(k, scales[:, None], out=d)
+        else:
+            np.take(levels, k, out=d, mode="clip")  # mode="clip": unbuffered into ``d``; k < 16 always
+            d *= scales[:, None]
+        d = d.reshape(-1)[:hi - lo]
+        if residual:
+            np.subtract(x, d, out=res[t][lo:hi])
+        return chunk_sum_squares(d)
+
+    sums = workers.map(run, items)
+    if not decode:
+        return HostEncoded(out)
+    return HostEncoded(out, [d[:n] for d, n in zip(dec, sizes)], per_tensor(len(sizes), items, sums),
+                       res if residual else None)
 
 
 def quantize_host(arrays: Sequence[np.ndarray], sizes: Sequence[int], fmt: Format,
                   workers: Workers) -> list[tuple[np.ndarray, np.ndarray]]:
     """``blocks.quantize_fragment``'s result for float32 host arrays: (codes, scales) per tensor."""
-    bs, cb = fmt.block_size, code_bytes_per_block(fmt.bits, fmt.block_size)
-    step = max(1, CHUNK // bs)
-    out, items = [], []
-    for t, (x, n) in enumerate(zip(arrays, sizes)):
-        k = n_blocks(n, bs)
-        out.append((np.empty((k, cb), np.int8 if fmt.bits == 8 else np.uint8), np.empty(k, np.float32)))
-        items += [(t, a, min(a + step, k)) for a in range(0, k, step)]
-    flats = [np.ravel(np.asarray(x, np.float32)) for x in arrays]
-
-    def run(it) -> None:
-        t, a, b = it
-        x, n = flats[t], sizes[t]
-        if b * bs <= n:
-            tile = x[a * bs:b * bs].reshape(b - a, bs)
-        else:  # the tensor's last block: zero-padded, as ``quantize.to_blocks`` pads
-            tile = np.zeros((b - a) * bs, np.float32)
-            tile[:n - a * bs] = x[a * bs:n]
-            tile = tile.reshape(b - a, bs)
-        codes, scales = _tile(tile, fmt)
-        out[t][0][a:b], out[t][1][a:b] = codes, scales
-
-    workers.map(run, items)
-    return out
+    return encode_host(arrays, sizes, fmt, workers).blocks

@@ -25,6 +25,7 @@ from wan_diloco.buffers import POOL
 from wan_diloco.compression import blocks
 from wan_diloco.compression.config import BITS, INT4_QMAX, INT8_QMAX, MIN_SCALE, Format
 from wan_diloco.compression.errors import CodecError, EncodeError, NonFiniteError
+from wan_diloco.compression.host_quantize import HostEncoded, encode_host
 from wan_diloco.compression.quantize import code_bytes_per_block, n_blocks
 from wan_diloco.merge import CHUNK, SERIAL, Workers, chunk_sum_squares, per_tensor, sum_squares
 
@@ -109,11 +110,16 @@ class _Blockwise:
 
     def pack(self, fmt, names, arrays, impl, key, workers=SERIAL) -> list[np.ndarray]:
         sizes = [int(np.size(x)) for x in arrays]
-        per_tensor = blocks.quantize_fragment(arrays, sizes, fmt, impl, key, workers)
+        return self.planes(fmt, names, blocks.quantize_fragment(arrays, sizes, fmt, impl, key, workers),
+                           arrays.__getitem__)
+
+    def planes(self, fmt, names, per_tensor, value_of) -> list[np.ndarray]:
+        """The raw parts from (codes, scales) per tensor; ``value_of(i)``: tensor i's values, read only
+        to name what is wrong with a refused tensor."""
         scale_bits, code_parts = [], []
-        for name, x, (codes, scales) in zip(names, arrays, per_tensor):
+        for i, (name, (codes, scales)) in enumerate(zip(names, per_tensor)):
             if not np.isfinite(scales).all():
-                raise _non_finite(name, x, "overflows a float16 scale; use scale_dtype='bfloat16'")
+                raise _non_finite(name, value_of(i), "overflows a float16 scale; use scale_dtype='bfloat16'")
             if fmt.scale_dtype == "bfloat16":  # scales are bf16 values already: keep the top half
                 scale_bits.append((scales.view(np.uint32) >> 16).astype(np.uint16))
             else:
@@ -203,6 +209,21 @@ def pack(fmt: Format, names: Sequence[str], arrays: Sequence[Any], *, impl: str 
     """Raw payload parts of ``arrays`` (layout order); NonFiniteError names a refused tensor. ``workers``:
     the threads that quantize host arrays (any number: the same bytes)."""
     return packer(fmt).pack(fmt, names, arrays, impl, key, workers)
+
+
+def pack_host(fmt: Format, names: Sequence[str], sizes: Sequence[int], workers: Workers, arrays: Sequence[np.ndarray],
+              minus: Sequence[np.ndarray] | None = None, plus: Sequence[np.ndarray] | None = None,
+              residual: bool = False) -> tuple[list[np.ndarray], HostEncoded]:
+    """``pack`` of ``arrays − minus + plus`` (numpy, 8 or 4 bits, round to nearest) in one pass per chunk
+    that also decodes them (``host_quantize.encode_host``): (raw parts, the decoded values and Σx²)."""
+    enc = encode_host(arrays, sizes, fmt, workers, minus, plus, decode=True, residual=residual)
+
+    def value_of(i: int) -> np.ndarray:
+        x = np.asarray(arrays[i], np.float32)
+        x = x - np.asarray(minus[i], np.float32) if minus is not None else x
+        return x + np.asarray(plus[i], np.float32) if plus is not None else x
+
+    return _PACKERS[fmt.bits].planes(fmt, names, enc.blocks, value_of), enc
 
 
 def unpack(fmt: Format, raw, sizes: Sequence[int], workers: Workers = SERIAL,

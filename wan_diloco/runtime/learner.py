@@ -109,7 +109,8 @@ class Learner(LearnerEffectsIO):
             self.core.follow_run(cfg.run.run_id)  # a syncer serving another run is refused at the join
         # Snapshots finished off the training thread; a multi-process leader keeps them on it (its host
         # copies of global arrays stay beside its collectives), as does eager (its stand-in comes with them).
-        self.sync = (SyncWorker(self.core, self.send_fragment, cfg.learner.sync_in_flight, f"learner-{learner}-sync")
+        self.sync = (SyncWorker(self.core, lambda msg: self.net.upload(msg), cfg.learner.sync_in_flight,
+                                f"learner-{learner}-sync", on_sent=self.count_upload)
                      if cfg.learner.sync_in_flight and lockstep is None and not cfg.learner.eager else None)
 
     def take_up_step(self) -> None:

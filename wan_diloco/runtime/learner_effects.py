@@ -84,8 +84,13 @@ class LearnerEffectsIO:
         self.handle(self.resume.on_peer(time.monotonic(), recovery, self.core.step))
 
     def send_fragment(self, msg) -> None:
-        """Count an upload and hand it to the network thread (from the training thread or the sync worker)."""
-        self.raw_bytes += self.layout.nbytes[msg.fragment]
-        self.payload_bytes += msg.nbytes
-        self.uploads += 1
+        """Count an upload and hand it to the network thread (the sync worker's go straight to the network
+        thread and are counted through ``SyncWorker.check``, on the training thread)."""
+        self.count_upload(msg.fragment, msg.nbytes)
         self.net.upload(msg)
+
+    def count_upload(self, fragment: int, nbytes: int) -> None:
+        """On the training thread only."""
+        self.raw_bytes += self.layout.nbytes[fragment]
+        self.payload_bytes += nbytes
+        self.uploads += 1
