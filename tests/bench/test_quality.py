@@ -74,8 +74,8 @@ def test_a_stopped_run_keeps_its_finished_rows_and_a_rerun_keeps_those_it_does_n
         return real_run(*a, **kw)
 
     monkeypatch.setattr(quality.sim, "run", run_then_fail)
-    with pytest.raises(KeyboardInterrupt):  # the benchmark's order: decoupled runs before dp_failures
-        quality.main(["--only", "dp_failures", "decoupled", "--out", str(out), *TINY])
+    with pytest.raises(KeyboardInterrupt):  # runs start in --only's order: decoupled, then dp_failures
+        quality.main(["--only", "decoupled", "dp_failures", "--out", str(out), *TINY])
     doc = json.loads(out.read_text())
     assert list(doc["runs"]) == ["decoupled"]
     _check_row("decoupled", doc["runs"]["decoupled"])
