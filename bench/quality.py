@@ -244,6 +244,31 @@ def markdown(results: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
+def seeds_markdown(files: dict[int, dict[str, dict]]) -> str:
+    """Final eval loss per seed (columns: seed -> that seed's rows) with the gap to the same seed's dp, and
+    the mean where a run has every seed; a run a seed lacks shows "–" and gets no mean."""
+    seeds = sorted(files)
+    names = list(dict.fromkeys(name for s in seeds for name in files[s]))
+    lines = ["| run | " + " | ".join(f"seed {s}" for s in seeds) + " | mean |", "|---" * (len(seeds) + 2) + "|"]
+    for name in names:
+        cells, losses, gaps = [], [], []
+        for s in seeds:
+            r, dp = files[s].get(name), files[s].get("dp")
+            if r is None:
+                cells.append("–")
+                continue
+            losses.append(r["final_eval_loss"])
+            cells.append(f"{losses[-1]:.4f}")
+            if dp is not None and name != "dp":
+                gaps.append((losses[-1] / dp["final_eval_loss"] - 1) * 100)
+                cells[-1] += f" ({gaps[-1]:+.1f} %)"
+        mean = f"{np.mean(losses):.4f}" if len(losses) == len(seeds) else ""
+        if mean and len(gaps) == len(seeds):
+            mean += f" ({np.mean(gaps):+.2f} %)"
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {mean} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer tokens (same run names), ~5 minutes")
@@ -265,8 +290,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--eval-batches", type=int, default=None,
                     help="eval set size in batches of 16 sequences (default 8); fewer only for smoke tests")
     ap.add_argument("--replot", action="store_true", help="redraw the PNG and table from --out without running")
+    ap.add_argument("--seeds-table", nargs="+", metavar="FILE",
+                    help="print final loss per seed (one results file per seed) and the mean, without running")
     args = ap.parse_args(argv)
     out = Path(args.out)
+    if args.seeds_table:
+        docs = [json.loads(Path(f).read_text()) for f in args.seeds_table]
+        seeds = [d["seed"] for d in docs]
+        if len(set(seeds)) != len(seeds):
+            ap.error(f"--seeds-table: two files of the same seed ({seeds}); give one file per seed")
+        print(seeds_markdown({d["seed"]: d["runs"] for d in docs}))
+        return 0
     if args.replot:
         results = json.loads(out.read_text())["runs"]
         plot(results, out.with_suffix(".png"))

@@ -125,6 +125,31 @@ def test_a_bad_setting_is_refused_before_the_file_is_touched(tmp_path, capsys):
     assert "eval_batches" in capsys.readouterr().err and not out.exists()
 
 
+def _seed_file(path, seed, losses):
+    header = {"preset": "tiny", "tokens": 2048, "seed": seed}
+    quality.write_rows(path, header, {k: {"final_eval_loss": v} for k, v in losses.items()}, list(losses))
+    return str(path)
+
+
+def test_seeds_table_shows_every_seed_its_gap_to_that_seeds_dp_and_a_mean_only_over_every_seed(tmp_path, capsys):
+    files = [_seed_file(tmp_path / "b.json", 1, {"dp": 2.0, "decoupled": 2.1}),
+             _seed_file(tmp_path / "a.json", 0, {"dp": 1.0, "decoupled": 1.01, "decoupled_m8": 1.5})]
+    assert quality.main(["--seeds-table", *files]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "| run | seed 0 | seed 1 | mean |"  # columns by seed, whatever the files' order
+    assert lines[2] == "| dp | 1.0000 | 2.0000 | 1.5000 |"
+    # The mean gap is the mean of each seed's gap to its own dp (+1 % and +5 %), not the gap of the means.
+    assert lines[3] == "| decoupled | 1.0100 (+1.0 %) | 2.1000 (+5.0 %) | 1.5550 (+3.00 %) |"
+    assert lines[4] == "| decoupled_m8 | 1.5000 (+50.0 %) | – |  |"
+
+
+def test_seeds_table_refuses_two_files_of_one_seed(tmp_path, capsys):
+    files = [_seed_file(tmp_path / f"{n}.json", 0, {"dp": 1.0}) for n in "ab"]
+    with pytest.raises(SystemExit):
+        quality.main(["--seeds-table", *files])
+    assert "same seed" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_quick_benchmark_end_to_end_writes_both_rows(tmp_path):
     """``--quick --only`` two rows in real worker processes, as a user runs it.
