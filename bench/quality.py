@@ -9,7 +9,7 @@ in a real run. Writes bench/results/quality.json (each row as its run finishes,
 so a stopped run keeps the rows it has; a rerun keeps the rows it does not
 redo) and bench/results/quality.png (eval loss against tokens).
 
-    python bench/quality.py            # tiny preset, ~2 h on 2 idle CPU cores (17 runs, 2 at a time)
+    python bench/quality.py            # tiny preset, ~2 h on 2 CPU cores (17 runs, 2 at a time)
     python bench/quality.py --quick    # same runs, fewer tokens, ~5 min
     python bench/quality.py --only dp decoupled --tokens 4e6
 """
