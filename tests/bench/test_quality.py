@@ -74,8 +74,8 @@ def test_a_stopped_run_keeps_its_finished_rows_and_a_rerun_keeps_those_it_does_n
         return real_run(*a, **kw)
 
     monkeypatch.setattr(quality.sim, "run", run_then_fail)
-    with pytest.raises(KeyboardInterrupt):  # the benchmark's order: decoupled runs before dp_failures
-        quality.main(["--only", "dp_failures", "decoupled", "--out", str(out), *TINY])
+    with pytest.raises(KeyboardInterrupt):  # runs start in --only's order: decoupled, then dp_failures
+        quality.main(["--only", "decoupled", "dp_failures", "--out", str(out), *TINY])
     doc = json.loads(out.read_text())
     assert list(doc["runs"]) == ["decoupled"]
     _check_row("decoupled", doc["runs"]["decoupled"])
@@ -123,6 +123,31 @@ def test_a_bad_setting_is_refused_before_the_file_is_touched(tmp_path, capsys):
     with pytest.raises(SystemExit):
         quality.main(["--only", "dp", "--out", str(out), *TINY, "--eval-batches", "0"])
     assert "eval_batches" in capsys.readouterr().err and not out.exists()
+
+
+def _seed_file(path, seed, losses):
+    header = {"preset": "tiny", "tokens": 2048, "seed": seed}
+    quality.write_rows(path, header, {k: {"final_eval_loss": v} for k, v in losses.items()}, list(losses))
+    return str(path)
+
+
+def test_seeds_table_shows_every_seed_its_gap_to_that_seeds_dp_and_a_mean_only_over_every_seed(tmp_path, capsys):
+    files = [_seed_file(tmp_path / "b.json", 1, {"dp": 2.0, "decoupled": 2.1}),
+             _seed_file(tmp_path / "a.json", 0, {"dp": 1.0, "decoupled": 1.01, "decoupled_m8": 1.5})]
+    assert quality.main(["--seeds-table", *files]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "| run | seed 0 | seed 1 | mean |"  # columns by seed, whatever the files' order
+    assert lines[2] == "| dp | 1.0000 | 2.0000 | 1.5000 |"
+    # The mean gap is the mean of each seed's gap to its own dp (+1 % and +5 %), not the gap of the means.
+    assert lines[3] == "| decoupled | 1.0100 (+1.0 %) | 2.1000 (+5.0 %) | 1.5550 (+3.00 %) |"
+    assert lines[4] == "| decoupled_m8 | 1.5000 (+50.0 %) | – |  |"
+
+
+def test_seeds_table_refuses_two_files_of_one_seed(tmp_path, capsys):
+    files = [_seed_file(tmp_path / f"{n}.json", 0, {"dp": 1.0}) for n in "ab"]
+    with pytest.raises(SystemExit):
+        quality.main(["--seeds-table", *files])
+    assert "same seed" in capsys.readouterr().err
 
 
 @pytest.mark.slow
