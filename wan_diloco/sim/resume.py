@@ -5,36 +5,25 @@ is carried out here on memory instead of a store and the network:
 - ``LoadPart``/``InstallPart``: its own part of the snapshot the syncer resumed from (kept in memory by
   ``_save_part`` with the tensors and info a real part holds): inner optimizer, residuals, data position;
 - ``TakeUpPosition``: the data position the syncer kept from its latest metadata (``core.positions``);
-- ``RecoverFromPeer``: a healthy peer's state, the donor picked by ``core.recovery.Donations``.
+- ``RecoverFromPeer``: a healthy peer's state, asked of the syncer and sent by the donor through the
+  runtime's core pieces (``sim.donations``); the learner trains again once that request ended.
 
-Simplifications, all of time only: the donor's state is taken when it is asked (the runtime waits until
-it has seen the versions the recipient saw; the recipient's replay covers the gap; with nobody healthy
-yet it does not wait ``patience_s``), parts take no time to write or read.
+Simplification, of time only: parts take no time to write or read.
 """
 from __future__ import annotations
 
-import hashlib
-
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from wan_diloco import tree
-from wan_diloco.core.peer import position_from_bytes
-from wan_diloco.core.recovery import AskDonor, Candidate, NoDonor
+from wan_diloco.core.peer import named_digest, position_from_bytes
 from wan_diloco.core.reports import Report
 from wan_diloco.core.restore import InstallPart, LoadPart, RecoverFromPeer, Resume, TakeUpPosition
 
 
 def opt_digest(state) -> str:
-    """SHA-256 of a train state's inner optimizer (names, dtypes, bytes), as the runtime's ``named_digest``."""
-    h = hashlib.sha256()
-    named = tree.to_named(state.opt_state, "opt")
-    for name in sorted(named):
-        a = np.asarray(named[name])
-        h.update(f"{name}\0{a.dtype.str}\0{a.shape}\0".encode())
-        h.update(np.ascontiguousarray(a).tobytes())
-    return h.hexdigest()
+    """SHA-256 of a train state's inner optimizer (names, dtypes, bytes): ``core.peer.named_digest``."""
+    return named_digest(tree.to_named(state.opt_state, "opt"), "opt/")
 
 
 class ResumeReplay:
@@ -68,8 +57,8 @@ class ResumeReplay:
                         l.batches.restore(position)
                     self.faults.append({"event": "data_position", "learner": m, "at_s": self.now,
                                         "restored": position is not None, "batches": l.batches.drawn})
-                case RecoverFromPeer():
-                    self._resume_actions(m, resume, resume.on_peer(self.now, self._recover_from_peer(m), l.core.step))
+                case RecoverFromPeer(patience_s=patience_s):
+                    self._ask_peer(m, resume, patience_s)  # ``Resume.on_peer`` once the request ended
                 case Report(event=event):
                     self.faults.append({**event, "at_s": self.now})
                 case _:
@@ -90,33 +79,6 @@ class ResumeReplay:
         l.core.advance(a.step)
         l.tokens = a.tokens
         return resume.on_installed(self.now, a.snapshot, a.fallback, l.core.step)
-
-    def _recover_from_peer(self, m: int) -> dict:
-        """``RecoverFromPeer``: the donor ``Donations`` picks gives its state (it takes ``state_bytes`` over the
-        link); with none, the learner goes on from Θ. How it went, as the runtime's ``recover_from_peer``."""
-        l = self.learners[m]
-        candidates = {i: Candidate(p.core.region, p.core.step) for i, p in enumerate(self.learners)
-                      if p.up and p is not l}
-        recovery: dict = {"from_peer": False, "why": "not asked"}
-        for a in self.donations.request(self.now, m, tuple(self.syncer.version), candidates, l.core.region):
-            match a:
-                case AskDonor(donor=d, recipient=r):
-                    # Parameters, inner optimizer and schedule position as one train state, the protocol
-                    # state through the core.
-                    peer = self.learners[d]
-                    l.state = peer.state
-                    l.core.adopt(*peer.core.export())
-                    self.donations.delivered(r, d)
-                    l.ready_s = self.now + self.state_bytes * 8 / (self.cfg.bandwidth_gbit_s * 1e9) + self.cfg.rtt_s
-                    recovery = {"from_peer": True, "donor": d, "opt_digest": opt_digest(l.state),
-                                "donor_opt_digest": opt_digest(peer.state)}
-                case NoDonor(recipient=r, why=why):
-                    for p in range(len(self.frags)):
-                        self._learner_actions(r, l.core.resync(p, self.syncer.theta[p], self.syncer.version[p]))
-                    recovery = {"from_peer": False, "why": why}
-                case _:
-                    raise TypeError(f"simulator: unhandled recovery action {a!r}")
-        return recovery
 
     def _save_part(self, m: int, snapshot: int) -> None:
         """``SaveState``: the learner's part of ``snapshot``, the tensors and info a real part holds (the core's
