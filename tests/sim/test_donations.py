@@ -7,7 +7,7 @@ The states are sent in parts of 128 KiB (transport.max_message_bytes // 2): abou
 import numpy as np
 
 from wan_diloco.core.peer import NOBODY_HEALTHY
-from wan_diloco.tape import Outage
+from wan_diloco.tape import Outage, SyncerOutage
 
 from .test_faults import events, merges, run, spec
 
@@ -70,3 +70,12 @@ def test_donors_silent_past_the_timeout_are_replaced_then_the_recipient_goes_on_
     assert NOBODY_HEALTHY not in warning  # so it did not ask again
     assert {e["learner"] for e in events(s, "donation_refused", recipient=1)} <= {0, 2}
     assert any(1 in c for t, _, c in merges(s) if t > 8.0)  # and it contributes again
+
+
+def test_a_learner_back_while_the_syncer_is_down_goes_on_from_the_global_parameters_and_trains_on():
+    s, _ = run(spec(), [SyncerOutage(9.0, 11.0), Outage(1, 8.0, 10.0)])
+    assert not events(s, "ask_donor") and not events(s, "recovered")
+    assert [w["what"] for w in events(s, "warning", learner=1) if "no peer state" in w["what"]] == [
+        "no peer state (the syncer is down): going on from the global parameters with a fresh inner optimizer"]
+    assert events(s, "learner_up", learner=1)[0]["at_s"] < 11.0
+    assert any(1 in c for t, _, c in merges(s) if t > 11.0)  # it rejoined the resumed syncer and contributes

@@ -16,7 +16,8 @@ runtime uses, each message on its simulated link:
 
 Simplifications: the recipient's fetch waits as long as ``Donations`` takes (the runtime's gives up at
 ``core.peer.peer_wait_s``; ``Donations`` always ends, with a state or ``NoDonor``); a syncer (or its shard
-0) that dies ends every recovery in progress (the recipients go on from Θ, as the runtime's fetch fails).
+0) that dies ends every recovery in progress, and one that is down refuses a new one (the recipients go on
+from Θ, as the runtime's fetch fails).
 """
 from __future__ import annotations
 
@@ -64,8 +65,12 @@ class PeerRecovery:
 
     def _ask_peer(self, m: int, resume: Resume, patience_s: float) -> None:
         """``RecoverFromPeer``: metadata flagged ``recovering`` asks the syncer; the answer comes as events."""
-        self.learners[m].recovery = Recovering(resume, PeerRequest(self.now, patience_s, math.inf))
-        self._send_recovering(m)
+        l = self.learners[m]
+        l.recovery = Recovering(resume, PeerRequest(self.now, patience_s, math.inf))
+        if self.syncer_up[0]:
+            self._send_recovering(m)
+        else:  # nobody to ask: refused as the runtime's fetch fails (one that dies meanwhile: ``_drop_recoveries``)
+            self._at(self.now + self.cfg.rtt_s / 2, self._refused_peer, m, l.life, "the syncer is down")
 
     def _send_recovering(self, m: int) -> None:
         l = self.learners[m]
