@@ -95,10 +95,9 @@ def test_every_driver_offers_every_effect_with_its_arguments(driver, protocol):
         inspect.signature(getattr(obj, name)).bind(*params)  # TypeError: it cannot take these arguments
 
 
-# What the simulator does not replay yet (sim.effects says why): the donor's side of peer recovery and the
-# fetch after a version gap. Growing this set needs a reason; shrinking it is progress.
-SIM_DOES_NOT_REPLAY = {"send_state", "count_resync", "take_up_step", "hold_state_fetch", "answer_state_fetch",
-                       "drop_state"}
+# What the simulator does not replay yet (sim.effects says why): the fetch after a version gap. Growing this
+# set needs a reason; shrinking it is progress.
+SIM_DOES_NOT_REPLAY = {"count_resync", "take_up_step"}
 
 
 def test_the_simulation_holds_every_effect_its_adapters_forward_to():

@@ -261,7 +261,7 @@ def test_the_cli_builds_one_schedule_from_every_source(tmp_path):
 
 # ---- one real run -------------------------------------------------------------------------------
 
-@pytest.mark.slow  # ~80 s; tests/runtime/test_resume.py covers kill + resume in the default run
+@pytest.mark.slow  # ~80 s; tests/sim/test_faults.py replays kill + resume, test_resume.py resumes from files by default
 def test_a_run_with_a_learner_kill_and_a_syncer_resume_finishes_and_recovers(tmp_path):
     # 400 steps paced to 0.1 s: ~40 s of training, so that a restarted learner (import, compile, join:
     # ~10 s, ~20 s on a loaded machine) and the resumed syncer are back well before the end.

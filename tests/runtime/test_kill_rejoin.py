@@ -21,9 +21,10 @@ def last_step(child):
     return steps[-1] if steps else 0
 
 
-# ~70 s of real processes. The protocol it checks (a late learner recovered from a peer with the peer's
-# optimizer, then contributing) is replayed by tests/sim/test_faults.py in seconds with the same core code;
-# the donation and data-position wire paths stay in the default run in test_recovery_service.py.
+# ~70 s of real processes. The protocol it checks (a learner recovered from a peer with the peer's optimizer,
+# then contributing) is replayed by tests/sim/test_donations.py and test_faults.py in seconds with the same core
+# code on both sides (Donations, Donor, donation parts); the donation and data-position wire paths stay in the
+# default run in test_recovery_service.py.
 @pytest.mark.slow
 def test_killed_learner_rejoins_and_contributes_again(tmp_path):
     # Long enough for a restart under load; τ = 2 gives a grace window longer than a step, so the

@@ -87,8 +87,9 @@ def test_nothing_merges_while_the_syncer_is_dead():
 def test_a_learner_recovers_from_a_peer_with_the_peers_optimizer_through_donations():
     s, _ = run(spec(), [Outage(1, 5.0, 7.0)])
     (rec,) = events(s, "recovered", learner=1)
-    assert rec["donor"] in (0, 2) and rec["at_s"] == 7.0
-    assert rec["opt_digest"] == rec["donor_opt_digest"]  # the donor's inner optimizer, bit for bit
+    (donated,) = events(s, "donated", recipient=1)  # sent by the donor's core.peer.Donor (tests/sim/test_donations.py)
+    assert rec["donor"] == donated["learner"] in (0, 2) and rec["at_s"] > 7.0
+    assert rec["opt_digest"] == donated["opt_digest"]  # the donor's inner optimizer, bit for bit
     assert s.donations.served == 1 and not s.donations.pending
     assert any(1 in c for t, _, c in merges(s) if t > 7.0)
 
@@ -96,11 +97,11 @@ def test_a_learner_recovers_from_a_peer_with_the_peers_optimizer_through_donatio
 def test_a_late_learner_draws_nothing_before_it_joins_and_contributes_after():
     s, _ = run(spec(), [Outage(2, 0.0, 4.0)])
     (rec,) = events(s, "recovered", learner=2)
-    assert rec["at_s"] == 4.0
+    assert rec["at_s"] > 4.0  # its donor's state took time to come
     before = [c for t, _, c in merges(s) if t < 4.0]
     assert before and all(2 not in c for c in before)
     assert any(2 in c for t, _, c in merges(s) if t > 4.0)
-    assert s.learners[2].intervals[0][0] >= 4.0  # its first step began after it joined
+    assert s.learners[2].intervals[0][0] >= rec["at_s"]  # its first step began once it held the state
 
 
 def test_a_killed_shard_resumes_from_its_own_snapshot_while_the_other_keeps_merging():

@@ -10,14 +10,22 @@ As a donor (:class:`Donor`): the syncer asks it for its state for a recipient th
 versions V; it answers once it has seen V itself (its state is then at least as new), without
 stopping its training.
 
+What a donation (and a snapshot part) holds is :func:`state_tensors`; :func:`named_digest` says whether
+two copies of it are the same bit for bit.
+
 The data position the syncer keeps for each learner (from its metadata) is read back with
 :func:`position_from_bytes`.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
+
+from wan_diloco import tree
 
 # What the syncer's refusals of a donation request say (runtime/syncer.py, core.recovery.Donations).
 NOBODY_HEALTHY = "no healthy learner"
@@ -95,6 +103,27 @@ class Donor:
             del self.asked[r]
             out.append(SendState(r, seen))
         return out
+
+
+def state_tensors(core, params, opt_state, train_step) -> tuple[dict, dict]:
+    """Host copies of what a donation and a snapshot part both hold: the learner core's protocol state
+    (``LearnerCore.export``), parameters, inner optimizer and train step."""
+    tensors, info = core.export()
+    tensors.update(tree.to_named(params, "params"))
+    tensors.update(tree.to_named(opt_state, "opt"))
+    info.update(train_step=int(train_step))
+    return tensors, info
+
+
+def named_digest(tensors: dict, prefix: str) -> str:
+    """SHA-256 over the tensors whose names start with ``prefix`` (names, dtypes, bytes, in name order):
+    equal digests on donor and recipient mean the state arrived bit for bit."""
+    h = hashlib.sha256()
+    for name in sorted(n for n in tensors if n.startswith(prefix)):
+        a = np.asarray(tensors[name])
+        h.update(f"{name}\0{a.dtype.str}\0{a.shape}\0".encode())
+        h.update(np.ascontiguousarray(a).tobytes())
+    return h.hexdigest()
 
 
 def position_from_bytes(data: bytes) -> dict[str, Any] | None:

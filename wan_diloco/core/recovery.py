@@ -17,17 +17,36 @@ and the networked runtime both go through these.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 import xxhash
 
+from wan_diloco.core.messages import Donation
 from wan_diloco.core.protocol import ProtocolError
+
+DONATION_PART_BYTES = 32 << 20  # one Upload per part: a failed part is sent again alone
 
 
 def state_digest(data) -> str:
     """XXH3-64 (hex) of a donated state: what its parts are checked against once all arrived
     (the same digest as ``runtime.serde.bytes_digest``)."""
     return xxhash.xxh3_64_hexdigest(data)
+
+
+def max_state_bytes(model_bytes: int) -> int:
+    """The largest state a learner can donate for a model of ``model_bytes`` (fp32): parameters,
+    inner optimizer (two moments), global view and residuals are 5x the model; twice that, and room
+    for the header, bounds what the syncer buffers for one recipient."""
+    return 10 * model_bytes + (16 << 20)
+
+
+def donation_parts(recipient: int, versions: tuple[int, ...], state: bytes,
+                   part_bytes: int = DONATION_PART_BYTES) -> Iterator[tuple[Donation, memoryview]]:
+    """A donor's ``state`` (a ``checkpoint`` state file of kind "donation") for ``recipient`` as its parts,
+    in order: each ``Donation`` with its payload (what ``SendState`` sends; ``Donations.on_part`` takes)."""
+    digest, view = state_digest(state), memoryview(state)
+    for offset in range(0, len(state), part_bytes):
+        yield Donation(recipient, tuple(versions), offset, len(state), digest), view[offset : offset + part_bytes]
 
 
 @dataclass(frozen=True)

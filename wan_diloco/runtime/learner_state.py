@@ -7,17 +7,17 @@ What to take up, when, and what comes next is decided in the core (``core.restor
 from __future__ import annotations
 
 import concurrent.futures
-import hashlib
 import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from wan_diloco import train as train_lib
 from wan_diloco import tree
 from wan_diloco.checkpoint import CheckpointError, decode_state, encode_state
-from wan_diloco.core.peer import PeerRequest, peer_wait_s, position_from_bytes
+from wan_diloco.core.peer import (  # noqa: F401 - named_digest: importable from here as before
+    PeerRequest, named_digest, peer_wait_s, position_from_bytes, state_tensors,
+)
 from wan_diloco.core.protocol import ObjectRequest
 from wan_diloco.core.restore import InstallPart, LoadPart
 from wan_diloco.runtime import serde
@@ -27,25 +27,9 @@ from wan_diloco.runtime.inbox import Donated, Saved
 from wan_diloco.transport import MessageError, TransportError
 
 
-def named_digest(tensors: dict, prefix: str) -> str:
-    """SHA-256 over the tensors whose names start with ``prefix`` (names, dtypes, bytes, in name order):
-    equal digests on donor and recipient mean the state arrived bit for bit."""
-    h = hashlib.sha256()
-    for name in sorted(n for n in tensors if n.startswith(prefix)):
-        a = np.asarray(tensors[name])
-        h.update(f"{name}\0{a.dtype.str}\0{a.shape}\0".encode())
-        h.update(np.ascontiguousarray(a).tobytes())
-    return h.hexdigest()
-
-
 def state_on_host(lrn) -> tuple[dict, dict]:
-    """Host copies of what a snapshot part and a donation both hold: the core's protocol state,
-    parameters and inner optimizer (the one pause of training either causes)."""
-    tensors, info = lrn.core.export()
-    tensors.update(tree.to_named(lrn.state.params, "params"))
-    tensors.update(tree.to_named(lrn.state.opt_state, "opt"))
-    info.update(train_step=int(lrn.state.step))
-    return tensors, info
+    """``core.peer.state_tensors`` of this learner (the one pause of training a snapshot part or a donation causes)."""
+    return state_tensors(lrn.core, lrn.state.params, lrn.state.opt_state, lrn.state.step)
 
 
 def save_part(lrn, snap: int) -> None:

@@ -39,7 +39,9 @@ import numpy as np
 from wan_diloco import transport
 from wan_diloco.compression.fragment import Decoded
 from wan_diloco.core import fingerprint
-from wan_diloco.core.recovery import state_digest
+from wan_diloco.core.recovery import (  # noqa: F401 - importable from serde as before
+    DONATION_PART_BYTES, donation_parts, max_state_bytes, state_digest,
+)
 from wan_diloco.core.messages import (  # noqa: F401 - the table's names, importable from serde as before
     KIND_OF, MAX_INT, MAX_LEARNERS, MAX_STR_CHARS, PROTOCOL_VERSION, SYNCER, Barrier, BulkFragment, BulkHeader,
     Donate, Donation, FragmentUpload, GlobalUpdate, Identity, Metadata, ProtocolError, SnapshotCut, learner_node,
@@ -50,7 +52,6 @@ Message = Union[Metadata, FragmentUpload, GlobalUpdate]
 _Bulk = BulkHeader  # its old name here
 
 _DIGEST = re.compile(r"[0-9a-f]{16}")
-DONATION_PART_BYTES = 32 << 20  # one Upload per part: a failed part is sent again alone
 _LEARNER = re.compile(rf"learner-({ID.pattern})")
 
 
@@ -218,23 +219,14 @@ def donation_to_frame(donor: int, msg: Donation, payload: bytes) -> transport.Fr
 
 def donation_frames(donor: int, recipient: int, versions: tuple[int, ...], state: bytes,
                     part_bytes: int = DONATION_PART_BYTES) -> typing.Iterator[transport.Frame]:
-    """A donor's ``state`` for ``recipient`` as the frames of its parts, in order."""
-    digest, view = bytes_digest(state), memoryview(state)
-    for offset in range(0, len(state), part_bytes):
-        msg = Donation(recipient, tuple(versions), offset, len(state), digest)
-        yield donation_to_frame(donor, msg, view[offset : offset + part_bytes])
+    """A donor's ``state`` for ``recipient`` as the frames of its parts (``core.recovery.donation_parts``), in order."""
+    for msg, payload in donation_parts(recipient, versions, state, part_bytes):
+        yield donation_to_frame(donor, msg, payload)
 
 
 # XXH3-64 (hex) of bytes: a donated state's check once all its parts arrived, and a bulk object's etag
 # (a broken fetch resumes only into the same bytes). One digest, the core's.
 bytes_digest = state_digest
-
-
-def max_state_bytes(model_bytes: int) -> int:
-    """The largest state a learner can donate for a model of ``model_bytes`` (fp32): parameters,
-    inner optimizer (two moments), global view and residuals are 5x the model; twice that, and room
-    for the header, bounds what the syncer buffers for one recipient."""
-    return 10 * model_bytes + (16 << 20)
 
 
 def donation_from_frame(frame: transport.Frame, num_learners: int) -> tuple[int, Donation] | None:

@@ -24,12 +24,12 @@ from wan_diloco.assemble import Assembly
 from wan_diloco.core import FINAL_TIMER, LearnerCore
 from wan_diloco.core.barrier import BarrierView, StartBarrier, barrier_need
 from wan_diloco.core.evals import due_point
-from wan_diloco.core.peer import position_field
+from wan_diloco.core.peer import Donor, position_field
 from wan_diloco.core.positions import MAX_POSITION_CHARS, Positions
-from wan_diloco.core.recovery import Donations
 from wan_diloco.planning.shards import shard_merge_rate
 from wan_diloco.sim.common import Progress, SimResult, step_time, uptime
 from wan_diloco.sim.effects import LearnerFx, SimEffects, SyncerFx
+from wan_diloco.sim.donations import PeerRecovery, Recovering
 from wan_diloco.sim.faults import FaultReplay
 from wan_diloco.sim.resume import ResumeReplay
 from wan_diloco.sim.start_end import StartAndEnd
@@ -75,12 +75,14 @@ class _Learner:
     position_known: bool = True  # False while it restarts: its metadata carries no data position then
     ready_s: float = 0.0  # when a restarting learner holds its state and trains again
     at_barrier: bool = False  # waits for the start barrier (``sim.start_end``)
+    donor: Donor | None = None  # the states it was asked for (``sim.donations``)
+    recovery: Recovering | None = None  # its request for a peer's state while one is in progress
     intervals: list[tuple[float, float]] = field(default_factory=list)
     resume: Any = None  # its ``core.restore.Resume`` since its latest restart (``sim.resume``)
 
 
 
-class Simulation(FaultReplay, ResumeReplay, StartAndEnd, SimEffects):
+class Simulation(FaultReplay, ResumeReplay, StartAndEnd, SimEffects, PeerRecovery):
     """One simulated run of ``spec`` (already set for its baseline: ``sim.protocol_for``) under the faults of
     a tape. ``faults`` records what each fault did (learner down/up, recovered from which donor, syncer
     resumed from which snapshot at which incarnation, learners rejoined)."""
@@ -114,7 +116,8 @@ class Simulation(FaultReplay, ResumeReplay, StartAndEnd, SimEffects):
                                        *((self.barrier, self.positions, self._announce_cut) if s == 0 else ()))
                         for s, core in enumerate(self._cores())] if kills else []
         self.learner_parts: dict[int, dict[int, tuple[dict, dict]]] = {}  # learner -> snapshot -> its part
-        self.donations = Donations(spec.syncer.donor_timeout_s)
+        self.donations = self._new_donations()
+        self.donation_tick_due = False
         self.views = [BarrierView(spec.run.start_timeout_s) for _ in range(self.M)]
         self.faults: list[dict] = []
         rtt, bw = self.cfg.rtt_s, self.cfg.bandwidth_gbit_s
@@ -123,6 +126,7 @@ class Simulation(FaultReplay, ResumeReplay, StartAndEnd, SimEffects):
                 core=parts.learner_core(m), state=parts.state0, batches=parts.batches(m),
                 rng=np.random.default_rng([spec.run.seed, m]),
                 speed=self.cfg.speeds[m] if self.cfg.speeds else 1.0, up_link=_Link(bw, rtt), down_link=_Link(bw, rtt),
+                donor=Donor(m),
             )
             for m in range(self.M)
         ]
@@ -243,6 +247,7 @@ class Simulation(FaultReplay, ResumeReplay, StartAndEnd, SimEffects):
         self.tokens += n_tokens
         l.tokens += n_tokens
         self._learner_actions(m, l.core.step_done(self.now, n_tokens))
+        self._serve_donations(m)
         if l.join_due:
             self._join_now(m, fetched=l.refetch)
         self._eval_point()
@@ -258,7 +263,12 @@ class Simulation(FaultReplay, ResumeReplay, StartAndEnd, SimEffects):
         l = self.learners[m]
         if not l.listening or life != l.life:
             return
+        if l.recovery is not None:  # replayed on top of the peer's state once it is installed
+            l.recovery.buffered.append(msg)
+            return
         self._learner_actions(m, l.core.on_update(self.now, msg))
+        if not l.stepping:
+            self._serve_donations(m)
         self._resume_if_unblocked(m)
 
     def _resume_if_unblocked(self, m: int) -> None:
@@ -296,6 +306,7 @@ class Simulation(FaultReplay, ResumeReplay, StartAndEnd, SimEffects):
         if self.keepers and self.syncer_up[0]:  # the learners' parts are in shard 0's snapshots
             epoch = self.syncer.epoch_at(0, msg.epoch) if self.sharded else msg.epoch
             SyncerFx(self, self.keepers[0]).run(self.keepers[0].on_metadata(now_s, msg.learner, msg.snapshot, epoch))
+        self._recovering_or_not(now_s, msg)
         return actions
 
     def _upload(self, now_s: float, msg) -> list:
@@ -305,6 +316,7 @@ class Simulation(FaultReplay, ResumeReplay, StartAndEnd, SimEffects):
 
     def _peer_lost(self, now_s: float, m: int) -> list:
         actions = self.syncer.on_peer_lost(now_s, m)
+        self._donor_or_recipient_lost(now_s, m)
         for s, keeper in enumerate(self.keepers):
             if self.syncer_up[s]:
                 SyncerFx(self, keeper).run(keeper.check(now_s))

@@ -1,7 +1,7 @@
 """The simulator's effects (``core.effects``): what each action of the cores does on the virtual clock.
 
 ``SimEffects`` (a mixin of ``Simulation``) holds them: learner ``m``'s as ``learner_<effect>(m, ...)``,
-the syncer's as the ``SyncerEffects`` names (those of peer recovery in ``sim.resume``, of the start barrier
+the syncer's as the ``SyncerEffects`` names (those of peer recovery in ``sim.donations``, of the start barrier
 in ``sim.start_end``). ``LearnerFx`` binds one learner, ``SyncerFx`` the syncer and, for the actions of a
 snapshot coordinator, its ``SnapshotKeeper`` (the parts and manifests in memory): these are what
 ``core.effects.dispatch_learner`` / ``dispatch_syncer`` get. An effect the simulator does not replay raises
@@ -20,7 +20,6 @@ from wan_diloco.core import FINAL_TIMER
 from wan_diloco.core.effects import dispatch_learner, dispatch_syncer
 from wan_diloco.core.peer import position_from_bytes
 
-NO_DONOR_SIDE = "the simulator copies a donor's state at once (sim.resume), with no donation on the wire"
 NO_FETCH = "the simulator resyncs a fragment from the syncer's memory at once, with no fetch to count"
 
 
@@ -89,7 +88,7 @@ class SimEffects:
         self.faults.append({**event, "at_s": self.now})
 
     def learner_send_state(self, m: int, recipient: int, versions: tuple[int, ...]) -> None:
-        raise NotImplementedError(NO_DONOR_SIDE)
+        self._send_state(m, recipient, versions)  # sim.donations: its parts on the donor's up link
 
     def learner_count_resync(self, m: int, fragment: int, version: int) -> None:
         raise NotImplementedError(NO_FETCH)
@@ -118,14 +117,6 @@ class SimEffects:
         shard = self.syncer.plan[key[0]] if self.sharded else 0
         self._at(at_s, self._timer, shard, self.syncer_life[shard], key)
 
-    def hold_state_fetch(self, recipient: int) -> None:
-        raise NotImplementedError(NO_DONOR_SIDE)
-
-    def answer_state_fetch(self, recipient: int) -> None:
-        raise NotImplementedError(NO_DONOR_SIDE)
-
-    def drop_state(self, recipient: int) -> None:
-        raise NotImplementedError(NO_DONOR_SIDE)
 
 
 class LearnerFx:

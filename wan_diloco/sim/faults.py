@@ -18,7 +18,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from wan_diloco import train as train_lib
-from wan_diloco.core.rejoin import rejoin_fragments
+from wan_diloco.core.peer import Donor
+from wan_diloco.core.rejoin import rejoin_fragments, take_up_step
 
 
 class FaultReplay:
@@ -32,6 +33,7 @@ class FaultReplay:
             return
         l.up, l.listening, l.stepping, l.waiting, l.join_due = False, False, False, False, False
         l.life += 1
+        l.recovery, l.donor = None, Donor(m)  # what its process held goes with it
         self.faults.append({"event": "learner_down", "learner": m, "at_s": self.now})
         self._syncer_event(self._peer_lost, m)
 
@@ -46,12 +48,13 @@ class FaultReplay:
         epoch = self._identity_of_syncer()[1]
         if l.core.epoch and epoch != l.core.epoch:
             self._join_now(m, "joined")
-        l.ready_s = self.now + self.cfg.rtt_s  # a donor's state takes longer (``_recover_from_peer``)
+        l.ready_s = self.now + self.cfg.rtt_s
         self._restart(m)
-        # Global updates sent while the state travels are applied in order on top of it (docs/method.md, "Recovery",
-        # step 4), so the learner starts current instead of resyncing fragment by fragment.
+        # Global updates sent while a peer's state travels are applied in order on top of it (docs/method.md,
+        # "Recovery", step 4), so the learner starts current instead of resyncing fragment by fragment.
         l.listening = True
-        self._at(l.ready_s, self._rejoin, m, l.life)
+        if l.recovery is None:  # else it trains again once the request ended (``sim.donations``)
+            self._at(l.ready_s, self._rejoin, m, l.life)
 
     def _rejoin(self, m: int, life: int) -> None:
         l = self.learners[m]
@@ -77,6 +80,8 @@ class FaultReplay:
         for s in self._shards_of(shard):
             self.syncer_life[s] += 1
             self.syncer_up[s] = False
+            if s == 0:
+                self._drop_recoveries()
             if self.sharded:
                 self.syncer.down(s)
             self.faults.append({"event": "syncer_down", "shard": s, "at_s": self.now})
@@ -147,11 +152,7 @@ class FaultReplay:
                                      l.core.base, l.core.version)
         global_step = max(c.global_step for c in self._cores())
         self._learner_actions(m, l.core.join(run_id, epoch, resumed_from, fragments, global_step))
-        # As the runtime's ``_take_up_step``: the step counter and the learning-rate schedule follow the run.
-        if l.core.step > int(l.state.step):
-            l.state = l.state.replace(step=jnp.asarray(l.core.step, jnp.int32))
-        if l.core.step > int(train_lib.schedule_step(l.state)):
-            l.state = train_lib.set_schedule_step(l.state, l.core.step)
+        self._take_up_step(m)
         self.faults.append({"event": event, "learner": m, "at_s": self.now, "epoch": epoch,
                             "resumed_from": resumed_from, "step": l.core.step, "fetched": fetched})
         self._resume_if_unblocked(m)
@@ -169,6 +170,15 @@ class FaultReplay:
         l = self.learners[m]
         if l.listening and life == l.life:
             self._learner_actions(m, l.core.on_snapshot_cut(self.now, cut))
+
+    def _take_up_step(self, m: int) -> None:
+        """As the runtime's ``take_up_step``: the step counter and the learning-rate schedule follow the run."""
+        l = self.learners[m]
+        train_step, schedule_step = take_up_step(l.core.step, int(l.state.step), int(train_lib.schedule_step(l.state)))
+        if train_step is not None:
+            l.state = l.state.replace(step=jnp.asarray(train_step, jnp.int32))
+        if schedule_step is not None:
+            l.state = train_lib.set_schedule_step(l.state, schedule_step)
 
     def _cores(self) -> list:
         return self.syncer.cores if self.sharded else [self.syncer]

@@ -5,35 +5,24 @@ is carried out on memory instead of a store and the network (``sim.effects.Learn
 - ``LoadPart``/``InstallPart``: its own part of the snapshot the syncer resumed from (kept in memory by
   ``_save_part`` with the tensors and info a real part holds): inner optimizer, residuals, data position;
 - ``TakeUpPosition``: the data position the syncer kept from its latest metadata (``core.positions``);
-- ``RecoverFromPeer``: a healthy peer's state, the donor picked by ``core.recovery.Donations``.
+- ``RecoverFromPeer``: a healthy peer's state, asked of the syncer and sent by the donor through the
+  runtime's core pieces (``sim.donations``); the learner trains again once that request ended.
 
-Simplifications, all of time only: the donor's state is taken when it is asked (the runtime waits until
-it has seen the versions the recipient saw; the recipient's replay covers the gap; with nobody healthy
-yet it does not wait ``patience_s``), parts take no time to write or read.
+Simplification, of time only: parts take no time to write or read.
 """
 from __future__ import annotations
 
-import hashlib
-
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from wan_diloco import tree
-from wan_diloco.core.recovery import Candidate
+from wan_diloco.core.peer import named_digest
 from wan_diloco.core.restore import InstallPart, Resume
-from wan_diloco.sim.effects import SyncerFx
 
 
 def opt_digest(state) -> str:
-    """SHA-256 of a train state's inner optimizer (names, dtypes, bytes), as the runtime's ``named_digest``."""
-    h = hashlib.sha256()
-    named = tree.to_named(state.opt_state, "opt")
-    for name in sorted(named):
-        a = np.asarray(named[name])
-        h.update(f"{name}\0{a.dtype.str}\0{a.shape}\0".encode())
-        h.update(np.ascontiguousarray(a).tobytes())
-    return h.hexdigest()
+    """SHA-256 of a train state's inner optimizer (names, dtypes, bytes): ``core.peer.named_digest``."""
+    return named_digest(tree.to_named(state.opt_state, "opt"), "opt/")
 
 
 class ResumeReplay:
@@ -65,35 +54,6 @@ class ResumeReplay:
         l.core.advance(a.step)
         l.tokens = a.tokens
         return resume.on_installed(self.now, a.snapshot, a.fallback, l.core.step)
-
-    def _recover_from_peer(self, m: int) -> dict:
-        """``RecoverFromPeer``: the donor ``Donations`` picks gives its state (it takes ``state_bytes`` over the
-        link); with none, the learner goes on from Θ. How it went, as the runtime's ``recover_from_peer``."""
-        l = self.learners[m]
-        candidates = {i: Candidate(p.core.region, p.core.step) for i, p in enumerate(self.learners)
-                      if p.up and p is not l}
-        self.recovery_outcome: dict = {"from_peer": False, "why": "not asked"}
-        SyncerFx(self).run(self.donations.request(self.now, m, tuple(self.syncer.version), candidates, l.core.region))
-        return self.recovery_outcome
-
-    def send_donate(self, donor: int, recipient: int, versions: tuple[int, ...]) -> None:
-        """``AskDonor``: the donor's parameters, inner optimizer and schedule position as one train state, the
-        protocol state through the core, taken at once."""
-        d, r = donor, recipient
-        l, peer = self.learners[r], self.learners[d]
-        l.state = peer.state
-        l.core.adopt(*peer.core.export())
-        self.donations.delivered(r, d)
-        l.ready_s = self.now + self.state_bytes * 8 / (self.cfg.bandwidth_gbit_s * 1e9) + self.cfg.rtt_s
-        self.recovery_outcome = {"from_peer": True, "donor": d, "opt_digest": opt_digest(l.state),
-                                 "donor_opt_digest": opt_digest(peer.state)}
-
-    def refuse_state_fetch(self, recipient: int, why: str) -> None:
-        """``NoDonor``: the learner goes on from Θ."""
-        l = self.learners[recipient]
-        for p in range(len(self.frags)):
-            self._learner_actions(recipient, l.core.resync(p, self.syncer.theta[p], self.syncer.version[p]))
-        self.recovery_outcome = {"from_peer": False, "why": why}
 
     def _save_part(self, m: int, snapshot: int) -> None:
         """``SaveState``: the learner's part of ``snapshot``, the tensors and info a real part holds (the core's
