@@ -75,8 +75,7 @@ class SimEffects:
                             "restored": position is not None, "batches": l.batches.drawn})
 
     def learner_fetch_peer_state(self, m: int, patience_s: float) -> None:
-        l = self.learners[m]
-        self._learner_actions(m, l.resume.on_peer(self.now, self._recover_from_peer(m), l.core.step))
+        self._ask_peer(m, self.learners[m].resume, patience_s)  # sim.donations: ``Resume.on_peer`` once it ended
 
     def learner_write_part(self, m: int, snapshot: int) -> None:
         self._save_part(m, snapshot)
