@@ -29,9 +29,6 @@ async def first_update(client, sender: str = "learner-0"):
             return frame, bytes(frame.payload)
 
 
-# Known bug, not yet found: about 1 run in 6 here, the second (chunked) update after a striped one never
-# arrives and the test hits its 30 s timeout. Kept running (a pass still checks the bits), not hidden.
-@pytest.mark.xfail(strict=False, raises=TimeoutError, reason="intermittent hang after a striped update (#26)")
 def test_a_large_update_arrives_striped_bit_identical_and_is_never_chunked():
     frame = update()
 
@@ -40,6 +37,9 @@ def test_a_large_update_arrives_striped_bit_identical_and_is_never_chunked():
             handler.hub.mailbox("learner-0")
             item = handler.hub.publish(frame)
             got, payload = await first_update(client)
+            # Published only once the server saw the first call end: a stream the client has left but the server
+            # has not noticed yet may take the update and write it into the dead call (at most once, see fanout.py).
+            await until(lambda: not server._subscribers)
             handler.hub.publish(update(1000, fragment_id=6))  # under 2 x stripe_min_bytes: chunks, as before
             small, small_payload = await first_update(client)
             return got, payload, small, small_payload, item, server

@@ -115,7 +115,10 @@ class UpdateHub:
         at the first iteration, so nothing published in between is missed. A
         frame whose delivery is interrupted goes back into the mailbox (unless a
         newer one for its fragment is already there), so a subscriber may see one
-        frame twice: the application must ignore what it already applied.
+        frame twice: the application must ignore what it already applied. A frame
+        written whole into a call the client has already left, before the server
+        learns the call ended, counts as delivered and is lost to that subscriber:
+        the gap heals as any dropped frame does (the next version's Resync).
         """
         box = self.mailbox(learner_id)
         return self._drain(box, box.interrupt())
