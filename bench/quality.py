@@ -118,6 +118,10 @@ def runs(sync_every: int) -> dict[str, dict]:
                                      error_feedback=True),
         "decoupled_int4_ef_gate": dict(DECOUPLED, sync_every=sync_every, bits=4, error_feedback=True,
                                        staleness="gate"),
+        # Fewer steps between syncs, which 4-bit outer gradients leave room for on the same link: the deployment
+        # sizes it for fp32 at H = 8 (4 bits per parameter per step); NF4 at H = 4 moves 1, at H = 2 moves 2.
+        **{f"decoupled_int4_ef{m}_h{h}": dict(DECOUPLED, sync_every=h, tau=1, bits=4, error_feedback=True, **kw)
+           for h in (4, 2) for m, kw in (("", {}), ("_m8", dict(learners=8, merge="rda")))},
     }
 
 
@@ -184,7 +188,8 @@ def _one(args: tuple[str, dict, dict]) -> tuple[str, dict]:
 
 
 # What rows of one results file share: a rerun adds to a file only if these match (``kept_rows``).
-HEADER = ("preset", "tokens", "batch_size", "seed", "sync_every", "eval_batches", "deployment")
+HEADER = ("preset", "tokens", "batch_size", "seed", "sync_every", "eval_batches", "deployment", "holdout")
+ADDED_LATER = {"holdout": "eval"}  # header keys older files lack, and the value they ran with
 
 
 def kept_rows(path: Path, header: dict, redo: list[str]) -> dict[str, dict]:
@@ -198,7 +203,7 @@ def kept_rows(path: Path, header: dict, redo: list[str]) -> dict[str, dict]:
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ValueError(f"{path}: not a results file this benchmark can add to ({e!r}); "
                          "pass --fresh to replace it, or another --out") from None
-    differ = [k for k in HEADER if doc.get(k) != header[k]]
+    differ = [k for k in HEADER if doc.get(k, ADDED_LATER.get(k)) != header[k]]
     if differ:
         raise ValueError(f"{path} holds runs made with other {', '.join(differ)} than this run; "
                          "pass --fresh to replace it, or another --out")
@@ -283,17 +288,21 @@ def main(argv: list[str] | None = None) -> int:
                     help="replace the deployment's scaled link rate (per learner link, each way; recorded in the JSON)")
     ap.add_argument("--only", nargs="*", help="run only these names, started in this order")
     ap.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="runs in parallel (processes)")
-    ap.add_argument("--out", default=str(ROOT / "results" / "quality.json"),
+    ap.add_argument("--out", default=None,
                     help="results file: rows are written as each run finishes; a rerun replaces the rows it "
                          "runs and keeps the others if they ran under the same settings")
     ap.add_argument("--fresh", action="store_true", help="start a new --out instead of keeping its other rows")
+    ap.add_argument("--holdout", choices=("eval", "validation"), default="eval",
+                    help="validation: evaluate on a split held out of the training data, the eval split unread "
+                         "(data.holdout); tune settings there (default --out quality_validation.json)")
     ap.add_argument("--eval-batches", type=int, default=None,
                     help="eval set size in batches of 16 sequences (default 8); fewer only for smoke tests")
     ap.add_argument("--replot", action="store_true", help="redraw the PNG and table from --out without running")
     ap.add_argument("--seeds-table", nargs="+", metavar="FILE",
                     help="print final loss per seed (one results file per seed) and the mean, without running")
     args = ap.parse_args(argv)
-    out = Path(args.out)
+    out = Path(args.out or ROOT / "results" / ("quality.json" if args.holdout == "eval" else
+                                              "quality_validation.json"))
     if args.seeds_table:
         docs = [json.loads(Path(f).read_text()) for f in args.seeds_table]
         seeds = [d["seed"] for d in docs]
@@ -313,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
         dep.update(bandwidth_gbit_s=args.bandwidth_gbit, scaled_bandwidth_gbit_s=dep["bandwidth_gbit_s"],
                    fp32_model_transfer_steps=dep["params"] * 32 / (args.bandwidth_gbit * 1e9) / dep["step_time_s"])
     common = dict(preset=args.preset, tokens=tokens, batch_size=args.batch_size, eval_every=max(1, steps // 40),
-                  seed=args.seed, **deployment_settings(dep))
+                  seed=args.seed, holdout=args.holdout, **deployment_settings(dep))
     if args.eval_batches is not None:
         common["eval_batches"] = args.eval_batches
     todo = runs(args.sync_every)
@@ -326,7 +335,8 @@ def main(argv: list[str] | None = None) -> int:
     eval_batches = spec_lib.RunConfig().eval_batches if args.eval_batches is None else args.eval_batches
     header = json.loads(json.dumps({
         "preset": args.preset, "tokens": tokens, "batch_size": args.batch_size, "quick": args.quick,
-        "seed": args.seed, "sync_every": args.sync_every, "eval_batches": eval_batches, "deployment": dep}))
+        "seed": args.seed, "sync_every": args.sync_every, "eval_batches": eval_batches, "deployment": dep,
+        "holdout": args.holdout}))
     try:  # a bad setting or an incompatible --out stops here, before any run or write (ConfigError too)
         spec_lib.from_short(**row_settings({}, common)[0])
         rows = {} if args.fresh else kept_rows(out, header, list(todo))

@@ -139,6 +139,28 @@ def test_text_directory(tmp_path):
     assert bytes(c.eval[:100]) == b"E" * 100
 
 
+def test_validation_holdout_never_reads_eval_and_is_disjoint_from_train(tmp_path):
+    for i in range(9):
+        (tmp_path / f"f{i}.txt").write_bytes(bytes([65 + i]) * 100)
+    ev = d.load_corpus(d.DataConfig(corpus=str(tmp_path), eval_every_nth_file=3))
+    val = d.load_corpus(d.DataConfig(corpus=str(tmp_path), eval_every_nth_file=3, holdout="validation"))
+    assert ev.eval_files == ("f2.txt", "f5.txt", "f8.txt")
+    # f2, f5, f8 set aside; of f0 f1 f3 f4 f6 f7 every third (f3, f7) is the validation split.
+    assert val.eval_files == ("f3.txt", "f7.txt") and val.train_files == ("f0.txt", "f1.txt", "f4.txt", "f6.txt")
+    assert bytes(val.eval) == b"D" * 100 + b"H" * 100 and b"C" not in bytes(val.train) + bytes(val.eval)
+
+
+def test_validation_holdout_of_a_token_file_is_the_tail_before_eval(tmp_path):
+    p = tmp_path / "tokens.bin"
+    np.arange(1000, dtype=np.uint32).tofile(p)
+    c = d.load_corpus(d.DataConfig(corpus=str(p), token_dtype="uint32", vocab_size=1000, eval_fraction=0.1,
+                                   holdout="validation"))
+    assert np.array_equal(c.train, np.arange(800)) and np.array_equal(c.eval, np.arange(800, 900))
+    with pytest.raises(ConfigError, match="holdout='validation'"):
+        d.load_corpus(d.DataConfig(corpus=str(p), token_dtype="uint32", vocab_size=1000, eval_fraction=0.5,
+                                   holdout="validation"))
+
+
 def test_single_text_file(tmp_path):
     p = tmp_path / "a.txt"
     p.write_bytes(bytes(range(256)) * 4)
@@ -183,7 +205,8 @@ def test_too_few_files_for_eval(tmp_path):
 @pytest.mark.parametrize("bad,field", [({"max_bytes": -1}, "max_bytes"), ({"eval_fraction": 1.0}, "eval_fraction"),
                                        ({"token_dtype": "int8"}, "token_dtype"),
                                        ({"token_dtype": "float32"}, "token_dtype"), ({"text_field": ""}, "text_field"),
-                                       ({"eval_every_nth_file": 1}, "eval_every_nth_file")])
+                                       ({"eval_every_nth_file": 1}, "eval_every_nth_file"),
+                                       ({"holdout": "test"}, "holdout")])
 def test_config_validation(bad, field):
     with pytest.raises(ConfigError, match=field):
         from_mapping(d.DataConfig, bad)

@@ -64,6 +64,9 @@ class DataConfig:
     # Directories and dataset files: every nth document (a file, a record), in reading order, is held out.
     eval_every_nth_file: int = 10
     eval_fraction: float = 0.05  # single text file / *.bin / *.npy: the tail fraction is held out
+    # "validation": the eval split is set aside unread and the same rule holds a validation split out of
+    # what is left, which the run then evaluates on: settings are tuned there, never on eval.
+    holdout: Literal["eval", "validation"] = "eval"
     # 0: contiguous shards (learners see different files); > 0: blocks of this many tokens dealt round-robin.
     shard_block_tokens: int = 0
     # (region, corpus) pairs, the TOML table [data.regions]: the learners of that region read that corpus
@@ -84,6 +87,8 @@ class DataConfig:
         require(self.eval_every_nth_file >= 2, "eval_every_nth_file",
                 f"must be >= 2, got {self.eval_every_nth_file}")
         require(0.0 < self.eval_fraction < 1.0, "eval_fraction", f"must be in (0, 1), got {self.eval_fraction}")
+        require(self.holdout in ("eval", "validation"), "holdout",
+                f"must be 'eval' or 'validation', got {self.holdout!r}")
         for pair in self.regions:
             require(len(pair) == 2 and all(isinstance(x, str) and x for x in pair), "regions",
                     f"each entry is a region name and its corpus path, got {list(pair)}")
@@ -198,8 +203,8 @@ def load_corpus(cfg: DataConfig) -> Corpus:
     separator = encoder.separator if encoder.tokenizer is not None else encoder.separator[:0]
     split = _split_documents(files, cfg, name, encoder, separator, "file")
     read = src.files[:len(split.held_out)]
-    return Corpus(name, split.train, split.eval, tuple(f for f, h in zip(read, split.held_out) if not h),
-                  tuple(f for f, h in zip(read, split.held_out) if h), split.truncated)
+    return Corpus(name, split.train, split.eval, tuple(f for f, h in zip(read, split.held_out) if h == 0),
+                  tuple(f for f, h in zip(read, split.held_out) if h == 1), split.truncated)
 
 
 class _Encoder:
@@ -224,14 +229,15 @@ class _Encoder:
 class _Split:
     train: np.ndarray
     eval: np.ndarray
-    held_out: bytes  # per document read, in order: 1 if it went to eval
+    held_out: bytes  # per document read, in order: 1 if it went to eval (or validation), 2 if set aside
     truncated: str
 
 
 def _split_documents(docs: Iterable[tuple[str, bytes]], cfg: DataConfig, name: str, encode: _Encoder,
                      separator: np.ndarray, unit: str) -> _Split:
     """Every ``eval_every_nth_file``-th document to eval, the rest to train, each side's documents joined
-    by ``separator``; reading stops before the first document that would pass ``max_bytes``."""
+    by ``separator``; reading stops before the first document that would pass ``max_bytes``. With
+    ``holdout = "validation"`` the eval documents are set aside and every nth of the others is held out."""
     n, cap = cfg.eval_every_nth_file, cfg.max_bytes
     # One array per side and batch, not per document: millions of short records stay cheap.
     parts: dict[bool, list[np.ndarray]] = {False: [], True: []}
@@ -242,19 +248,26 @@ def _split_documents(docs: Iterable[tuple[str, bytes]], cfg: DataConfig, name: s
     def flush() -> None:
         batch: dict[bool, list[np.ndarray]] = {False: [], True: []}
         for held, tokens in zip(held_out[len(held_out) - len(pending):], encode(pending)):
-            if len(tokens):
+            if len(tokens) and held != SET_ASIDE:
                 batch[bool(held)].append(tokens)
         for side, arrays in batch.items():
             if arrays:
                 parts[side].append(_join(arrays, separator, encode.dtype))
         pending.clear()
 
+    kept = 0  # documents not set aside, for the validation rule
     for i, (where, data) in enumerate(docs):
         if cap and total_bytes + len(data) > cap:
             truncated = f"max_bytes={cap} stopped reading at {where} after {i} {unit}s ({total_bytes} bytes)"
             break
         total_bytes += len(data)
-        held_out.append(i % n == n - 1)
+        if cfg.holdout == "eval":
+            held_out.append(i % n == n - 1)
+        elif i % n == n - 1:
+            held_out.append(SET_ASIDE)
+        else:
+            held_out.append(kept % n == n - 1)
+            kept += 1
         pending.append((where, data))
         pending_bytes += len(data)
         if pending_bytes >= _ENCODE_BATCH_BYTES:
@@ -271,6 +284,9 @@ def _split_documents(docs: Iterable[tuple[str, bytes]], cfg: DataConfig, name: s
     return _Split(train, evl, bytes(held_out), truncated)
 
 
+SET_ASIDE = 2  # a ``held_out`` mark: the eval document of a run that evaluates on validation
+
+
 def _join(parts: list[np.ndarray], separator: np.ndarray, dtype: np.dtype) -> np.ndarray:
     if len(separator) and parts:
         parts = [x for p in parts for x in (separator, p)][1:]
@@ -278,10 +294,15 @@ def _join(parts: list[np.ndarray], separator: np.ndarray, dtype: np.dtype) -> np
 
 
 def _split_tail(tokens: np.ndarray, cfg: DataConfig, name: str, truncated: str = "") -> Corpus:
+    """The tail ``eval_fraction`` to eval; with ``holdout = "validation"`` that tail is set aside and the
+    tail of the same size before it is held out instead."""
     n_eval = int(len(tokens) * cfg.eval_fraction)
-    require(n_eval > 0 and len(tokens) - n_eval > 0, "corpus",
-            f"{name}: {len(tokens)} tokens is too few to split with eval_fraction={cfg.eval_fraction}")
-    return Corpus(name, tokens[:-n_eval], tokens[-n_eval:], truncated=truncated)
+    held = 2 if cfg.holdout == "validation" else 1
+    require(n_eval > 0 and len(tokens) - held * n_eval > 0, "corpus",
+            f"{name}: {len(tokens)} tokens is too few to split with eval_fraction={cfg.eval_fraction}"
+            + (" and holdout='validation'" if held == 2 else ""))
+    end = len(tokens) - (held - 1) * n_eval
+    return Corpus(name, tokens[:end - n_eval], tokens[end - n_eval:end], truncated=truncated)
 
 
 def _load_text_file(path: Path, cfg: DataConfig, encode: _Encoder) -> Corpus:

@@ -415,7 +415,7 @@ SHORT_NAMES: dict[str, tuple[str, str]] = {
     "preset": ("model", "preset"), "learners": ("run", "learners"), "steps": ("run", "steps"),
     "batch_size": ("run", "batch_size"), "seed": ("run", "seed"), "eval_batches": ("run", "eval_batches"),
     "eval_batch_size": ("run", "eval_batch_size"), "fragmenter": ("run", "fragmenter"),
-    "corpus": ("data", "corpus"), "shard_block_tokens": ("data", "shard_block_tokens"),
+    "corpus": ("data", "corpus"), "shard_block_tokens": ("data", "shard_block_tokens"), "holdout": ("data", "holdout"),
     "fragments": ("learner", "num_fragments"), "sync_every": ("learner", "sync_every"), "tau": ("learner", "tau"),
     "alpha": ("learner", "alpha"), "keep_local": ("learner", "keep_local"),
     "error_feedback": ("learner", "error_feedback"), "quorum": ("syncer", "quorum"), "grace": ("syncer", "grace"),

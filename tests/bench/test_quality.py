@@ -82,7 +82,8 @@ def test_a_stopped_run_keeps_its_finished_rows_and_a_rerun_keeps_those_it_does_n
     dep = doc["deployment"]
     assert dep == json.loads(json.dumps(quality.deployment("tiny")))
     assert dep["step_noise"] == 0.1 and dep["failure_tape"]["down_fraction"] == quality.DOWN_FRACTION
-    assert (doc["tokens"], doc["eval_batches"], doc["seed"]) == (2048, 1, 0)
+    assert (doc["tokens"], doc["eval_batches"], doc["seed"], doc["holdout"]) == (2048, 1, 0, "eval")
+    assert doc["runs"]["decoupled"]["config"]["data"]["holdout"] == "eval"
 
     with pytest.raises(KeyboardInterrupt):  # stopped again, before its only row finishes
         quality.main(["--only", "dp_failures", "--out", str(out), *TINY])
@@ -94,7 +95,8 @@ def test_a_stopped_run_keeps_its_finished_rows_and_a_rerun_keeps_those_it_does_n
 
 
 @pytest.mark.parametrize("change, named", [(["--tokens", "4096"], "tokens"), (["--seed", "1"], "seed"),
-                                           (["--bandwidth-gbit", "1"], "deployment")])
+                                           (["--bandwidth-gbit", "1"], "deployment"),
+                                           (["--holdout", "validation"], "holdout")])  # header without one: eval
 def test_rows_from_other_settings_are_refused_and_left_as_they_were(tmp_path, monkeypatch, capsys, change, named):
     out = tmp_path / "q.json"
     header = dict(preset="tiny", tokens=2048, batch_size=1, quick=False, seed=0, sync_every=8, eval_batches=1,
