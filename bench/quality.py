@@ -9,7 +9,7 @@ in a real run. Writes bench/results/quality.json (each row as its run finishes,
 so a stopped run keeps the rows it has; a rerun keeps the rows it does not
 redo) and bench/results/quality.png (eval loss against tokens).
 
-    python bench/quality.py            # tiny preset, ~2 h on 2 CPU cores (17 runs, 2 at a time)
+    python bench/quality.py            # tiny preset, ~2 h on 2 idle CPU cores (23 runs, 2 at a time)
     python bench/quality.py --quick    # same runs, fewer tokens, ~5 min
     python bench/quality.py --only dp decoupled --tokens 4e6
 """
@@ -121,7 +121,8 @@ def runs(sync_every: int) -> dict[str, dict]:
         # Fewer steps between syncs, which 4-bit outer gradients leave room for on the same link: the deployment
         # sizes it for fp32 at H = 8 (4 bits per parameter per step); NF4 at H = 4 moves 1, at H = 2 moves 2.
         **{f"decoupled_int4_ef{m}_h{h}": dict(DECOUPLED, sync_every=h, tau=1, bits=4, error_feedback=True, **kw)
-           for h in (4, 2) for m, kw in (("", {}), ("_m8", dict(learners=8, merge="rda")))},
+           for h in (4, 2) for m, kw in (("", {}), ("_failures", dict(failures=True)),
+                                         ("_m8", dict(learners=8, merge="rda")))},
     }
 
 
