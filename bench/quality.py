@@ -84,6 +84,20 @@ def deployment_settings(dep: dict) -> dict:
     return {k: dep[k] for k in ("step_noise", "step_time_s", "bandwidth_gbit_s", "rtt_s")}
 
 
+def parse_settings(pairs: list[str]) -> dict:
+    """``--set NAME=VALUE`` pairs as settings: VALUE read as JSON (0.6, true, [1, 2]), else as a string."""
+    out = {}
+    for pair in pairs:
+        name, eq, text = pair.partition("=")
+        if not eq or not name:
+            raise ValueError(f"{pair!r} is not NAME=VALUE")
+        try:
+            out[name] = json.loads(text)
+        except ValueError:
+            out[name] = text
+    return out
+
+
 def row_settings(overrides: dict, common: dict) -> tuple[dict, bool]:
     """One row's settings (the deployment and budget in ``common``, the row's own win) and whether it fails."""
     merged = {**common, **overrides}
@@ -296,6 +310,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--holdout", choices=("eval", "validation"), default="eval",
                     help="validation: evaluate on a split held out of the training data, the eval split unread "
                          "(data.holdout); tune settings there (default --out quality_validation.json)")
+    ap.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", dest="settings",
+                    help="a setting (spec.SHORT_NAMES) over every row run, e.g. outer_lr=0.6 (a JSON value, else "
+                         "a string); each row is stored as NAME@setting=value,...: a tuning variant of that row")
     ap.add_argument("--eval-batches", type=int, default=None,
                     help="eval set size in batches of 16 sequences (default 8); fewer only for smoke tests")
     ap.add_argument("--replot", action="store_true", help="redraw the PNG and table from --out without running")
@@ -332,6 +349,15 @@ def main(argv: list[str] | None = None) -> int:
         if unknown:
             ap.error(f"unknown run names {sorted(unknown)}; known: {', '.join(todo)}")
         todo = {k: todo[k] for k in dict.fromkeys(args.only)}  # in the asked order: the first asked land first
+    try:
+        variant = parse_settings(args.settings)
+        for o in todo.values():
+            spec_lib.from_short(**row_settings({**o, **variant}, common)[0])
+    except ValueError as e:  # ConfigError too: an unknown name or a bad value, before anything runs
+        ap.error(f"--set: {e}")
+    if variant:
+        tag = ",".join(f"{k}={json.dumps(v)}" for k, v in variant.items())
+        todo = {f"{k}@{tag}": {**o, **variant} for k, o in todo.items()}
     # Round-tripped through JSON so that it compares equal to a header read back from a file (tuples, ints).
     eval_batches = spec_lib.RunConfig().eval_batches if args.eval_batches is None else args.eval_batches
     header = json.loads(json.dumps({
