@@ -34,7 +34,7 @@ def _cpu_s(fn, reps: int) -> float:
 
 def references(codec, fragment: int, payload: bytes, fp32_bytes: int, reps: int) -> dict:
     """CPU s per GB fp32 of a copy, the codec's decode (one thread) and zstd alone, on one payload."""
-    from wan_diloco.compression import entropy, frame
+    from wan_diloco.compression import chunks, entropy, frame
     from wan_diloco.merge import SERIAL
     values = codec.decode(fragment, payload)
     src = np.concatenate([np.ravel(v) for v in values.values()])
@@ -46,7 +46,15 @@ def references(codec, fragment: int, payload: bytes, fp32_bytes: int, reps: int)
         codec.workers = workers
     header = frame.parse_header(memoryview(payload))
     body = memoryview(payload)[frame.HEADER_BYTES:]
-    zstd_s = _cpu_s(lambda: entropy.decompress(body, header.raw_len), reps) if header.zstd else 0.0
+    sizes = [int(np.prod(codec.layout.shapes[n])) for n in codec.layout.fragments[fragment]]
+    spans = chunks.spans(header.fmt, sizes)
+
+    def zstd_alone() -> None:  # every chunk into one scratch, as the decode does
+        source = entropy.Chunks(body, spans)
+        for c, (_, ln) in enumerate(spans):
+            source.read(c, chunks.scratch(ln))
+
+    zstd_s = _cpu_s(zstd_alone, reps) if header.zstd else 0.0
     copy_s = _cpu_s(lambda: np.copyto(dst, src), reps)
     per_gb = GB / fp32_bytes
     return {"np_copy": copy_s * per_gb, "codec_decode_1_thread": decode_s * per_gb,

@@ -2,7 +2,8 @@
 
 Stages, each its own module: quantize (``blocks`` over ``quantize`` /
 ``pallas_kernels``) -> pack (``pack``: byte layout of values, scale planes,
-codes) -> entropy (``entropy``: zstd) -> frame (``frame``: a fixed header).
+codes) -> entropy (``entropy``: zstd per chunk, ``chunks``) -> frame (``frame``:
+a fixed header). Both ways the raw bytes go a chunk at a time on the workers.
 
 Both ends of a run know the fragment layout, so a payload carries no names or
 shapes; decode checks it against the layout and returns the right tensors
@@ -18,7 +19,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from wan_diloco.compression import entropy, frame, pack
+from wan_diloco.compression import chunks, entropy, frame, pack
 from wan_diloco.compression.blocks import resolve_impl
 from wan_diloco.compression.config import CodecConfig, Format
 from wan_diloco.compression.errors import CodecError, EncodeError
@@ -76,14 +77,14 @@ class FragmentCodec:
         p, arrays = self._arrays(values)
         if not in_place and self._fused() and all(isinstance(x, np.ndarray) for x in arrays):
             return self._roundtrip_host(p, arrays)[0]
-        data, p, raw = self._encode(values, key)
+        data, p, packed = self._encode(values, key)
         into = None
         if in_place:
             flats = [values[n] for n in self.layout.fragments[p]]
             if all(isinstance(x, np.ndarray) and x.dtype == np.float32 and x.flags.c_contiguous and x.flags.writeable
                    for x in flats):
                 into = [x.reshape(-1) for x in flats]
-        return Encoded(values=self._unpack(p, self._fmt, raw, into), nbytes=len(data), payload=data)
+        return Encoded(values=self._unpack(p, self._fmt, packed, into), nbytes=len(data), payload=data)
 
     def roundtrip_delta(self, base: Mapping[str, Any], theta: Mapping[str, Any], plus: Mapping[str, Any] | None = None,
                         residual: bool = False) -> tuple[Encoded, dict[str, np.ndarray] | None]:
@@ -116,9 +117,9 @@ class FragmentCodec:
         return self._fmt.quantized and self._impl == "jnp" and not self.cfg.stochastic_rounding
 
     def _roundtrip_host(self, p: int, arrays, minus=None, plus=None, residual: bool = False):
-        parts, host = pack.pack_host(self._fmt, self.layout.fragments[p], self._sizes[p], self.workers, arrays,
-                                     minus, plus, residual)
-        data, _ = self._frame(p, parts)
+        packed, host = pack.pack_host(self._fmt, self.layout.fragments[p], self._sizes[p], self.workers, arrays,
+                                      minus, plus, residual)
+        data = self._frame(p, packed)
         out = Decoded()
         out.sum_squares = host.sum_squares
         for n, flat in zip(self.layout.fragments[p], host.decoded):
@@ -127,32 +128,34 @@ class FragmentCodec:
             out[n] = a
         return Encoded(values=out, nbytes=len(data), payload=data), host
 
-    def _encode(self, values: Mapping[str, Any], key) -> tuple[bytes, int, Any]:
-        """(payload, fragment index, its raw pre-zstd bytes)."""
+    def _encode(self, values: Mapping[str, Any], key) -> tuple[bytearray, int, Any]:
+        """(payload, fragment index, its raw pre-zstd bytes: ``chunks.Packed``)."""
         p, arrays = self._arrays(values)
         fmt = self._fmt
         stochastic = self.cfg.stochastic_rounding and fmt.quantized
         if stochastic and key is None:
             raise EncodeError("stochastic_rounding needs a PRNG key: encode(values, key=...)")
-        parts = pack.pack(fmt, self.layout.fragments[p], arrays, impl=self._impl,
-                          key=key if stochastic else None, workers=self.workers)
-        data, raw = self._frame(p, parts)
-        return data, p, raw
+        packed = pack.pack(fmt, self.layout.fragments[p], arrays, impl=self._impl,
+                           key=key if stochastic else None, workers=self.workers)
+        return self._frame(p, packed), p, packed
 
-    def _frame(self, p: int, parts) -> tuple[bytes, Any]:
-        """(payload, its raw pre-zstd bytes) from the packed parts: zstd (if on) and the header."""
-        raw_len = sum(memoryview(a).nbytes for a in parts)
-        raw = packed = None
-        if self.cfg.zstd:
-            # One-shot over the joined parts: twice as fast as streaming them.
-            raw = b"".join(parts)
-            parts = None  # the codes, joined: not held through the compress and the frame (a syncer's peak)
-            packed = entropy.compress(raw, self.cfg.zstd_level)
-        body = parts if raw is None else [packed if packed is not None else raw]
-        header = frame.Header(self._fmt, packed is not None, p, raw_len, sum(memoryview(a).nbytes for a in body))
-        data = b"".join([frame.pack_header(header), *body])
-        # The sender unpacks the raw bytes, not the zstd frame: the same bits, no decompression.
-        return data, memoryview(data)[frame.HEADER_BYTES:] if packed is None else raw
+    def _frame(self, p: int, packed) -> bytearray:
+        """The payload from the raw bytes (``chunks.Packed``): header, then zstd chunks (if on and smaller)
+        or the raw bytes, written chunk by chunk on the workers into one buffer: the raw bytes are never
+        joined (the sender unpacks its values from ``packed``, not from the payload)."""
+        spans, raw_len = packed.spans, packed.raw_len
+        start = frame.HEADER_BYTES
+        out = bytearray(start + entropy.TABLE_ENTRY_BYTES * len(spans) + raw_len)
+        end = None
+        if self.cfg.zstd and raw_len:
+            end = entropy.compress_chunks(packed.read, spans, self.cfg.zstd_level, self.workers, out, start)
+        zstd = end is not None
+        if not zstd:
+            end = start + raw_len
+            chunks.copy_raw(packed.read, spans, np.frombuffer(out, np.uint8, raw_len, start), self.workers)
+        del out[end:]  # in place: shrinking a buffer does not copy it
+        out[:start] = frame.pack_header(frame.Header(self._fmt, zstd, p, raw_len, end - start))
+        return out
 
     def _arrays(self, values: Mapping[str, Any]) -> tuple[int, list]:
         if not isinstance(values, Mapping):
@@ -207,11 +210,13 @@ class FragmentCodec:
             raise CodecError(f"raw_len: header says {h.raw_len} bytes, fragment {fragment} "
                              f"in {h.fmt.bits}-bit needs {want}")
         body = mv[frame.HEADER_BYTES:]
-        raw = entropy.decompress(body, h.raw_len) if h.zstd else body
-        return self._unpack(fragment, h.fmt, raw)
+        spans = chunks.spans(h.fmt, self._sizes[fragment])
+        source = entropy.Chunks(body, spans) if h.zstd else pack.Whole(body, spans)
+        return self._unpack(fragment, h.fmt, source)
 
-    def _unpack(self, p: int, fmt: Format, raw, into=None) -> Decoded:
-        flats, sums = pack.unpack(fmt, raw, self._sizes[p], self.workers, into)
+    def _unpack(self, p: int, fmt: Format, source, into=None) -> Decoded:
+        """The Decoded of fragment ``p`` from its raw bytes, read a chunk at a time from ``source``."""
+        flats, sums = pack.unpack(fmt, source, self._sizes[p], self.workers, into)
         out = Decoded()
         out.sum_squares = sums
         for n, flat in zip(self.layout.fragments[p], flats):
