@@ -141,3 +141,13 @@ def test_a_decode_never_holds_the_whole_decompressed_payload():
         tracemalloc.stop()
     # The decoded values (pooled, maybe reused: at most 4n bytes) and less than a quarter of the raw bytes.
     assert out["w"].size == n and peak < 4 * n + raw_len // 4, (peak, raw_len)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_a_refused_in_place_roundtrip_leaves_the_callers_arrays_as_they_were(bits):
+    mine = {n: v.copy() for n, v in VALUES.items()}
+    mine["v"][-1] = np.nan  # in the last chunk: the chunks before it are quantized first
+    before = {n: v.copy() for n, v in mine.items()}
+    with pytest.raises(CodecError, match="'v'.*NaN/Inf"):
+        codec(bits, workers=3).roundtrip(mine, in_place=True)
+    assert all(mine[n].tobytes() == before[n].tobytes() for n in SHAPES)

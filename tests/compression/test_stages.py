@@ -68,6 +68,16 @@ def test_entropy_keeps_zstd_per_chunk_only_when_smaller():
     assert _compress(noise, [(0, 4096)]) is None  # no smaller: the payload is stored raw, without a table
 
 
+def test_entropy_gives_the_raw_bytes_back_when_the_table_eats_the_gain():
+    rng = np.random.default_rng(1)
+    data = bytes(24) + rng.bytes(4096) + rng.bytes(4096)
+    spans = [(0, 24), (24, 4096), (4120, 4096)]
+    assert len(zstandard.ZstdCompressor(level=1).compress(bytes(24))) < 24 - 4  # chunk 0 alone would shrink
+    out = bytearray(12 + len(data))
+    assert entropy.compress_chunks(_source(data, spans), spans, 1, SERIAL, out, 0) is None
+    assert bytes(out[12:]) == data  # chunk 0 decompressed back in place
+
+
 def test_entropy_refuses_frames_that_disagree_with_the_table():
     spans = [(0, 16384)]
     frame16k = zstandard.ZstdCompressor(level=1).compress(bytes(range(256)) * 64)

@@ -45,9 +45,11 @@ def _dctx() -> zstandard.ZstdDecompressor:
 
 def compress_chunks(read: Callable, spans: Sequence[tuple[int, int]], level: int, workers,
                     out: bytearray, start: int) -> int | None:
-    """Write the table and chunks of a zstd payload into ``out`` from ``start`` and return where they end,
-    or None when they are not smaller than the raw bytes (``out`` then holds nothing to keep). ``read(c,
-    scratch)``: chunk c's raw bytes. ``out`` must have room for the table and the raw bytes."""
+    """Write the table and chunks of a zstd payload into ``out`` from ``start`` and return where they end.
+    ``read(c, scratch)``: chunk c's raw bytes (it may be ``out``'s bytes where the raw bytes go, below).
+    Chunk c is first written where its raw bytes go, ``start`` + table + its raw offset (room for it
+    whatever the others' sizes), then moved down. None when the chunks are not smaller than the raw
+    bytes: ``out`` then holds the raw bytes from ``start`` + table."""
     n = len(spans)
     raw_len = sum(ln for _, ln in spans)
     body = start + TABLE_ENTRY_BYTES * n
@@ -57,12 +59,14 @@ def compress_chunks(read: Callable, spans: Sequence[tuple[int, int]], level: int
             raw = read(c, scratch(ln))
             z = _cctx(level).compress(raw)
             keep = z if len(z) < ln else raw
-            # At the chunk's raw offset: room for it whatever the others' sizes; moved down below.
             mv[body + off:body + off + len(keep)] = memoryview(keep).cast("B")
             return len(keep)
 
         lengths = workers.map(run, list(range(n)))
         if TABLE_ENTRY_BYTES * n + sum(lengths) >= raw_len:
+            for (off, ln), stored in zip(spans, lengths):  # rare (noise): the raw bytes back in place
+                if stored < ln:
+                    mv[body + off:body + off + ln] = _dctx().decompress(mv[body + off:body + off + stored])
             return None
         pos = body
         for (off, _), ln in zip(spans, lengths):

@@ -75,15 +75,25 @@ class FragmentCodec:
         float32 numpy arrays (8/4-bit formats): no second fragment-sized buffer. Without it, host arrays
         are encoded and decoded in one pass (``_roundtrip_host``), into new arrays."""
         p, arrays = self._arrays(values)
-        if not in_place and self._fused() and all(isinstance(x, np.ndarray) for x in arrays):
-            return self._roundtrip_host(p, arrays)[0]
-        data, p, packed = self._encode(values, key)
         into = None
-        if in_place:
-            flats = [values[n] for n in self.layout.fragments[p]]
-            if all(isinstance(x, np.ndarray) and x.dtype == np.float32 and x.flags.c_contiguous and x.flags.writeable
-                   for x in flats):
-                into = [x.reshape(-1) for x in flats]
+        if in_place and all(isinstance(x, np.ndarray) and x.dtype == np.float32 and x.flags.c_contiguous
+                            and x.flags.writeable for x in arrays):
+            into = [x.reshape(-1) for x in arrays]
+        if self._fused() and all(isinstance(x, np.ndarray) for x in arrays):
+            if into is None:
+                return self._roundtrip_host(p, arrays)[0]
+            # Quantized straight into the payload's raw bytes; decoded from them over the caller's arrays
+            # once every value passed (a refused update changes nothing), then zstd in place.
+            out = {}
+
+            def fill(raw):
+                pack.pack_host(self._fmt, self.layout.fragments[p], self._sizes[p], self.workers, raw, arrays)
+                source = pack.Whole(raw, chunks.spans(self._fmt, self._sizes[p]))
+                out["values"] = self._unpack(p, self._fmt, source, into)
+
+            data = self._frame(p, fill=fill)
+            return Encoded(values=out["values"], nbytes=len(data), payload=data)
+        data, p, packed = self._encode(values, key)
         return Encoded(values=self._unpack(p, self._fmt, packed, into), nbytes=len(data), payload=data)
 
     def roundtrip_delta(self, base: Mapping[str, Any], theta: Mapping[str, Any], plus: Mapping[str, Any] | None = None,
@@ -117,9 +127,14 @@ class FragmentCodec:
         return self._fmt.quantized and self._impl == "jnp" and not self.cfg.stochastic_rounding
 
     def _roundtrip_host(self, p: int, arrays, minus=None, plus=None, residual: bool = False):
-        packed, host = pack.pack_host(self._fmt, self.layout.fragments[p], self._sizes[p], self.workers, arrays,
-                                      minus, plus, residual)
-        data = self._frame(p, packed)
+        got = {}
+
+        def fill(raw):
+            got["host"] = pack.pack_host(self._fmt, self.layout.fragments[p], self._sizes[p], self.workers, raw,
+                                         arrays, minus, plus, decode=True, residual=residual)
+
+        data = self._frame(p, fill=fill)
+        host = got["host"]
         out = Decoded()
         out.sum_squares = host.sum_squares
         for n, flat in zip(self.layout.fragments[p], host.decoded):
@@ -137,22 +152,34 @@ class FragmentCodec:
             raise EncodeError("stochastic_rounding needs a PRNG key: encode(values, key=...)")
         packed = pack.pack(fmt, self.layout.fragments[p], arrays, impl=self._impl,
                            key=key if stochastic else None, workers=self.workers)
-        return self._frame(p, packed), p, packed
+        return self._frame(p, packed=packed), p, packed
 
-    def _frame(self, p: int, packed) -> bytearray:
-        """The payload from the raw bytes (``chunks.Packed``): header, then zstd chunks (if on and smaller)
-        or the raw bytes, written chunk by chunk on the workers into one buffer: the raw bytes are never
-        joined (the sender unpacks its values from ``packed``, not from the payload)."""
-        spans, raw_len = packed.spans, packed.raw_len
+    def _frame(self, p: int, packed=None, fill=None) -> bytearray:
+        """The payload: header, then zstd chunks (if on and smaller) or the raw bytes, all in one buffer and
+        a chunk at a time on the workers: the raw bytes are never held apart from it. They come from
+        ``packed`` (``chunks.Packed``) or are written by ``fill(raw)`` into their place in the buffer."""
+        spans = chunks.spans(self._fmt, self._sizes[p])
+        raw_len = sum(ln for _, ln in spans)
         start = frame.HEADER_BYTES
-        out = bytearray(start + entropy.TABLE_ENTRY_BYTES * len(spans) + raw_len)
-        end = None
-        if self.cfg.zstd and raw_len:
-            end = entropy.compress_chunks(packed.read, spans, self.cfg.zstd_level, self.workers, out, start)
-        zstd = end is not None
-        if not zstd:
-            end = start + raw_len
-            chunks.copy_raw(packed.read, spans, np.frombuffer(out, np.uint8, raw_len, start), self.workers)
+        zstd = self.cfg.zstd and raw_len > 0
+        body = start + (entropy.TABLE_ENTRY_BYTES * len(spans) if zstd else 0)
+        out = bytearray(body + raw_len)
+        raw = np.frombuffer(out, np.uint8, raw_len, body)
+        if fill is not None:
+            fill(raw)
+            def read(c: int, scratch) -> np.ndarray:  # the chunk where ``fill`` put it (a view, dropped after)
+                return np.frombuffer(out, np.uint8, spans[c][1], body + spans[c][0])
+        elif zstd:
+            read = packed.read
+        else:
+            chunks.copy_raw(packed.read, spans, raw, self.workers)
+        del raw  # ``out`` shrinks below: no view of it may live on
+        end = body + raw_len
+        if zstd:
+            end = entropy.compress_chunks(read, spans, self.cfg.zstd_level, self.workers, out, start)
+            if end is None:  # not smaller: the raw bytes, without a table
+                out[start:start + raw_len] = memoryview(out)[body:body + raw_len]
+                zstd, end = False, start + raw_len
         del out[end:]  # in place: shrinking a buffer does not copy it
         out[:start] = frame.pack_header(frame.Header(self._fmt, zstd, p, raw_len, end - start))
         return out

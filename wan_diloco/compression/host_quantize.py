@@ -98,17 +98,19 @@ class HostEncoded:
 
 def encode_host(arrays: Sequence[np.ndarray], sizes: Sequence[int], fmt: Format, workers: Workers,
                 minus: Sequence[np.ndarray] | None = None, plus: Sequence[np.ndarray] | None = None,
-                decode: bool = False, residual: bool = False) -> HostEncoded:
+                decode: bool = False, residual: bool = False, sink=None) -> HostEncoded:
     """Quantize ``arrays − minus + plus`` (float32, computed a chunk at a time in that order: the bits of
     the whole-array expression) and, with ``decode``, decode them; with ``residual`` also keep what the
     codes dropped. The items of blocks are ``pack.unpack``'s (``chunks.block_items``), so Σx² is its sum
-    to the bit."""
+    to the bit. ``sink(item, codes, scales)``: takes each item's codes and scales where it wants them
+    (``pack.pack_host``: straight into the payload's raw bytes) instead of per-tensor arrays."""
     bs, cb = fmt.block_size, code_bytes_per_block(fmt.bits, fmt.block_size)
     residual = residual and decode
     out, dec, res = [], [], []
     for t, n in enumerate(sizes):
         k = n_blocks(n, bs)
-        out.append((np.empty((k, cb), np.int8 if fmt.bits == 8 else np.uint8), np.empty(k, np.float32)))
+        if sink is None:
+            out.append((np.empty((k, cb), np.int8 if fmt.bits == 8 else np.uint8), np.empty(k, np.float32)))
         if decode:
             dec.append(np.empty(k * bs, np.float32))
         if residual:
@@ -136,7 +138,10 @@ def encode_host(arrays: Sequence[np.ndarray], sizes: Sequence[int], fmt: Format,
             tile[:hi - lo] = x
             tile = tile.reshape(b - a, bs)
         codes, scales, k = _tile(tile, fmt)
-        out[t][0][a:b], out[t][1][a:b] = codes, scales
+        if sink is None:
+            out[t][0][a:b], out[t][1][a:b] = codes, scales
+        else:
+            sink(it, codes, scales)
         if not decode:
             return None
         d = dec[t][lo:b * bs].reshape(b - a, bs)

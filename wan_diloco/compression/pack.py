@@ -30,7 +30,7 @@ from wan_diloco.compression.config import BITS, INT4_QMAX, INT8_QMAX, MIN_SCALE,
 from wan_diloco.compression.errors import CodecError, EncodeError, NonFiniteError
 from wan_diloco.compression.host_quantize import HostEncoded, encode_host
 from wan_diloco.compression.quantize import code_bytes_per_block, n_blocks
-from wan_diloco.merge import CHUNK, SERIAL, Workers, chunk_sum_squares, per_tensor, sum_squares
+from wan_diloco.merge import SERIAL, Workers, chunk_sum_squares, per_tensor, sum_squares
 
 _BF16_EXP = 0x7F80
 
@@ -163,11 +163,8 @@ class _Blockwise:
         scale_bits, code_parts = [], []
         for i, (name, (codes, scales)) in enumerate(zip(names, per_tensor)):
             if not np.isfinite(scales).all():
-                raise _non_finite(name, value_of(i), "overflows a float16 scale; use scale_dtype='bfloat16'")
-            if fmt.scale_dtype == "bfloat16":  # scales are bf16 values already: keep the top half
-                scale_bits.append((scales.view(np.uint32) >> 16).astype(np.uint16))
-            else:
-                scale_bits.append(scales.astype(np.float16).view(np.uint16))
+                raise _non_finite(name, value_of(i), _SCALE_OVERFLOW)
+            scale_bits.append(_scale_bits(scales, fmt))
             code_parts.append(codes.reshape(-1).view(np.uint8))
         sb = np.concatenate(scale_bits) if scale_bits else np.zeros(0, np.uint16)
         return chunks.Packed(fmt, sizes, code_parts, sb)
@@ -218,6 +215,16 @@ class _Blockwise:
         return out, per_tensor(len(sizes), [(it[0],) for c in per_chunk for it in c], sums)
 
 
+_SCALE_OVERFLOW = "overflows a float16 scale; use scale_dtype='bfloat16'"
+
+
+def _scale_bits(scales: np.ndarray, fmt: Format) -> np.ndarray:
+    """The stored 16 bits of float32 scales an encoder made."""
+    if fmt.scale_dtype == "bfloat16":  # scales are bf16 values already: keep the top half
+        return (scales.view(np.uint32) >> 16).astype(np.uint16)
+    return scales.astype(np.float16).view(np.uint16)
+
+
 def _scales(bits16: np.ndarray, fmt: Format, first: int = 0) -> np.ndarray:
     """Stored scale bits -> float32 scales, refusing any an encoder cannot write (blocks from ``first``)."""
     if fmt.scale_dtype == "bfloat16":
@@ -260,19 +267,45 @@ def pack(fmt: Format, names: Sequence[str], arrays: Sequence[Any], *, impl: str 
     return packer(fmt).pack(fmt, names, arrays, impl, key, workers)
 
 
-def pack_host(fmt: Format, names: Sequence[str], sizes: Sequence[int], workers: Workers, arrays: Sequence[np.ndarray],
-              minus: Sequence[np.ndarray] | None = None, plus: Sequence[np.ndarray] | None = None,
-              residual: bool = False) -> tuple[chunks.Packed, HostEncoded]:
-    """``pack`` of ``arrays − minus + plus`` (numpy, 8 or 4 bits, round to nearest) in one pass per chunk
-    that also decodes them (``host_quantize.encode_host``): (raw bytes, the decoded values and Σx²)."""
-    enc = encode_host(arrays, sizes, fmt, workers, minus, plus, decode=True, residual=residual)
+class _BadScales(Exception):
+    """A chunk's item of tensor ``t`` has a non-finite scale (NaN/Inf values or a float16 overflow)."""
 
-    def value_of(i: int) -> np.ndarray:
-        x = np.asarray(arrays[i], np.float32)
-        x = x - np.asarray(minus[i], np.float32) if minus is not None else x
-        return x + np.asarray(plus[i], np.float32) if plus is not None else x
+    def __init__(self, t: int):
+        self.t = t
 
-    return _PACKERS[fmt.bits].planes(fmt, names, sizes, enc.blocks, value_of), enc
+
+def pack_host(fmt: Format, names: Sequence[str], sizes: Sequence[int], workers: Workers, raw: np.ndarray,
+              arrays: Sequence[np.ndarray], minus: Sequence[np.ndarray] | None = None,
+              plus: Sequence[np.ndarray] | None = None, decode: bool = False, residual: bool = False) -> HostEncoded:
+    """``pack`` of ``arrays − minus + plus`` (numpy, 8 or 4 bits, round to nearest) in one pass per item of
+    blocks (``host_quantize.encode_host``) that writes its scales and codes straight into ``raw`` (uint8,
+    the raw bytes: no per-tensor codes are held) and with ``decode`` also decodes them: the decoded values
+    and Σx². NonFiniteError names a refused tensor; ``raw`` then holds nothing to keep."""
+    bs, cb = fmt.block_size, code_bytes_per_block(fmt.bits, fmt.block_size)
+    m, nb, starts = chunks.chunk_blocks(fmt), 0, []
+    for n in sizes:
+        starts.append(nb)
+        nb += n_blocks(n, bs)
+
+    def sink(it, codes, scales) -> None:
+        t, a, b, c = it
+        if not np.isfinite(scales).all():
+            raise _BadScales(t)
+        first, mc = c * m, min(m, nb - c * m)
+        base, g, k = first * (2 + cb), starts[t] + a - first, b - a
+        bits = _scale_bits(scales, fmt)
+        np.right_shift(bits, 8, out=raw[base + g:base + g + k], casting="unsafe")
+        np.bitwise_and(bits, 0xFF, out=raw[base + mc + g:base + mc + g + k], casting="unsafe")
+        codes_at = base + 2 * mc + g * cb
+        raw[codes_at:codes_at + k * cb] = codes.reshape(-1).view(np.uint8)
+
+    try:
+        return encode_host(arrays, sizes, fmt, workers, minus, plus, decode=decode, residual=residual, sink=sink)
+    except _BadScales as e:
+        x = np.asarray(arrays[e.t], np.float32)
+        x = x - np.asarray(minus[e.t], np.float32) if minus is not None else x
+        x = x + np.asarray(plus[e.t], np.float32) if plus is not None else x
+        raise _non_finite(names[e.t], x, _SCALE_OVERFLOW) from None
 
 
 def unpack(fmt: Format, source, sizes: Sequence[int], workers: Workers = SERIAL,
