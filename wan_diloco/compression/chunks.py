@@ -66,10 +66,11 @@ _local = threading.local()
 
 
 def scratch(n: int) -> np.ndarray:
-    """This thread's chunk-sized scratch (uint8, grown on demand): one per worker, reused."""
+    """This thread's chunk-sized scratch (uint8, grown on demand): one per worker, reused. A chunk of any
+    format fits 5/4 of ``ZCHUNK_BYTES``: its scales add 2 bytes per block of at least 8 code bytes."""
     buf = getattr(_local, "buf", None)
     if buf is None or buf.size < n:
-        buf = _local.buf = np.empty(max(n, 2 * ZCHUNK_BYTES), np.uint8)
+        buf = _local.buf = np.empty(max(n, ZCHUNK_BYTES * 5 // 4), np.uint8)
     return buf[:n]
 
 
