@@ -61,9 +61,10 @@ class FragmentCodec:
                            for nbytes, sizes in zip(layout.nbytes, self._sizes)]
 
     # ------------------------------------------------------------ encode
-    def encode(self, values: Mapping[str, Any], key=None) -> bytes:
+    def encode(self, values: Mapping[str, Any], key=None) -> bytearray:
         """The payload of one fragment: ``values`` maps exactly its tensor names to
         float arrays (numpy or jax, float32/bfloat16/float16) of the layout's shapes.
+        A bytearray: the buffer it was written into chunk by chunk, not copied into bytes.
 
         ``key`` (a jax PRNG key) is required when ``cfg.stochastic_rounding`` and bits is 8 or 4.
         """
@@ -72,8 +73,9 @@ class FragmentCodec:
     def roundtrip(self, values: Mapping[str, Any], key=None, *, in_place: bool = False) -> Encoded:
         """``encode`` plus exactly what ``decode`` gives for the payload, bit for bit. ``in_place``: the
         caller needs ``values`` no more, so the decoded values overwrite them where they are writable
-        float32 numpy arrays (8/4-bit formats): no second fragment-sized buffer. Without it, host arrays
-        are encoded and decoded in one pass (``_roundtrip_host``), into new arrays."""
+        float32 numpy arrays (8/4-bit formats): no second fragment-sized buffer; host arrays are then
+        quantized straight into the payload and decoded from it. Without it, host arrays are encoded
+        and decoded in one pass (``_roundtrip_host``), into new arrays."""
         p, arrays = self._arrays(values)
         into = None
         if in_place and all(isinstance(x, np.ndarray) and x.dtype == np.float32 and x.flags.c_contiguous
