@@ -91,10 +91,12 @@ def build_layout(name: str, num_fragments: int):
     return Layout(make_fragments("balanced", sizes, num_fragments, model_lib.layer_index), shapes)
 
 
-def wire_codec(layout):
-    """The codec under test: int4 (NF4, 256-value blocks, bf16 scales) + zstd, the project defaults at 4 bits."""
+def wire_codec(layout, workers=None):
+    """The codec under test: int4 (NF4, 256-value blocks, bf16 scales) + zstd, the project defaults at 4 bits;
+    ``workers``: its threads (default one)."""
     from wan_diloco.compression import CodecConfig, FragmentCodec
-    return FragmentCodec(CodecConfig(bits=4), layout)
+    from wan_diloco.merge import SERIAL
+    return FragmentCodec(CodecConfig(bits=4), layout, workers or SERIAL)
 
 
 def random_delta(layout, p: int, seed: int) -> dict[str, np.ndarray]:
@@ -266,9 +268,12 @@ def inprocess(layout, learners: list[int], reps: int, log, threads: list[int] = 
         del core
 
     i = next((j for j in range(len(sample)) if not rows[j]["embedding"]), 0)  # the RDA fragment
-    refs = hotpath.references(wire_codec(sub), i, payloads[i][0], sub.nbytes[i], reps=max(3, reps))
+    from wan_diloco.merge import Workers
+    top = max(threads)
+    refs = hotpath.references(wire_codec(sub, Workers(top)), i, payloads[i][0], sub.nbytes[i], reps=max(3, reps))
     log("inprocess: CPU s per GB: np.copy {np_copy:.3f}, codec decode (1 thread) {codec_decode_1_thread:.3f}, "
-        "zstd alone {zstd_decompress:.3f}".format(**refs))
+        "zstd alone {zstd_decompress:.3f}".format(**refs) +
+        f"; codec decode wall, 1 thread / {top}: {refs[f'codec_decode_wall_1_vs_{top}_threads']:.2f}")
 
     def make_core(M):
         cfg = SyncerConfig(num_learners=M, quorum=M, grace=False, liveness_timeout_s=1e6, threads=max(threads))
@@ -283,7 +288,8 @@ def inprocess(layout, learners: list[int], reps: int, log, threads: list[int] = 
 
     memory = hotpath.round_memory(make_core, upload_of, sub.nbytes[i], learners)
     log("inprocess: a round's peak memory above Θ + momentum, in fragments: " + ", ".join(
-        f"{m} {v['fragments']:.2f}" for m, v in memory.items()))
+        f"{m} {v['fragments']:.2f} (while Δs arrive {v['while_deltas_arrive_fragments']:.2f}, the closing upload "
+        f"{v['closing_upload_fragments']:.2f})" for m, v in memory.items()))
     return rows, {"per_stage_cpu_s_per_gb": hotpath.per_stage(rows, refs), "round_memory_fragments": memory}
 
 

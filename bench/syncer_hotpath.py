@@ -8,7 +8,9 @@
 - ``round_memory``: a round's peak of Python-tracked memory (numpy reports its buffers to
   ``tracemalloc``) above what the core holds (Θ, momentum), in fragments' worth, for each M: traced from
   before the core is built (a block freed is seen only if its allocation was traced: the old Θ a close
-  replaces), from an empty ``buffers.POOL``, over a first round and a second, so the pool's buffers count.
+  replaces), from an empty ``buffers.POOL``, over a first round and a second, so the pool's buffers count;
+  split into the peak while Δs arrive (decode and fold) and that of the upload that closes the round
+  (its decode, the merge, the outer step and the encode of the update).
 """
 from __future__ import annotations
 
@@ -32,25 +34,49 @@ def _cpu_s(fn, reps: int) -> float:
     return statistics.median(out)
 
 
+def _wall_s(fn, reps: int) -> float:
+    """Median wall seconds of ``fn()`` over ``reps`` runs after a warm-up."""
+    fn()
+    out = []
+    for _ in range(reps):
+        c = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - c)
+    return statistics.median(out)
+
+
 def references(codec, fragment: int, payload: bytes, fp32_bytes: int, reps: int) -> dict:
-    """CPU s per GB fp32 of a copy, the codec's decode (one thread) and zstd alone, on one payload."""
-    from wan_diloco.compression import entropy, frame
+    """CPU s per GB fp32 of a copy, the codec's decode (one thread) and zstd alone, on one payload; and the
+    decode's wall time on one thread over that on the codec's workers (its zstd chunks in parallel)."""
+    from wan_diloco.compression import chunks, entropy, frame
     from wan_diloco.merge import SERIAL
     values = codec.decode(fragment, payload)
     src = np.concatenate([np.ravel(v) for v in values.values()])
     dst = np.empty_like(src)
+    threads = codec.workers.n
+    wall_all = _wall_s(lambda: codec.decode(fragment, payload), reps)
     workers, codec.workers = codec.workers, SERIAL
     try:
         decode_s = _cpu_s(lambda: codec.decode(fragment, payload), reps)
+        wall_one = _wall_s(lambda: codec.decode(fragment, payload), reps)
     finally:
         codec.workers = workers
     header = frame.parse_header(memoryview(payload))
     body = memoryview(payload)[frame.HEADER_BYTES:]
-    zstd_s = _cpu_s(lambda: entropy.decompress(body, header.raw_len), reps) if header.zstd else 0.0
+    sizes = [int(np.prod(codec.layout.shapes[n])) for n in codec.layout.fragments[fragment]]
+    spans = chunks.spans(header.fmt, sizes)
+
+    def zstd_alone() -> None:  # every chunk into one scratch, as the decode does
+        source = entropy.Chunks(body, spans)
+        for c, (_, ln) in enumerate(spans):
+            source.read(c, chunks.scratch(ln))
+
+    zstd_s = _cpu_s(zstd_alone, reps) if header.zstd else 0.0
     copy_s = _cpu_s(lambda: np.copyto(dst, src), reps)
     per_gb = GB / fp32_bytes
     return {"np_copy": copy_s * per_gb, "codec_decode_1_thread": decode_s * per_gb,
-            "zstd_decompress": zstd_s * per_gb, "fp32_bytes": fp32_bytes, "payload_bytes": len(payload)}
+            "zstd_decompress": zstd_s * per_gb, "fp32_bytes": fp32_bytes, "payload_bytes": len(payload),
+            f"codec_decode_wall_1_vs_{threads}_threads": wall_one / wall_all}
 
 
 def per_stage(rows: list[dict], refs: dict) -> dict:
@@ -94,13 +120,21 @@ def round_memory(make_core, upload_of, fp32_bytes: int, learners: list[int]) -> 
         try:
             core = make_core(M)
             base = tracemalloc.get_traced_memory()[0]  # Θ and momentum
-            tracemalloc.reset_peak()
+            arriving = closing = 0  # peaks while Δs arrive (decode + fold) and of the upload that closes
             for rep in range(2):  # the first round fills the pool and the outer state: counted too
                 for m in range(M):
+                    tracemalloc.reset_peak()
                     core.on_fragment(float(rep), upload_of(core, m, rep))
-            peak = tracemalloc.get_traced_memory()[1]
+                    peak_m = tracemalloc.get_traced_memory()[1]
+                    if m == M - 1:
+                        closing = max(closing, peak_m)
+                    else:
+                        arriving = max(arriving, peak_m)
+            peak = max(arriving, closing)
         finally:
             tracemalloc.stop()
-        out[f"M={M}"] = {"peak_above_state_bytes": peak - base, "fragments": (peak - base) / fp32_bytes}
+        out[f"M={M}"] = {"peak_above_state_bytes": peak - base, "fragments": (peak - base) / fp32_bytes,
+                         "while_deltas_arrive_fragments": (arriving - base) / fp32_bytes,
+                         "closing_upload_fragments": (closing - base) / fp32_bytes}
         del core
     return out

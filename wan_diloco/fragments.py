@@ -240,4 +240,4 @@ class Encoded:
 
     values: dict[str, Any]
     nbytes: int
-    payload: bytes | None = None
+    payload: bytes | bytearray | None = None

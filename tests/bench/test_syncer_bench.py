@@ -49,12 +49,16 @@ def test_bench_syncer_tiny_run(tmp_path):
     block = doc["per_stage_cpu_s_per_gb"]
     refs = block["references"]
     assert 0 < refs["np_copy"] < refs["codec_decode_1_thread"] and refs["zstd_decompress"] > 0
+    top = max(doc["settings"]["inprocess_threads"])
+    assert refs[f"codec_decode_wall_1_vs_{top}_threads"] > 0
     assert set(block["by_threads"]) == {str(t) for t in doc["settings"]["inprocess_threads"]} and "1" in block["by_threads"]
     one = block["by_threads"]["1"]["M=2"]
     assert one["merged_gb_per_cpu_s"] == pytest.approx(1 / one["total"])
     assert block["ratios"]["M=2: runtime decode + checks / codec decode (1 thread)"] == pytest.approx(
         one["decode"] / refs["codec_decode_1_thread"])
     assert 1 < doc["round_memory_fragments"]["M=2"]["fragments"] < 8
+    mem = doc["round_memory_fragments"]["M=2"]
+    assert mem["fragments"] == max(mem["while_deltas_arrive_fragments"], mem["closing_upload_fragments"])
     for r in doc["inprocess"]:
         assert all(r["stage_cpu_ms"][k] > 0 for k in ("decode", "merge", "outer", "encode"))
     ceiling = doc["ceiling"]["per_learners"][0]

@@ -4,7 +4,8 @@ import pytest
 import zstandard
 
 from wan_diloco.compression import CodecConfig, CodecError, Format, quantize
-from wan_diloco.compression import blocks, entropy, frame, pack
+from wan_diloco.compression import blocks, chunks, entropy, frame, pack
+from wan_diloco.merge import SERIAL
 
 F8 = Format(8, 64, "bfloat16")
 F4 = Format(4, 64, "float16", "uniform")
@@ -43,27 +44,60 @@ def test_header_length_rules():
 
 
 # ----------------------------------------------------------------- entropy
-def test_entropy_keeps_zstd_only_when_smaller():
-    assert entropy.compress(b"", 1) is None
-    assert entropy.compress(np.random.default_rng(0).bytes(4096), 1) is None
-    raw = bytes(4096)
-    packed = entropy.compress(raw, 1)
-    assert packed is not None and len(packed) < 100
-    assert zstandard.frame_content_size(packed) == 4096  # decompress checks it against raw_len
-    assert entropy.decompress(memoryview(packed), 4096) == raw
+def _source(data: bytes, spans):
+    return lambda c, out: np.frombuffer(data, np.uint8, spans[c][1], spans[c][0])
 
 
-def test_entropy_refuses_frames_that_disagree_with_the_header():
-    packed = entropy.compress(bytes(range(256)) * 64, 1)
-    with pytest.raises(CodecError, match="declares 16384 bytes, header says 16383"):
-        entropy.decompress(memoryview(packed), 16383)
-    with pytest.raises(CodecError, match="zstd"):
-        entropy.decompress(memoryview(packed[:-2]), 16384)
-    no_size = zstandard.ZstdCompressor(write_content_size=False).compress(bytes(100))
+def _compress(data: bytes, spans):
+    out = bytearray(4 * len(spans) + len(data))
+    end = entropy.compress_chunks(_source(data, spans), spans, 1, SERIAL, out, 0)
+    return None if end is None else memoryview(bytes(out[:end]))
+
+
+def test_entropy_keeps_zstd_per_chunk_only_when_smaller():
+    noise = np.random.default_rng(0).bytes(4096)
+    data = bytes(4096) + noise + bytes(1000)
+    spans = [(0, 4096), (4096, 4096), (8192, 1000)]
+    body = _compress(data, spans)
+    lengths = np.frombuffer(body, "<u4", 3)
+    assert lengths[1] == 4096 and lengths[0] < 100 and lengths[2] < 100  # the noise chunk is stored raw
+    assert len(body) == 12 + lengths.sum() < len(data)
+    assert zstandard.frame_content_size(body[12:12 + int(lengths[0])]) == 4096
+    got = entropy.Chunks(body, spans)
+    assert b"".join(bytes(got.read(c, np.empty(ln, np.uint8))) for c, (_, ln) in enumerate(spans)) == data
+    assert _compress(noise, [(0, 4096)]) is None  # no smaller: the payload is stored raw, without a table
+
+
+def test_entropy_gives_the_raw_bytes_back_when_the_table_eats_the_gain():
+    rng = np.random.default_rng(1)
+    data = bytes(24) + rng.bytes(4096) + rng.bytes(4096)
+    spans = [(0, 24), (24, 4096), (4120, 4096)]
+    assert len(zstandard.ZstdCompressor(level=1).compress(bytes(24))) < 24 - 4  # chunk 0 alone would shrink
+    out = bytearray(12 + len(data))
+    assert entropy.compress_chunks(_source(data, spans), spans, 1, SERIAL, out, 0) is None
+    assert bytes(out[12:]) == data  # chunk 0 decompressed back in place
+
+
+def test_entropy_refuses_frames_that_disagree_with_the_table():
+    spans = [(0, 16384)]
+    frame16k = zstandard.ZstdCompressor(level=1).compress(bytes(range(256)) * 64)
+
+    def read(frame_bytes, raw=16384):
+        body = memoryview(np.array([len(frame_bytes)], "<u4").tobytes() + frame_bytes)
+        return entropy.Chunks(body, [(0, raw)]).read(0, np.empty(raw, np.uint8))
+
+    assert bytes(read(frame16k)) == bytes(range(256)) * 64
+    with pytest.raises(CodecError, match="zstd chunk 0: frame declares 16384 bytes, the chunk has 16383"):
+        read(frame16k, 16383)
+    no_size = zstandard.ZstdCompressor(write_content_size=False).compress(bytes(range(256)) * 64)
     with pytest.raises(CodecError, match="declares"):
-        entropy.decompress(memoryview(no_size), 100)
+        read(no_size)
     with pytest.raises(CodecError, match="invalid"):
-        entropy.decompress(memoryview(b"\0" * 8), 100)
+        read(b"\0" * 8)
+    with pytest.raises(CodecError, match="truncated"):
+        entropy.Chunks(memoryview(b"\1\0"), spans)
+    with pytest.raises(CodecError, match=r"stored length 16385, not in \[1, its raw 16384"):
+        entropy.Chunks(memoryview(np.array([16385], "<u4").tobytes() + bytes(16385)), spans)
 
 
 # -------------------------------------------------------------------- pack
@@ -81,16 +115,19 @@ def test_raw_sizes():
 def test_pack_unpack(fmt):
     rng = np.random.default_rng(1)
     arrays = [rng.standard_normal(n).astype(np.float32) for n in (1, 64, 200, 0)]
-    parts = pack.pack(fmt, ["a", "b", "c", "d"], arrays)
-    raw = b"".join(parts)
-    assert len(raw) == pack.raw_nbytes(fmt, [a.size for a in arrays])
-    out, sums = pack.unpack(fmt, raw, [a.size for a in arrays])
+    sizes = [a.size for a in arrays]
+    packed = pack.pack(fmt, ["a", "b", "c", "d"], arrays)
+    assert packed.raw_len == pack.raw_nbytes(fmt, sizes)
+    raw = np.empty(packed.raw_len, np.uint8)
+    chunks.copy_raw(packed.read, packed.spans, raw, SERIAL)
+    out, sums = pack.unpack(fmt, pack.Whole(raw, packed.spans), sizes)
+    again, _ = pack.unpack(fmt, packed, sizes)  # the sender's: from the parts, the same bits
     tol = {32: 0, 16: 2**-8, 8: 0.01, 4: 0.15}[fmt.bits]
-    for a, b, sq in zip(arrays, out, sums):
-        assert b.dtype == np.float32 and b.shape == a.shape
+    for a, b, c, sq in zip(arrays, out, again, sums):
+        assert b.dtype == np.float32 and b.shape == a.shape and b.tobytes() == c.tobytes()
         assert np.linalg.norm(b - a) <= tol * np.linalg.norm(a)
         assert sq == pytest.approx(float(np.sum(b.astype(np.float64) ** 2)), rel=1e-6)  # the padding excluded
-    if fmt.quantized:  # scale planes first: high bytes of all 6 blocks, then low bytes
+    if fmt.quantized:  # one chunk: its scale planes first, high bytes of all 6 blocks, then low bytes
         nb = 6
         scales = np.concatenate([np.asarray(quantize(a, bits=fmt.bits, block_size=64,
                                                      scale_dtype=fmt.scale_dtype,
@@ -98,8 +135,8 @@ def test_pack_unpack(fmt):
                                  for a in arrays])
         sb = (scales.view(np.uint32) >> 16).astype(np.uint16) if fmt.scale_dtype == "bfloat16" \
             else scales.astype(np.float16).view(np.uint16)
-        assert raw[:nb] == (sb >> 8).astype(np.uint8).tobytes()
-        assert raw[nb:2 * nb] == (sb & 0xFF).astype(np.uint8).tobytes()
+        assert raw[:nb].tobytes() == (sb >> 8).astype(np.uint8).tobytes()
+        assert raw[nb:2 * nb].tobytes() == (sb & 0xFF).astype(np.uint8).tobytes()
 
 
 # ------------------------------------------------------------------ blocks

@@ -2,7 +2,8 @@
 
 Stages, each its own module: quantize (``blocks`` over ``quantize`` /
 ``pallas_kernels``) -> pack (``pack``: byte layout of values, scale planes,
-codes) -> entropy (``entropy``: zstd) -> frame (``frame``: a fixed header).
+codes) -> entropy (``entropy``: zstd per chunk, ``chunks``) -> frame (``frame``:
+a fixed header). Both ways the raw bytes go a chunk at a time on the workers.
 
 Both ends of a run know the fragment layout, so a payload carries no names or
 shapes; decode checks it against the layout and returns the right tensors
@@ -18,7 +19,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from wan_diloco.compression import entropy, frame, pack
+from wan_diloco.compression import chunks, entropy, frame, pack
 from wan_diloco.compression.blocks import resolve_impl
 from wan_diloco.compression.config import CodecConfig, Format
 from wan_diloco.compression.errors import CodecError, EncodeError
@@ -60,9 +61,10 @@ class FragmentCodec:
                            for nbytes, sizes in zip(layout.nbytes, self._sizes)]
 
     # ------------------------------------------------------------ encode
-    def encode(self, values: Mapping[str, Any], key=None) -> bytes:
+    def encode(self, values: Mapping[str, Any], key=None) -> bytearray:
         """The payload of one fragment: ``values`` maps exactly its tensor names to
         float arrays (numpy or jax, float32/bfloat16/float16) of the layout's shapes.
+        A bytearray: the buffer it was written into chunk by chunk, not copied into bytes.
 
         ``key`` (a jax PRNG key) is required when ``cfg.stochastic_rounding`` and bits is 8 or 4.
         """
@@ -71,19 +73,30 @@ class FragmentCodec:
     def roundtrip(self, values: Mapping[str, Any], key=None, *, in_place: bool = False) -> Encoded:
         """``encode`` plus exactly what ``decode`` gives for the payload, bit for bit. ``in_place``: the
         caller needs ``values`` no more, so the decoded values overwrite them where they are writable
-        float32 numpy arrays (8/4-bit formats): no second fragment-sized buffer. Without it, host arrays
-        are encoded and decoded in one pass (``_roundtrip_host``), into new arrays."""
+        float32 numpy arrays (8/4-bit formats): no second fragment-sized buffer; host arrays are then
+        quantized straight into the payload and decoded from it. Without it, host arrays are encoded
+        and decoded in one pass (``_roundtrip_host``), into new arrays."""
         p, arrays = self._arrays(values)
-        if not in_place and self._fused() and all(isinstance(x, np.ndarray) for x in arrays):
-            return self._roundtrip_host(p, arrays)[0]
-        data, p, raw = self._encode(values, key)
         into = None
-        if in_place:
-            flats = [values[n] for n in self.layout.fragments[p]]
-            if all(isinstance(x, np.ndarray) and x.dtype == np.float32 and x.flags.c_contiguous and x.flags.writeable
-                   for x in flats):
-                into = [x.reshape(-1) for x in flats]
-        return Encoded(values=self._unpack(p, self._fmt, raw, into), nbytes=len(data), payload=data)
+        if in_place and all(isinstance(x, np.ndarray) and x.dtype == np.float32 and x.flags.c_contiguous
+                            and x.flags.writeable for x in arrays):
+            into = [x.reshape(-1) for x in arrays]
+        if self._fused() and all(isinstance(x, np.ndarray) for x in arrays):
+            if into is None:
+                return self._roundtrip_host(p, arrays)[0]
+            # Quantized straight into the payload's raw bytes; decoded from them over the caller's arrays
+            # once every value passed (a refused update changes nothing), then zstd in place.
+            out = {}
+
+            def fill(raw):
+                pack.pack_host(self._fmt, self.layout.fragments[p], self._sizes[p], self.workers, raw, arrays)
+                source = pack.Whole(raw, chunks.spans(self._fmt, self._sizes[p]))
+                out["values"] = self._unpack(p, self._fmt, source, into)
+
+            data = self._frame(p, fill=fill)
+            return Encoded(values=out["values"], nbytes=len(data), payload=data)
+        data, p, packed = self._encode(values, key)
+        return Encoded(values=self._unpack(p, self._fmt, packed, into), nbytes=len(data), payload=data)
 
     def roundtrip_delta(self, base: Mapping[str, Any], theta: Mapping[str, Any], plus: Mapping[str, Any] | None = None,
                         residual: bool = False) -> tuple[Encoded, dict[str, np.ndarray] | None]:
@@ -116,9 +129,14 @@ class FragmentCodec:
         return self._fmt.quantized and self._impl == "jnp" and not self.cfg.stochastic_rounding
 
     def _roundtrip_host(self, p: int, arrays, minus=None, plus=None, residual: bool = False):
-        parts, host = pack.pack_host(self._fmt, self.layout.fragments[p], self._sizes[p], self.workers, arrays,
-                                     minus, plus, residual)
-        data, _ = self._frame(p, parts)
+        got = {}
+
+        def fill(raw):
+            got["host"] = pack.pack_host(self._fmt, self.layout.fragments[p], self._sizes[p], self.workers, raw,
+                                         arrays, minus, plus, decode=True, residual=residual)
+
+        data = self._frame(p, fill=fill)
+        host = got["host"]
         out = Decoded()
         out.sum_squares = host.sum_squares
         for n, flat in zip(self.layout.fragments[p], host.decoded):
@@ -127,32 +145,46 @@ class FragmentCodec:
             out[n] = a
         return Encoded(values=out, nbytes=len(data), payload=data), host
 
-    def _encode(self, values: Mapping[str, Any], key) -> tuple[bytes, int, Any]:
-        """(payload, fragment index, its raw pre-zstd bytes)."""
+    def _encode(self, values: Mapping[str, Any], key) -> tuple[bytearray, int, Any]:
+        """(payload, fragment index, its raw pre-zstd bytes: ``chunks.Packed``)."""
         p, arrays = self._arrays(values)
         fmt = self._fmt
         stochastic = self.cfg.stochastic_rounding and fmt.quantized
         if stochastic and key is None:
             raise EncodeError("stochastic_rounding needs a PRNG key: encode(values, key=...)")
-        parts = pack.pack(fmt, self.layout.fragments[p], arrays, impl=self._impl,
-                          key=key if stochastic else None, workers=self.workers)
-        data, raw = self._frame(p, parts)
-        return data, p, raw
+        packed = pack.pack(fmt, self.layout.fragments[p], arrays, impl=self._impl,
+                           key=key if stochastic else None, workers=self.workers)
+        return self._frame(p, packed=packed), p, packed
 
-    def _frame(self, p: int, parts) -> tuple[bytes, Any]:
-        """(payload, its raw pre-zstd bytes) from the packed parts: zstd (if on) and the header."""
-        raw_len = sum(memoryview(a).nbytes for a in parts)
-        raw = packed = None
-        if self.cfg.zstd:
-            # One-shot over the joined parts: twice as fast as streaming them.
-            raw = b"".join(parts)
-            parts = None  # the codes, joined: not held through the compress and the frame (a syncer's peak)
-            packed = entropy.compress(raw, self.cfg.zstd_level)
-        body = parts if raw is None else [packed if packed is not None else raw]
-        header = frame.Header(self._fmt, packed is not None, p, raw_len, sum(memoryview(a).nbytes for a in body))
-        data = b"".join([frame.pack_header(header), *body])
-        # The sender unpacks the raw bytes, not the zstd frame: the same bits, no decompression.
-        return data, memoryview(data)[frame.HEADER_BYTES:] if packed is None else raw
+    def _frame(self, p: int, packed=None, fill=None) -> bytearray:
+        """The payload: header, then zstd chunks (if on and smaller) or the raw bytes, all in one buffer and
+        a chunk at a time on the workers: the raw bytes are never held apart from it. They come from
+        ``packed`` (``chunks.Packed``) or are written by ``fill(raw)`` into their place in the buffer."""
+        spans = chunks.spans(self._fmt, self._sizes[p])
+        raw_len = sum(ln for _, ln in spans)
+        start = frame.HEADER_BYTES
+        zstd = self.cfg.zstd and raw_len > 0
+        body = start + (entropy.TABLE_ENTRY_BYTES * len(spans) if zstd else 0)
+        out = bytearray(body + raw_len)
+        raw = np.frombuffer(out, np.uint8, raw_len, body)
+        if fill is not None:
+            fill(raw)
+            def read(c: int, scratch) -> np.ndarray:  # the chunk where ``fill`` put it (a view, dropped after)
+                return np.frombuffer(out, np.uint8, spans[c][1], body + spans[c][0])
+        elif zstd:
+            read = packed.read
+        else:
+            chunks.copy_raw(packed.read, spans, raw, self.workers)
+        del raw  # ``out`` shrinks below: no view of it may live on
+        end = body + raw_len
+        if zstd:
+            end = entropy.compress_chunks(read, spans, self.cfg.zstd_level, self.workers, out, start)
+            if end is None:  # not smaller: the raw bytes, without a table
+                out[start:start + raw_len] = memoryview(out)[body:body + raw_len]
+                zstd, end = False, start + raw_len
+        del out[end:]  # in place: shrinking a buffer does not copy it
+        out[:start] = frame.pack_header(frame.Header(self._fmt, zstd, p, raw_len, end - start))
+        return out
 
     def _arrays(self, values: Mapping[str, Any]) -> tuple[int, list]:
         if not isinstance(values, Mapping):
@@ -207,11 +239,13 @@ class FragmentCodec:
             raise CodecError(f"raw_len: header says {h.raw_len} bytes, fragment {fragment} "
                              f"in {h.fmt.bits}-bit needs {want}")
         body = mv[frame.HEADER_BYTES:]
-        raw = entropy.decompress(body, h.raw_len) if h.zstd else body
-        return self._unpack(fragment, h.fmt, raw)
+        spans = chunks.spans(h.fmt, self._sizes[fragment])
+        source = entropy.Chunks(body, spans) if h.zstd else pack.Whole(body, spans)
+        return self._unpack(fragment, h.fmt, source)
 
-    def _unpack(self, p: int, fmt: Format, raw, into=None) -> Decoded:
-        flats, sums = pack.unpack(fmt, raw, self._sizes[p], self.workers, into)
+    def _unpack(self, p: int, fmt: Format, source, into=None) -> Decoded:
+        """The Decoded of fragment ``p`` from its raw bytes, read a chunk at a time from ``source``."""
+        flats, sums = pack.unpack(fmt, source, self._sizes[p], self.workers, into)
         out = Decoded()
         out.sum_squares = sums
         for n, flat in zip(self.layout.fragments[p], flats):

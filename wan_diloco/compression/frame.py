@@ -2,9 +2,9 @@
 
     offset size field
          0    4 magic "WDFG" (FRAGMENT_MAGIC)
-         4    1 format version (1)
+         4    1 format version (2)
          5    1 bits: 32, 16, 8 or 4
-         6    1 flags: bit 0 = payload is one zstd frame
+         6    1 flags: bit 0 = payload is zstd chunks (``entropy``: a table, then a frame per chunk)
          7    1 scale dtype id (bits 8/4, else 0): 1 bfloat16, 2 float16
          8    1 codebook id (bits 4, else 0): 1 nf4, 2 uniform
          9    1 reserved, 0
@@ -13,7 +13,10 @@
         16    8 raw_len: payload bytes before zstd
         24    8 payload_len: bytes after the header
 
-All integers little-endian. Both ends know the fragment layout, so names and
+All integers little-endian. Version 2 (#26) cut the raw bytes into chunks zstd compresses on
+their own and gave each chunk of 8/4-bit blocks its own scales (``chunks``); version 1 was one
+zstd frame over the whole payload, with the scales of all blocks in front. The decoded values are
+the same bits in both. Both ends know the fragment layout, so names and
 shapes never travel, and no checksum either: the transport checks each whole
 message (XXH3) and the simulator has no wire. ``parse_header`` checks every
 field on its own and against the buffer's length; the codec then checks the
@@ -28,7 +31,7 @@ from wan_diloco.compression.config import BITS, BLOCK_SIZE_RANGE, CODEBOOK_IDS, 
 from wan_diloco.compression.errors import CodecError
 
 FRAGMENT_MAGIC = b"WDFG"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 FLAG_ZSTD = 1
 _HEADER = struct.Struct("<4sBBBBBBHIQQ")
 HEADER_BYTES = _HEADER.size
@@ -63,7 +66,8 @@ def parse_header(data: memoryview) -> Header:
     if magic != FRAGMENT_MAGIC:
         raise CodecError(f"bad magic {bytes(magic)!r}, expected {FRAGMENT_MAGIC!r}: not a fragment payload")
     if version != FORMAT_VERSION:
-        raise CodecError(f"unsupported format version {version}, this build reads {FORMAT_VERSION}")
+        raise CodecError(f"unsupported fragment format version {version}: this build reads version "
+                         f"{FORMAT_VERSION} only (both ends of a run must run the same format)")
     if bits not in BITS:
         raise CodecError(f"bits: {bits} is not one of {', '.join(map(str, BITS))}")
     if flags & ~FLAG_ZSTD:
@@ -89,7 +93,7 @@ def parse_header(data: memoryview) -> Header:
         raise CodecError(f"payload_len: header says {payload_len} bytes, "
                          f"{total - HEADER_BYTES} follow the header (truncated or oversized)")
     zstd = bool(flags & FLAG_ZSTD)
-    # Stored zstd frames are strictly smaller than their raw bytes (entropy.compress).
+    # Stored zstd payloads are strictly smaller than their raw bytes (entropy.compress_chunks).
     if zstd and payload_len >= raw_len:
         raise CodecError(f"raw_len: {raw_len} bytes, not more than the {payload_len} zstd bytes")
     if not zstd and payload_len != raw_len:

@@ -21,7 +21,8 @@ import numpy as np
 
 from wan_diloco.compression.config import CODEBOOKS, INT4_QMAX, INT8_QMAX, MIN_SCALE, Format
 from wan_diloco.compression.quantize import BF16_MAX, n_levels, code_bytes_per_block, n_blocks
-from wan_diloco.merge import CHUNK, Workers, chunk_sum_squares, per_tensor
+from wan_diloco.compression.chunks import block_items
+from wan_diloco.merge import Workers, chunk_sum_squares, per_tensor
 
 
 @lru_cache(maxsize=None)
@@ -97,22 +98,24 @@ class HostEncoded:
 
 def encode_host(arrays: Sequence[np.ndarray], sizes: Sequence[int], fmt: Format, workers: Workers,
                 minus: Sequence[np.ndarray] | None = None, plus: Sequence[np.ndarray] | None = None,
-                decode: bool = False, residual: bool = False) -> HostEncoded:
+                decode: bool = False, residual: bool = False, sink=None) -> HostEncoded:
     """Quantize ``arrays − minus + plus`` (float32, computed a chunk at a time in that order: the bits of
     the whole-array expression) and, with ``decode``, decode them; with ``residual`` also keep what the
-    codes dropped. The chunks of blocks are ``pack.unpack``'s, so Σx² is its sum to the bit."""
+    codes dropped. The items of blocks are ``pack.unpack``'s (``chunks.block_items``), so Σx² is its sum
+    to the bit. ``sink(item, codes, scales)``: takes each item's codes and scales where it wants them
+    (``pack.pack_host``: straight into the payload's raw bytes) instead of per-tensor arrays."""
     bs, cb = fmt.block_size, code_bytes_per_block(fmt.bits, fmt.block_size)
     residual = residual and decode
-    step = max(1, CHUNK // bs)
-    out, dec, res, items = [], [], [], []
+    out, dec, res = [], [], []
     for t, n in enumerate(sizes):
         k = n_blocks(n, bs)
-        out.append((np.empty((k, cb), np.int8 if fmt.bits == 8 else np.uint8), np.empty(k, np.float32)))
+        if sink is None:
+            out.append((np.empty((k, cb), np.int8 if fmt.bits == 8 else np.uint8), np.empty(k, np.float32)))
         if decode:
             dec.append(np.empty(k * bs, np.float32))
         if residual:
             res.append(np.empty(n, np.float32))
-        items += [(t, a, min(a + step, k)) for a in range(0, k, step)]
+    items = block_items(sizes, fmt)
     flat = [[np.ravel(x) for x in xs] if xs is not None else None for xs in (arrays, minus, plus)]
     levels = None if fmt.bits == 8 else _levels(fmt.codebook or "nf4")
 
@@ -125,7 +128,7 @@ def encode_host(arrays: Sequence[np.ndarray], sizes: Sequence[int], fmt: Format,
         return x
 
     def run(it) -> float | None:
-        t, a, b = it
+        t, a, b, _ = it
         lo, hi = a * bs, min(b * bs, sizes[t])
         x = values(t, lo, hi)
         if hi - lo == (b - a) * bs:
@@ -135,7 +138,10 @@ def encode_host(arrays: Sequence[np.ndarray], sizes: Sequence[int], fmt: Format,
             tile[:hi - lo] = x
             tile = tile.reshape(b - a, bs)
         codes, scales, k = _tile(tile, fmt)
-        out[t][0][a:b], out[t][1][a:b] = codes, scales
+        if sink is None:
+            out[t][0][a:b], out[t][1][a:b] = codes, scales
+        else:
+            sink(it, codes, scales)
         if not decode:
             return None
         d = dec[t][lo:b * bs].reshape(b - a, bs)
