@@ -62,9 +62,9 @@ def _tile(x: np.ndarray, fmt: Format) -> tuple[np.ndarray, np.ndarray, np.ndarra
     if fmt.bits == 8:
         s = _scales(absmax, INT8_QMAX, fmt.scale_dtype)
         inv = (np.float32(1.0) / np.where(s > 0, s, np.float32(1.0)))[:, None]
-        with np.errstate(invalid="ignore"):
+        with np.errstate(invalid="ignore"):  # a non-finite block is refused once its scale is seen
             y = np.rint(x * inv)
-        q = np.clip(y, -INT8_QMAX, INT8_QMAX).astype(np.int8)
+            q = np.clip(y, -INT8_QMAX, INT8_QMAX).astype(np.int8)
         return q, s, q
     s = _scales(absmax, INT4_QMAX, fmt.scale_dtype)
     inv = (np.float32(1.0) / np.where(s > 0, s, np.float32(1.0)))[:, None]
