@@ -307,6 +307,38 @@ def test_subscribe_renews_its_call_at_the_deadline_without_losing_updates():
     arun(main())
 
 
+def test_renewals_in_the_middle_of_a_stream_of_updates_lose_none():
+    """Make before break: the next call opens while the old one is read on, and the old one ends after the
+    update it is sending. Cutting the old call at its deadline lost the update it had just written whole."""
+    n = 120
+
+    async def main():
+        config = dataclasses.replace(SMALL, subscribe_renew_s=0.05)
+        async with syncer(config=config) as (server, handler), client_for(server) as client:
+            box = handler.hub.mailbox("learner-0")
+            got: list[int] = []
+
+            async def publish():
+                for i in range(n):  # a fragment each: the mailbox never replaces one, so each must arrive
+                    handler.hub.publish(update(i, 1, bytes([i]) * 150_000))
+                    await asyncio.sleep(0.004)
+
+            async def read():
+                async with contextlib.aclosing(client.subscribe("learner-0", "us")) as updates:
+                    async for frame in updates:
+                        assert frame.payload == bytes([frame.fragment]) * 150_000
+                        got.append(frame.fragment)
+                        if set(got) == set(range(n)):
+                            return
+
+            await asyncio.gather(publish(), asyncio.wait_for(read(), 20))
+            return got, box.dropped, server.metrics.messages.labels("Subscribe", "in")._value.get()
+
+    got, dropped, calls = arun(main())
+    assert set(got) == set(range(n)) and dropped == 0
+    assert calls >= 5  # renewed in the middle of the stream
+
+
 def test_a_port_outside_the_tcp_range_is_refused_with_the_range():
     with pytest.raises(ValueError, match=r"port 99999 is outside the valid range 0\.\.65535"):
         TransportServer(RecordingHandler(), TOKEN, SMALL, "127.0.0.1:99999")

@@ -206,51 +206,72 @@ class SyncerClient:
     async def subscribe(self, sender: str, region: str) -> AsyncIterator[Frame]:
         """Frames published for ``sender`` for as long as the caller iterates.
 
-        Each call lives ``subscribe_renew_s`` and is then renewed; a call waits for
-        the syncer while it is down (frames queue there, newest per fragment). A
-        dropped connection is retried with backoff; TransportError is raised for
-        other errors (e.g. UNAUTHENTICATED) or after ``retry_budget_s`` of failed
-        retries. The iteration ends when the server ends the stream (e.g. a newer
-        subscription for the same sender from this client replaced this one). A
-        subscription for ``sender`` from another process (another ``instance``)
-        while this one is open is refused: TransportError ALREADY_EXISTS, not retried.
-        A large update the server offers striped is fetched over every connection
-        (``stripe_fetch.py``) and yielded as the Frame it is.
+        Each call is renewed after ``subscribe_renew_s``, make before break: the
+        next call opens while this one is read on; the syncer then ends this one
+        after the update it is sending (a newer subscription of the same process
+        takes over the mailbox), and the iteration goes on with the next call, so
+        a renewal loses nothing. A call waits for the syncer while it is down
+        (frames queue there, newest per fragment). A dropped connection is retried
+        with backoff; TransportError is raised for other errors (e.g.
+        UNAUTHENTICATED) or after ``retry_budget_s`` of failed retries. The
+        iteration ends when the server ends the stream for another reason (e.g. a
+        newer subscription for the same sender from this client replaced this
+        one). A subscription for ``sender`` from another process (another
+        ``instance``) while this one is open is refused: TransportError
+        ALREADY_EXISTS, not retried. A large update the server offers striped is
+        fetched over every connection (``stripe_fetch.py``) and yielded as the
+        Frame it is.
         """
         request = encode_message(Subscribe(sender=sender, region=region, instance=self.instance))
         backoff, pool = Backoff(self.config), BufferPool(keep=2)
         assembler = fetch_assembler(self.config, pool, self.metrics)
-        while not self._closed:
-            call = self._channel(0).unary_stream(f"/{SERVICE}/Subscribe")(
-                request, timeout=self.config.subscribe_renew_s, wait_for_ready=True,
-                metadata=self._metadata(sender),
-            )
-            reader = MessageReader(self.config.max_message_bytes, pool)
-            try:
-                async for chunk in call:
-                    self.metrics.received("Subscribe", len(chunk), 0)
-                    for msg in reader.feed(chunk):
-                        if isinstance(msg, StripeOffer):
-                            msg = await fetch_striped(assembler, self._channels, next(self._next_channel),
-                                                      f"/{SERVICE}/Fetch", msg, sender, self._metadata(sender))
-                        if not isinstance(msg, Frame):
-                            raise MessageError(f"subscribe expected Frame, got {type(msg).__name__}")
-                        self.metrics.messages.labels("Subscribe", "in").inc()
-                        backoff.reset()
-                        yield msg
-                return
-            except grpc.aio.AioRpcError as e:
-                if self._closed:
-                    return
-                if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+        renew_s = self.config.subscribe_renew_s
+
+        def open_call():
+            # The deadline only backs the renewal up: a call still sending its last update when the next
+            # one opened gets call_timeout_s more, and the update goes back to the mailbox if it runs out.
+            return self._channel(0).unary_stream(f"/{SERVICE}/Subscribe")(
+                request, timeout=renew_s + self.config.call_timeout_s, wait_for_ready=True,
+                metadata=self._metadata(sender))
+
+        call, taking_over = None, []
+        try:
+            while not self._closed:
+                call = taking_over.pop() if taking_over else open_call()
+                renewal = asyncio.get_running_loop().call_later(
+                    renew_s, lambda: None if self._closed else taking_over.append(open_call()))
+                reader = MessageReader(self.config.max_message_bytes, pool)
+                try:
+                    async for chunk in call:
+                        self.metrics.received("Subscribe", len(chunk), 0)
+                        for msg in reader.feed(chunk):
+                            if isinstance(msg, StripeOffer):
+                                msg = await fetch_striped(assembler, self._channels, next(self._next_channel),
+                                                          f"/{SERVICE}/Fetch", msg, sender, self._metadata(sender))
+                            if not isinstance(msg, Frame):
+                                raise MessageError(f"subscribe expected Frame, got {type(msg).__name__}")
+                            self.metrics.messages.labels("Subscribe", "in").inc()
+                            backoff.reset()
+                            yield msg
+                    if not taking_over:
+                        return  # ended by the server, not by our renewal
                     backoff.reset()
-                    continue  # planned renewal of the long-lived call
-                self.metrics.error("Subscribe", e.code().name)
-                if e.code() in RETRYABLE and await backoff.wait():
-                    continue
-                raise TransportError("Subscribe", e.code(), e.details() or "") from None
-            finally:
-                call.cancel()
+                except grpc.aio.AioRpcError as e:
+                    if self._closed:
+                        return
+                    if taking_over or e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                        backoff.reset()
+                        continue  # a renewal: the next call takes over (its update went back to the mailbox)
+                    self.metrics.error("Subscribe", e.code().name)
+                    if e.code() in RETRYABLE and await backoff.wait():
+                        continue
+                    raise TransportError("Subscribe", e.code(), e.details() or "") from None
+                finally:
+                    renewal.cancel()
+                    call.cancel()
+        finally:
+            for c in taking_over:
+                c.cancel()
 
     async def _probe_call(self, channel: int, sender: str, nbytes: int, report: dict,
                           got: list[int] | None = None) -> int:

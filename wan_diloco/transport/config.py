@@ -66,7 +66,7 @@ class TransportConfig:
     keepalive_timeout_s: float = 10.0
     call_timeout_s: float = 30.0  # deadline of unary calls; base of upload deadlines
     min_upload_rate_gbit_s: float = 0.1  # upload deadline = call_timeout_s + size / this rate
-    subscribe_renew_s: float = 600.0  # deadline of one subscribe call; renewed transparently
+    subscribe_renew_s: float = 600.0  # a subscribe call is renewed after this, make before break (client.py)
     backoff_initial_s: float = 0.1
     backoff_max_s: float = 5.0
     backoff_multiplier: float = 2.0

@@ -118,7 +118,9 @@ class UpdateHub:
         frame twice: the application must ignore what it already applied. A frame
         written whole into a call the client has already left, before the server
         learns the call ended, counts as delivered and is lost to that subscriber:
-        the gap heals as any dropped frame does (the next version's Resync).
+        the gap heals as any dropped frame does (the next version's Resync). A
+        planned renewal loses nothing: the client opens its next call first, and
+        this stream ends after the frame it is sending.
         """
         box = self.mailbox(learner_id)
         return self._drain(box, box.interrupt())
