@@ -127,6 +127,19 @@ def test_a_bad_setting_is_refused_before_the_file_is_touched(tmp_path, capsys):
     assert "eval_batches" in capsys.readouterr().err and not out.exists()
 
 
+def test_set_runs_a_named_variant_and_a_bad_setting_is_refused_before_anything_runs(tmp_path, capsys):
+    out = tmp_path / "q.json"
+    for bad, says in [("outer_lr=abc", "syncer.outer.lr: must be a number"), ("nope=1", "nope: unknown setting"),
+                      ("outer_lr", "'outer_lr' is not NAME=VALUE")]:
+        with pytest.raises(SystemExit):
+            quality.main(["--only", "decoupled", "--set", bad, "--out", str(out), *TINY])
+        assert says in capsys.readouterr().err and not out.exists()
+    quality.main(["--only", "decoupled", "--set", "outer_lr=0.3", "--set", "merge=mean", "--out", str(out), *TINY])
+    (name, r), = json.loads(out.read_text())["runs"].items()
+    assert name == 'decoupled@outer_lr=0.3,merge="mean"'
+    assert r["outer"]["lr"] == 0.3 and r["config"]["syncer"]["merge"] == "mean"
+
+
 def _seed_file(path, seed, losses):
     header = {"preset": "tiny", "tokens": 2048, "seed": seed}
     quality.write_rows(path, header, {k: {"final_eval_loss": v} for k, v in losses.items()}, list(losses))
