@@ -40,13 +40,8 @@ __all__ = ["Backoff", "SyncerClient", "TransportError"]  # Backoff and Transport
 class SyncerClient:
     """Talks to one syncer at ``target`` (``host:port``). Use as ``async with``."""
 
-    def __init__(
-        self,
-        target: str,
-        token: str,
-        config: TransportConfig | None = None,
-        metrics: TransportMetrics | None = None,
-    ) -> None:
+    def __init__(self, target: str, token: str, config: TransportConfig | None = None,
+                 metrics: TransportMetrics | None = None) -> None:
         self.config = config or TransportConfig()
         self.config.validate()
         require_secure_or_loopback(target, self.config.tls, self.config.allow_insecure_remote)
@@ -206,30 +201,20 @@ class SyncerClient:
     async def subscribe(self, sender: str, region: str) -> AsyncIterator[Frame]:
         """Frames published for ``sender`` for as long as the caller iterates.
 
-        Each call is renewed after ``subscribe_renew_s``, make before break: the
-        next call opens while this one is read on; the syncer then ends this one
-        after the update it is sending (a newer subscription of the same process
-        takes over the mailbox), and the iteration goes on with the next call, so
-        a renewal loses nothing. A call waits for the syncer while it is down
-        (frames queue there, newest per fragment). A dropped connection is retried
-        with backoff; TransportError is raised for other errors (e.g.
-        UNAUTHENTICATED) or after ``retry_budget_s`` of failed retries. The
-        iteration ends when the server ends the stream for another reason (e.g. a
-        newer subscription for the same sender from this client replaced this
-        one). A subscription for ``sender`` from another process (another
-        ``instance``) while this one is open is refused: TransportError
-        ALREADY_EXISTS, not retried. A large update the server offers striped is
-        fetched over every connection (``stripe_fetch.py``) and yielded as the
-        Frame it is.
+        The call is renewed every ``subscribe_renew_s``, make before break (docs/protocol.md): the next
+        call opens, the syncer ends this one after the update it is sending, and nothing is lost. While
+        the syncer is down the call waits (frames queue there, newest per fragment); a dropped
+        connection is retried with backoff. TransportError for other errors (UNAUTHENTICATED;
+        ALREADY_EXISTS: another process subscribed as ``sender``) or past ``retry_budget_s``. The
+        iteration ends when the server ends the stream for another reason (a newer subscription of
+        ours replaced it). A large update offered striped is fetched over every connection.
         """
         request = encode_message(Subscribe(sender=sender, region=region, instance=self.instance))
         backoff, pool = Backoff(self.config), BufferPool(keep=2)
         assembler = fetch_assembler(self.config, pool, self.metrics)
         renew_s = self.config.subscribe_renew_s
 
-        def open_call():
-            # The deadline only backs the renewal up: a call still sending its last update when the next
-            # one opened gets call_timeout_s more, and the update goes back to the mailbox if it runs out.
+        def open_call():  # the deadline only backs a renewal up: an update it cuts goes back to the mailbox
             return self._channel(0).unary_stream(f"/{SERVICE}/Subscribe")(
                 request, timeout=renew_s + self.config.call_timeout_s, wait_for_ready=True,
                 metadata=self._metadata(sender))
