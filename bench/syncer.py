@@ -273,7 +273,9 @@ def inprocess(layout, learners: list[int], reps: int, log, threads: list[int] = 
     refs = hotpath.references(wire_codec(sub, Workers(top)), i, payloads[i][0], sub.nbytes[i], reps=max(3, reps))
     log("inprocess: CPU s per GB: np.copy {np_copy:.3f}, codec decode (1 thread) {codec_decode_1_thread:.3f}, "
         "zstd alone {zstd_decompress:.3f}".format(**refs) +
-        f"; codec decode wall, 1 thread / {top}: {refs[f'codec_decode_wall_1_vs_{top}_threads']:.2f}")
+        f"; codec decode wall, 1 thread / {top}: {refs[f'codec_decode_wall_1_vs_{top}_threads']:.2f}" +
+        ("" if top == 1 else f"; memory-bound passes, 1 thread / {top}: copy "
+         f"{refs[f'np_copy_wall_1_vs_{top}_threads']:.2f}, fold {refs[f'fold_wall_1_vs_{top}_threads']:.2f}"))
 
     def make_core(M):
         cfg = SyncerConfig(num_learners=M, quorum=M, grace=False, liveness_timeout_s=1e6, threads=max(threads))

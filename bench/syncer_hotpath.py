@@ -76,7 +76,28 @@ def references(codec, fragment: int, payload: bytes, fp32_bytes: int, reps: int)
     per_gb = GB / fp32_bytes
     return {"np_copy": copy_s * per_gb, "codec_decode_1_thread": decode_s * per_gb,
             "zstd_decompress": zstd_s * per_gb, "fp32_bytes": fp32_bytes, "payload_bytes": len(payload),
-            f"codec_decode_wall_1_vs_{threads}_threads": wall_one / wall_all}
+            f"codec_decode_wall_1_vs_{threads}_threads": wall_one / wall_all,
+            **memory_bound_speedups(src, dst, workers, reps)}
+
+
+def memory_bound_speedups(src: np.ndarray, dst: np.ndarray, workers, reps: int) -> dict:
+    """What more threads give passes that only stream memory, the ceiling of a round's speed-up on this
+    host: wall time on one thread over that on ``workers`` of a copy and of a fold (``s ← s + k·x``, the
+    merge's), over the same chunks the syncer's work items use."""
+    from wan_diloco.merge import CHUNK, SERIAL, _scaled_add
+    if workers.n == 1:
+        return {}
+    items = [(a, min(a + CHUNK, src.size)) for a in range(0, src.size, CHUNK)]
+    k, keep = np.float32(0.5), np.float32(1)
+
+    def copy(w):
+        return lambda: w.map(lambda it: np.copyto(dst[it[0]:it[1]], src[it[0]:it[1]]), items)
+
+    def fold(w):
+        return lambda: w.map(lambda it: _scaled_add(dst[it[0]:it[1]], keep, src[it[0]:it[1]], k), items)
+
+    return {f"np_copy_wall_1_vs_{workers.n}_threads": _wall_s(copy(SERIAL), reps) / _wall_s(copy(workers), reps),
+            f"fold_wall_1_vs_{workers.n}_threads": _wall_s(fold(SERIAL), reps) / _wall_s(fold(workers), reps)}
 
 
 def per_stage(rows: list[dict], refs: dict) -> dict:
@@ -103,6 +124,10 @@ def per_stage(rows: list[dict], refs: dict) -> dict:
         for t, by_m in out["by_threads"].items():
             if t != "1" and m in by_m:
                 ratios[f"{m}: round wall, {t} threads vs 1 (speed-up)"] = per["round_wall_ms"] / by_m[m]["round_wall_ms"]
+    for key in ("np_copy_wall", "fold_wall"):
+        for name, v in refs.items():
+            if name.startswith(key):
+                ratios[f"{name} (a memory-bound pass: the host's ceiling)"] = v
     ratios["codec decode / np.copy"] = refs["codec_decode_1_thread"] / refs["np_copy"]
     ratios["codec decode GB per CPU s"] = 1.0 / refs["codec_decode_1_thread"]
     return out

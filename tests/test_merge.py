@@ -125,6 +125,33 @@ def test_chunks_cover_every_value_once():
         assert sum(b - a for a, b in spans) == n and all(b - a <= merge.CHUNK for a, b in spans)
 
 
+@pytest.mark.parametrize("n", [2, 3])
+def test_workers_give_every_result_in_item_order_and_the_first_failure_in_item_order(n):
+    import threading
+    import time
+    ran, names = [], set()
+
+    def fn(x):
+        ran.append(x)
+        names.add(threading.current_thread().name)
+        time.sleep(0.001 * (x % 3))  # items finish out of order
+        if x in (7, 4):
+            raise KeyError(x)
+        return x * x
+
+    assert merge.Workers(n).map(lambda x: x + 1, list(range(50))) == list(range(1, 51))
+    with pytest.raises(KeyError) as e:
+        merge.Workers(n).map(fn, list(range(40)))
+    assert e.value.args == (4,) and sorted(ran) == list(range(40))  # every item ran; item 4's error, not 7's
+    assert len(names) > 1  # the caller and a pool thread shared the items
+
+
+@pytest.mark.timeout(60)
+def test_workers_called_from_a_worker_do_not_deadlock():
+    w = merge.Workers(2)
+    assert w.map(lambda x: sum(w.map(lambda y: x * y, list(range(5)))), list(range(8))) == [10 * x for x in range(8)]
+
+
 def test_workers_must_be_positive():
     with pytest.raises(ValueError, match="workers"):
         merge.Workers(0)
