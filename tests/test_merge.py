@@ -152,6 +152,31 @@ def test_workers_called_from_a_worker_do_not_deadlock():
     assert w.map(lambda x: sum(w.map(lambda y: x * y, list(range(5)))), list(range(8))) == [10 * x for x in range(8)]
 
 
+def test_a_map_whose_helpers_never_started_keeps_nothing_of_its_items_alive():
+    # Every pool thread busy: the caller runs every item, the helpers' tasks are cancelled but stay queued.
+    import threading
+    w = merge.Workers(2)
+    w.map(lambda x: x, [0, 1])  # the pool exists
+    release = threading.Event()
+    blockers = [merge.Workers._pools[2].submit(release.wait) for _ in range(2)]
+    try:
+        buf = bytearray(64)
+        view = np.frombuffer(buf, np.uint8)
+
+        def write(i, view=view):  # a default, not a closure cell: ``del view`` below cannot clear it
+            view[i] = i
+            return i
+
+        assert w.map(write, list(range(8))) == list(range(8))
+        del view, write
+        del buf[32:]  # BufferError if a queued task still held the closure and its view of buf
+        assert bytes(buf[:8]) == bytes(range(8))
+    finally:
+        release.set()
+        for b in blockers:
+            b.result()
+
+
 def test_workers_must_be_positive():
     with pytest.raises(ValueError, match="workers"):
         merge.Workers(0)

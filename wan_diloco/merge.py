@@ -63,27 +63,45 @@ class Workers:
                 pool = Workers._pools[self.n] = ThreadPoolExecutor(self.n, thread_name_prefix="wan-diloco-merge")
         # One task per thread taking items off a shared counter, the caller one of them: a future and a
         # hand-off per item cost more than a memory-bound item's work (2 threads ran a fold slower than 1).
-        out: list = [None] * len(items)
-        errors: dict[int, BaseException] = {}
-        order = itertools.count()  # next() on it is atomic under the GIL
-
-        def drain() -> None:
-            for i in order:
-                if i >= len(items):
-                    return
-                try:
-                    out[i] = fn(items[i])
-                except BaseException as e:  # noqa: BLE001 (raised below, in item order)
-                    errors[i] = e
-
-        helpers = [pool.submit(drain) for _ in range(min(self.n, len(items)) - 1)]
-        drain()
+        job = _Job(fn, items)
+        helpers = [pool.submit(_drain, job) for _ in range(min(self.n, len(items)) - 1)]
+        _drain(job)
         for f in helpers:
             if not f.cancel():  # one not yet started finds nothing left: never waited on (no deadlock when nested)
                 f.result()
+        # A cancelled task stays in the pool's queue until a thread takes it: it must not keep ``fn`` (and the
+        # buffers its closure views) alive, or a caller could not resize a buffer its items wrote into.
+        out, errors = job.out, job.errors
+        job.fn = job.items = job.out = job.errors = None
         if errors:
             raise errors[min(errors)]
         return out
+
+
+class _Job:
+    """One ``Workers.map``: its items, their results and errors by index, and the counter handing them out."""
+
+    __slots__ = ("fn", "items", "out", "errors", "order")
+
+    def __init__(self, fn: Callable, items: Sequence):
+        self.fn, self.items = fn, items
+        self.out: list | None = [None] * len(items)
+        self.errors: dict[int, BaseException] | None = {}
+        self.order = itertools.count()  # next() on it is atomic under the GIL
+
+
+def _drain(job: _Job) -> None:
+    """Run items of ``job`` until none is left (or the job was closed before this task started)."""
+    fn, items, out, errors = job.fn, job.items, job.out, job.errors
+    if fn is None:
+        return
+    for i in job.order:
+        if i >= len(items):
+            return
+        try:
+            out[i] = fn(items[i])
+        except BaseException as e:  # noqa: BLE001 (raised by map, in item order)
+            errors[i] = e
 
 
 SERIAL = Workers(1)
