@@ -47,6 +47,7 @@ from int4_codec import load_codec  # noqa: E402  (bench/int4_codec.py)
 
 TOKEN = "bench-token-not-secret"
 MiB = 1 << 20
+MESSAGE_SIZES = (256 << 10, 1 * MiB, 4 * MiB)  # gRPC message sizes compared (``chunk_bytes``)
 
 
 # ---- receivers (run in a child process) ---------------------------------------
@@ -107,6 +108,8 @@ def transport_config(spec: dict) -> TransportConfig:
         base = dataclasses.replace(tuned, channels=spec["channels"], max_inflight_uploads=base.max_inflight_uploads)
     if spec.get("unstriped"):  # every fragment on one stream (the transport before striping)
         base = dataclasses.replace(base, stripe_min_bytes=0)
+    if spec.get("chunk_bytes"):  # the gRPC message size (a receiver takes messages up to its own)
+        base = dataclasses.replace(base, chunk_bytes=spec["chunk_bytes"])
     if spec.get("tls_dir"):
         d = spec["tls_dir"]
         side = spec.get("side", "client")
@@ -304,6 +307,11 @@ def grpc_rows(channels_many: int) -> list[dict]:
         {"name": f"grpc+tls 8 streams x {channels_many} channels, tuned", "streams": 8,
          "channels": channels_many, "settings": "tuned", "tls": True},
     ]
+    # The gRPC message size (``chunk_bytes``) against the default's, one striped upload at a time over TLS.
+    default = TransportConfig().chunk_bytes
+    rows += [{"name": f"grpc+tls 1 stream x {channels_many} channels, tuned, {size >> 10} KiB messages"
+              + (" (default)" if size == default else ""), "streams": 1, "channels": channels_many,
+              "settings": "tuned", "tls": True, "chunk_bytes": size} for size in MESSAGE_SIZES]
     return rows
 
 
@@ -354,7 +362,8 @@ def main(argv=None) -> int:
             if key not in ports:
                 spec = {"kind": "tcp" if r["kind"] == "tcp" else "grpc", "settings": r.get("settings", "default"),
                         "tls_dir": tmp if r.get("tls") else None, "decode": r.get("decode", False),
-                        "channels": 1, "streams": 1, "rate_gbit_s": args.rate_gbit_s, "rtt_s": args.rtt_s}
+                        "channels": 1, "streams": 1, "rate_gbit_s": args.rate_gbit_s, "rtt_s": args.rtt_s,
+                        "chunk_bytes": max(MESSAGE_SIZES)}  # takes every row's messages
                 ports[key] = stack.enter_context(receiver(spec))
             r["port"] = ports[key]
         t_start = time.perf_counter()
@@ -450,12 +459,19 @@ def summarize(rows: list[dict], results: dict, cpu: dict, args, elapsed: float, 
     int4_row = next(r for r in out_rows if r["kind"] == "int4")
     by_name = {r["name"]: r for r in out_rows}
     pair = [by_name[f"grpc 1 stream x {args.channels} channels, tuned, {k}"] for k in ("unstriped", "striped")]
+    sizes = {r["name"]: r for r in out_rows if "KiB messages" in r["name"]}
+    default = next(r for n, r in sizes.items() if n.endswith("(default)"))
     report.update({
         "codec": codec["codec"],
         "codec_alone": {k: (round(v, 4) if isinstance(v, float) else v) for k, v in codec.items()},
         "striping": {"rows": [pair[0]["name"], pair[1]["name"]],
                      "striped_over_unstriped_gbit_s": round(pair[1]["gbit_s"] / pair[0]["gbit_s"], 3),
                      "striped_over_unstriped_cpu": round(pair[1]["cpu_s_per_gib"] / pair[0]["cpu_s_per_gib"], 3)},
+        "message_sizes": {  # per row: its CPU per GiB over the default message size's, same run
+            n: {"gbit_s": r["gbit_s"], "sender_cpu_vs_default": round(r["sender_cpu_s_per_gib"] /
+                                                                      default["sender_cpu_s_per_gib"], 3),
+                "receiver_cpu_vs_default": round(r["receiver_cpu_s_per_gib"] / default["receiver_cpu_s_per_gib"], 3)}
+            for n, r in sizes.items()},
         "targets": {
             "best_cleartext_ratio": {"target": 0.5, "row": best_clear["name"],
                                      "measured": best_clear["ratio_vs_tcp"],

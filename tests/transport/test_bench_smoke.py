@@ -25,6 +25,8 @@ def test_bench_transport_tiny_run(tmp_path):
     striped, unstriped = ({r["name"]: r["striped"] for r in report["rows"]}[n] for n in reversed(
         report["striping"]["rows"]))
     assert striped and not unstriped and report["striping"]["striped_over_unstriped_gbit_s"] > 0
+    sizes = report["message_sizes"]  # the default message size against smaller and larger ones
+    assert len(sizes) == 3 and [v["receiver_cpu_vs_default"] for n, v in sizes.items() if "(default)" in n] == [1.0]
     assert set(report["targets"]) == {"best_cleartext_ratio", "best_cleartext_cpu_vs_tcp", "tls_ratio",
                                       "tls_receiver_cpu_vs_tls_tcp", "int4_end_to_end_gbit_s"}
     assert out.with_suffix(".png").stat().st_size > 0

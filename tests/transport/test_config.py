@@ -46,12 +46,13 @@ def test_tune_for_link_follows_the_bandwidth_delay_product():
     assert wan.channels == 15  # ceil(62.5 MB / 4 MiB socket buffers)
     assert wan.lookahead_bytes * wan.channels >= 62.5e6  # the windows together hold the BDP
     assert wan.max_frame_bytes == MAX_FRAME_BYTES and wan.bdp_probe
-    assert 4 << 20 <= wan.chunk_bytes <= 16 << 20
+    assert wan.chunk_bytes == TransportConfig().chunk_bytes == 1 << 20  # a CPU choice, not the link's
+    assert tune_for_link(5, 0.1, base=TransportConfig(chunk_bytes=2 << 20)).chunk_bytes == 2 << 20  # a user's stays
     assert tune_for_link(5, 0.1, socket_buffer_bytes=64 << 20).channels == 2  # tuned sysctls
     lan = tune_for_link(rate_gbit_s=40, rtt_s=1e-4)
-    assert lan.channels == 2 and lan.chunk_bytes == 4 << 20
+    assert lan.channels == 2
     big = tune_for_link(rate_gbit_s=100, rtt_s=0.15)
-    assert big.chunk_bytes == 16 << 20 and big.channels == 16
+    assert big.channels == 16 and big.lookahead_bytes * big.channels >= 100e9 / 8 * 0.15
     with pytest.raises(ConfigError, match="rate_gbit_s"):
         tune_for_link(0, 0.1)
 

@@ -44,7 +44,9 @@ class TlsConfig:
 class TransportConfig:
     """How bytes move between learners and the syncer. Zero means "gRPC's default"."""
 
-    chunk_bytes: int = 4 * MiB  # gRPC message size for fragment/update/bulk streams
+    # gRPC message size for fragment/update/bulk streams. 1 MiB: on loopback (TLS, one striped upload) both
+    # ends spent ~20 % less CPU per GiB than at 4 MiB, and 512 KiB or 2 MiB no less (docs/benchmarks.md)
+    chunk_bytes: int = 1 * MiB
     max_message_bytes: int = 512 * MiB  # largest encoded message accepted (one fragment)
     channels: int = 2  # HTTP/2 connections per peer; uploads round-robin over them
     # client: an upload of at least twice this many bytes is striped over the channels (one stripe per
@@ -230,9 +232,10 @@ def tune_for_link(
     - HTTP/2: each stream's window must cover its share of the BDP or the sender
       idles one rtt per window; ``lookahead_bytes`` starts streams there instead of
       at 64 KiB, and BDP probing keeps adjusting it if the link changes.
-    - Chunks: small enough that ~16 are in flight per BDP (the window advances
-      smoothly), at least 4 MiB so per-message overhead stays small (measured on
-      loopback), at most 16 MiB to bound buffering per stream.
+    - Chunks (gRPC messages): ``base.chunk_bytes`` whatever the link: a message
+      costs CPU per byte on both ends (gRPC copies it into one buffer, then into
+      a Python ``bytes``), least at about 1 MiB on loopback, while the windows,
+      not the message size, keep a long link full.
     - Frames: the largest HTTP/2 frame (16 MiB) so fewer frame headers and
       syscalls are spent per byte at multi-Gbit/s.
     - Deadlines: an upload must be allowed to run at a quarter of the link rate,
@@ -246,20 +249,18 @@ def tune_for_link(
     base = base or TransportConfig()
     bdp_bytes = rate_gbit_s * 1e9 / 8 * rtt_s
     channels = channels_for_link(rate_gbit_s, rtt_s, socket_buffer_bytes)
-    chunk_bytes = min(16 * MiB, max(4 * MiB, 1 << max(0, int(bdp_bytes / 16)).bit_length() - 1))
+    chunk_bytes = base.chunk_bytes
     lookahead_bytes = int(min(1 << 30, max(4 * chunk_bytes, 2 * bdp_bytes / channels)))
     cfg = dataclasses.replace(
         base,
         channels=channels,
-        chunk_bytes=chunk_bytes,
-        max_message_bytes=max(base.max_message_bytes, chunk_bytes),
         max_inflight_uploads=max(base.max_inflight_uploads, 2 * channels),
         # One upload per connection keeps every connection busy; the server's slots stay the cap.
         max_uploads_per_sender=min(base.max_concurrent_uploads, max(base.max_uploads_per_sender, channels)),
         bdp_probe=True,
         lookahead_bytes=lookahead_bytes,
         max_frame_bytes=MAX_FRAME_BYTES,
-        read_chunk_bytes=min(chunk_bytes, 4 * MiB),
+        read_chunk_bytes=4 * MiB,
         keepalive_timeout_s=max(base.keepalive_timeout_s, 4 * rtt_s),
         min_upload_rate_gbit_s=rate_gbit_s / 4,
         stream_idle_timeout_s=max(base.stream_idle_timeout_s, 4 * chunk_bytes * 8 / (rate_gbit_s / 4 * 1e9)),
