@@ -300,6 +300,11 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def _minor_faults(pid: int) -> int:
+    """Page faults ``pid`` took so far without I/O (a fresh page the kernel zeroes and maps, mostly)."""
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[7])
+
+
 TRANSPORT_ROUNDS = 4  # the first on fresh connections (cold), the median of the others is the row's figure
 TUNED_HOST, DEFAULT_HOST = 256 << 20, 4 << 20  # TCP buffer maximum of the emulated hosts (tcp_rmem/tcp_wmem)
 SETTINGS_ARGS = {
@@ -359,7 +364,7 @@ def transport_rows(cases: list[tuple[float, float, int, tuple[str, ...]]], workd
                     port = json.loads(srv.stdout.readline())["ready"]
                     mib = max(16, int(rate * 1e9 / 8 * 1.0 / (1 << 20)))  # ~4 s of link in 4 fragments a round
                     pid, t0 = emu.forwarder_pid, time.monotonic()
-                    cpu0, srv_cpu0 = (_cpu_s(pid) if pid else 0.0), _cpu_s(srv.pid)
+                    cpu0, srv_cpu0, srv_faults0 = (_cpu_s(pid) if pid else 0.0), _cpu_s(srv.pid), _minor_faults(srv.pid)
                     # The same bytes a round whatever the fragments, each within the 1 GiB message limit.
                     mib = min(1000, max(16, mib * 4 // fragments))
                     split: dict = {}
@@ -373,8 +378,10 @@ def transport_rows(cases: list[tuple[float, float, int, tuple[str, ...]]], workd
                     got["forwarder_cores"] = (_cpu_s(pid) - cpu0) / wall if pid else None
                     got["server_cores"] = (_cpu_s(srv.pid) - srv_cpu0) / wall
                     # Probes and handshakes included: an upper bound of the receiver's cost per GiB uploaded.
-                    got["server_cpu_s_per_gib"] = (_cpu_s(srv.pid) - srv_cpu0) / (
-                        TRANSPORT_ROUNDS * got["bytes_per_round"] / (1 << 30))
+                    gib = TRANSPORT_ROUNDS * got["bytes_per_round"] / (1 << 30)
+                    got["server_cpu_s_per_gib"] = (_cpu_s(srv.pid) - srv_cpu0) / gib
+                    # 262,144 would be every page of every GiB received faulted in afresh
+                    got["server_minor_faults_per_gib"] = round((_minor_faults(srv.pid) - srv_faults0) / gib)
                 finally:
                     srv.stdin.close()
                     srv.wait(10)

@@ -1,12 +1,11 @@
 """gRPC (HTTP/2) client of the syncer: metadata and fragment Frames up, Frames down, bulk.
 
-Several channels (TCP connections) per peer; uploads go round-robin over them.
-Every call has a deadline and its sender's token (a learner's own; the run's token
-is never sent, only what it derives for the sender: ``security.call_token``); calls that fail with UNAVAILABLE
-are retried with exponential backoff and jitter for up to ``retry_budget_s``
-(gRPC itself reconnects the channel with the same backoff settings). Every other
-status (e.g. ALREADY_EXISTS: another process subscribed with our sender name) is
-final and raised as ``TransportError``.
+Several channels (TCP connections) per peer; uploads go round-robin over them. Every call has a
+deadline and its sender's token (a learner's own; the run's token is never sent, only what it derives
+for the sender: ``security.call_token``); calls that fail with UNAVAILABLE are retried with exponential
+backoff and jitter for up to ``retry_budget_s`` (gRPC itself reconnects the channel with the same
+backoff settings). Every other status (e.g. ALREADY_EXISTS: another process subscribed with our sender
+name) is final and raised as ``TransportError``.
 """
 from __future__ import annotations
 
@@ -21,6 +20,7 @@ from typing import AsyncIterator
 import grpc
 
 from .config import MAX_CHANNELS, PROBE_TUNED, TransportConfig, tune_for_link
+from .heap import pin_malloc_thresholds
 from .framing import BufferPool, MessageReader, iter_chunks
 from .messages import (
     Ack, BulkChunk, BulkRequest, Frame, MessageError, StripeOffer, Subscribe, TRAILER_BYTES, decode_message,
@@ -44,6 +44,7 @@ class SyncerClient:
                  metrics: TransportMetrics | None = None) -> None:
         self.config = config or TransportConfig()
         self.config.validate()
+        pin_malloc_thresholds()  # a learner receives updates as the server receives uploads (heap.py)
         require_secure_or_loopback(target, self.config.tls, self.config.allow_insecure_remote)
         self.target = target
         self.metrics = metrics or TransportMetrics()

@@ -30,6 +30,7 @@ from .callers import IDENTITY_REASONS, MAX_PEER_LINKS, SENDER_HEADER, Callers, a
 from .config import TransportConfig
 from .framing import BufferPool, MessageReader, Prepared
 from .handler import BulkSource, Handler, Rejected
+from .heap import pin_malloc_thresholds
 from .messages import (
     Ack, BulkRequest, Frame, Message, MessageError, OversizedError, Payload, Subscribe, decode_message,
     encode_message,
@@ -97,6 +98,7 @@ class TransportServer:
 
     async def start(self) -> int:
         """Bind and start; returns the port."""
+        pin_malloc_thresholds()  # received messages reuse heap pages instead of fresh ones (heap.py)
         handlers = {
             "Metadata": grpc.unary_unary_rpc_method_handler(self._metadata),
             "Upload": grpc.stream_unary_rpc_method_handler(self._upload),
