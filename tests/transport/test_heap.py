@@ -34,7 +34,7 @@ def mmapped_blocks(mode: str) -> int:
 
 def test_pinned_thresholds_serve_message_sized_blocks_from_the_heap():
     assert mmapped_blocks("default") == 1  # glibc's own threshold (128 KiB at start): a fresh mapping
-    assert mmapped_blocks("pin") == 0  # pinned at 4 MiB: heap pages, reused once freed
+    assert mmapped_blocks("pin") == 0  # pinned at 32 MiB: heap pages, reused once freed
 
 
 def test_pinning_is_idempotent():

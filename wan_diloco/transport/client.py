@@ -20,8 +20,8 @@ from typing import AsyncIterator
 import grpc
 
 from .config import MAX_CHANNELS, PROBE_TUNED, TransportConfig, tune_for_link
-from .heap import pin_malloc_thresholds
 from .framing import BufferPool, MessageReader, iter_chunks
+from .heap import pin_malloc_thresholds
 from .messages import (
     Ack, BulkChunk, BulkRequest, Frame, MessageError, StripeOffer, Subscribe, TRAILER_BYTES, decode_message,
     encode_message, encode_parts,

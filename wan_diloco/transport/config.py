@@ -44,8 +44,9 @@ class TlsConfig:
 class TransportConfig:
     """How bytes move between learners and the syncer. Zero means "gRPC's default"."""
 
-    # gRPC message size for fragment/update/bulk streams. 1 MiB: on loopback (TLS, one striped upload) both
-    # ends spent ~20 % less CPU per GiB than at 4 MiB, and 512 KiB or 2 MiB no less (docs/benchmarks.md)
+    # gRPC message size for fragment/update/bulk streams. 1 MiB: on loopback (TLS, one striped upload) the
+    # sender spent 7-10 % less CPU per GiB than at 4 MiB and the upload ran 7-12 % faster, the receiver the
+    # same; 256 KiB cost both ends more (bench/transport.py, docs/benchmarks.md)
     chunk_bytes: int = 1 * MiB
     max_message_bytes: int = 512 * MiB  # largest encoded message accepted (one fragment)
     channels: int = 2  # HTTP/2 connections per peer; uploads round-robin over them
