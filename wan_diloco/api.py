@@ -19,7 +19,7 @@ from wan_diloco.checkpoint import load_params, read_params
 from wan_diloco.config import require
 from wan_diloco.fragments import make_fragments
 from wan_diloco.planning.plan import LinkEstimate, ModelFacts, Plan, links_from_metrics, plan_run
-from wan_diloco.planning.shards import shard_merge_rate, shard_warning, shards_needed
+from wan_diloco.planning.shards import DEFAULT_SHARD_MERGE_GB_S, shard_merge_rate, shard_warning, shards_needed
 from wan_diloco.runtime import launch as launch_lib
 from wan_diloco.sim import SimResult
 from wan_diloco.spec import RunSpec, dumps
@@ -127,7 +127,7 @@ class PlanResult:
     shard_warning: str | None  # set when the run has fewer syncer.shards than it needs
     measured: str | None  # the metrics.jsonl whose links replaced the config's
     max_tau: int
-    shard_merge_gb_s: float = 0.25  # what one shard merges: plan.shard_merge_gb_s, else measured, else default
+    shard_merge_gb_s: float = DEFAULT_SHARD_MERGE_GB_S  # one shard: plan.shard_merge_gb_s, else measured, else default
     shard_merge_from: str = "plan.shard_merge_gb_s"  # which of those (``planning.shards.shard_merge_rate``)
 
     @property
