@@ -295,14 +295,19 @@ def emulator_check(rate: float = 1.0, rtt_ms: float = 50.0) -> dict:
                 "forwarder_cores": cpu}
 
 
+def _stat(pid: int) -> list[str]:
+    """The fields of /proc/PID/stat after the command name (field 3, the state, first)."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
 def _cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    fields = _stat(pid)
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _minor_faults(pid: int) -> int:
     """Page faults ``pid`` took so far without I/O (a fresh page the kernel zeroes and maps, mostly)."""
-    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[7])
+    return int(_stat(pid)[7])
 
 
 TRANSPORT_ROUNDS = 4  # the first on fresh connections (cold), the median of the others is the row's figure
