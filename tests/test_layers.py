@@ -13,7 +13,7 @@ PKG = Path(__file__).resolve().parents[1] / "wan_diloco"
 # Lowest first. Units in one set of the same layer may not import each other
 # (the "parts" and the two drivers are independent); the foundation layers may.
 LAYERS: list[tuple[set[str], bool]] = [  # (units, may units of this layer import each other)
-    ({"config", "tree", "clock"}, True),
+    ({"config", "tree", "clock", "kernels"}, True),
     ({"model", "data", "data_sources", "data_batches", "train"}, True),
     ({"buffers", "fragments", "merge", "outer", "feedback", "shards", "tape"}, True),
     ({"core", "compression", "transport", "regions", "checkpoint"}, False),

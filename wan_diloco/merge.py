@@ -23,6 +23,7 @@ from typing import Callable, Literal, Mapping, Sequence
 
 import numpy as np
 
+from wan_diloco import kernels
 from wan_diloco.buffers import POOL
 MergeMethod = Literal["rda", "mean"]
 
@@ -167,26 +168,14 @@ def _check_shapes(deltas: Sequence[np.ndarray], what: str = "") -> None:
             raise ValueError(f"merge: shape mismatch {np.shape(d)} vs {shape}{what}")
 
 
-_scratch = threading.local()
-
-
-def _buffer(n: int) -> np.ndarray:
-    buf = getattr(_scratch, "buf", None)
-    if buf is None:
-        buf = _scratch.buf = np.empty(CHUNK, np.float32)
-    return buf[:n]
-
-
 def _scaled_add(s: np.ndarray, keep: np.float32, x: np.ndarray, k: np.float32) -> None:
     """s ← keep·s + k·x in place, in float32 (keep = 0: s holds nothing yet and is overwritten)."""
     if keep == 0:
         np.multiply(x, k, out=s)
         return
-    if keep != 1:
-        s *= keep
-    tmp = _buffer(s.size)
-    np.multiply(x, k, out=tmp)
-    s += tmp
+    if x.dtype != np.float32:
+        x = x.astype(np.float32)
+    kernels.scaled_add(s, np.float32(keep), x, np.float32(k))  # one pass: numpy took two or three over the chunk
 
 
 class Accumulator:

@@ -14,6 +14,7 @@ import jax
 import numpy as np
 import optax
 
+from wan_diloco import kernels
 from wan_diloco.buffers import POOL
 from wan_diloco.config import require
 from wan_diloco.merge import SERIAL, Workers, chunks
@@ -124,12 +125,7 @@ class OuterOptimizer:
             if t is None:
                 np.multiply(gi, self._neg_lr, out=u)
                 return
-            np.multiply(t[i][a:b], self._mu, out=u)  # the new trace: g + mu * trace
-            u += gi
-            if self._nesterov:
-                u *= self._mu
-                u += gi
-            u *= self._neg_lr
+            kernels.outer_update(t[i][a:b], gi, self._mu, self._neg_lr, self._nesterov, u)
 
         workers.map(run, chunks([x.size for x in g]))
         return {n: u.reshape(np.shape(delta[n])) for n, u in zip(names, out)}
@@ -145,9 +141,7 @@ class OuterOptimizer:
 
         def run(it) -> None:
             i, a, b = it
-            ti = t[i][a:b]
-            ti *= self._mu
-            ti += g[i][a:b]
+            kernels.momentum_commit(t[i][a:b], g[i][a:b], self._mu)
 
         workers.map(run, chunks([x.size for x in g]))
 

@@ -19,6 +19,7 @@ from typing import Sequence
 
 import numpy as np
 
+from wan_diloco import kernels
 from wan_diloco.compression.config import CODEBOOKS, INT4_QMAX, INT8_QMAX, MIN_SCALE, Format
 from wan_diloco.compression.quantize import BF16_MAX, n_levels, code_bytes_per_block, n_blocks
 from wan_diloco.compression.chunks import block_items
@@ -26,12 +27,11 @@ from wan_diloco.merge import Workers, chunk_sum_squares, per_tensor
 
 
 @lru_cache(maxsize=None)
-def _midpoints(codebook: str) -> tuple[np.ndarray, np.float32, np.float32]:
-    """(float32 midpoints between neighbouring levels, lowest level, highest level), as
-    ``quantize.codebook_codes`` compares them: python floats, cast to float32."""
+def _midpoints(codebook: str) -> tuple[np.float32, ...]:
+    """The float32 midpoints between neighbouring levels, ascending, as ``quantize.codebook_codes``
+    compares them: python floats, cast to float32 (a tuple: ``kernels.quantize4`` unrolls over it)."""
     lv = [float(v) for v in (CODEBOOKS[codebook] * INT4_QMAX)[:n_levels(CODEBOOKS[codebook] * INT4_QMAX)]]
-    mids = np.array([(a + b) / 2 for a, b in zip(lv[:-1], lv[1:])], np.float32)
-    return mids, np.float32(lv[0]), np.float32(lv[-1])
+    return tuple(np.float32((a + b) / 2) for a, b in zip(lv[:-1], lv[1:]))
 
 
 @lru_cache(maxsize=None)
@@ -55,35 +55,35 @@ def _scales(absmax: np.ndarray, qmax: int, scale_dtype: str) -> np.ndarray:
     return np.where(np.isfinite(absmax), s, np.float32(np.nan)).astype(np.float32, copy=False)
 
 
-def _tile(x: np.ndarray, fmt: Format) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``quantize.quantize_tile`` without noise: (rows, block) float32 -> (codes, scales, level index
-    per value: the int8 codes themselves, or the 4-bit codes before two are packed in a byte)."""
-    absmax = np.max(np.abs(x), axis=1)
+def _tile(x: np.ndarray, fmt: Format, dec: np.ndarray | None = None,
+          res: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """``quantize.quantize_tile`` without noise: (rows, block) float32 -> (codes, scales); with ``dec``
+    ((rows, block) float32) also the decoded values there, with ``res`` also x − decoded."""
     if fmt.bits == 8:
-        s = _scales(absmax, INT8_QMAX, fmt.scale_dtype)
+        s = _scales(np.max(np.abs(x), axis=1), INT8_QMAX, fmt.scale_dtype)
         inv = (np.float32(1.0) / np.where(s > 0, s, np.float32(1.0)))[:, None]
         with np.errstate(invalid="ignore"):  # a non-finite block is refused once its scale is seen
             y = np.rint(x * inv)
             q = np.clip(y, -INT8_QMAX, INT8_QMAX).astype(np.int8)
-        return q, s, q
+        if dec is not None:
+            np.multiply(q, s[:, None], out=dec)
+            if res is not None:
+                np.subtract(x, dec, out=res)
+        return q, s
+    # One compiled pass per block (``kernels.quantize4``): numpy took seventeen passes over the chunk.
+    absmax = np.empty(x.shape[0], np.uint32)
+    kernels.block_absmax_bits(x.view(np.uint32), absmax)
+    absmax = absmax.view(np.float32)
     s = _scales(absmax, INT4_QMAX, fmt.scale_dtype)
-    inv = (np.float32(1.0) / np.where(s > 0, s, np.float32(1.0)))[:, None]
-    mids = _midpoints(fmt.codebook or "nf4")[0]
-    h = x.shape[1] // 2
-    y = np.multiply(x, inv)
-    # The number of midpoints below y, one compare each (searchsorted and a grid of cells with two table
-    # lookups measured slower: numpy gathers cost ten compares). No clip to the levels' range first:
-    # past either end the count is the same.
-    k = np.empty(y.shape, np.uint8)
-    np.greater(y, mids[0], out=k.view(np.bool_))
-    above = np.empty(y.shape, np.bool_)
-    for m in mids[1:]:
-        np.greater(y, m, out=above)
-        k += above.view(np.uint8)
-    if h % 8:
-        return k[:, :h] | (k[:, h:] << 4), s, k
-    # Codes are < 16: shifting 8 at a time in a u64 moves no bit into the next byte.
-    return (k[:, :h].view(np.uint64) | (k[:, h:].view(np.uint64) << np.uint64(4))).view(np.uint8), s, k
+    inv = np.float32(1.0) / np.where(s > 0, s, np.float32(1.0))
+    codes = np.empty((x.shape[0], x.shape[1] // 2), np.uint8)
+    none = _EMPTY[:0, :x.shape[1]]
+    kernels.quantize4(x, inv, s, _midpoints(fmt.codebook or "nf4"), _levels(fmt.codebook or "nf4"), codes,
+                      none if dec is None else dec, none if res is None else res)
+    return codes, s
+
+
+_EMPTY = np.empty((0, 4096), np.float32)
 
 
 @dataclass
@@ -117,7 +117,6 @@ def encode_host(arrays: Sequence[np.ndarray], sizes: Sequence[int], fmt: Format,
             res.append(np.empty(n, np.float32))
     items = block_items(sizes, fmt)
     flat = [[np.ravel(x) for x in xs] if xs is not None else None for xs in (arrays, minus, plus)]
-    levels = None if fmt.bits == 8 else _levels(fmt.codebook or "nf4")
 
     def values(t: int, lo: int, hi: int) -> np.ndarray:
         x = np.asarray(flat[0][t][lo:hi], np.float32)
@@ -137,21 +136,17 @@ def encode_host(arrays: Sequence[np.ndarray], sizes: Sequence[int], fmt: Format,
             tile = np.zeros((b - a) * bs, np.float32)
             tile[:hi - lo] = x
             tile = tile.reshape(b - a, bs)
-        codes, scales, k = _tile(tile, fmt)
+        d = dec[t][lo:b * bs].reshape(b - a, bs) if decode else None
+        whole = residual and hi - lo == (b - a) * bs
+        codes, scales = _tile(tile, fmt, d, res[t][lo:hi].reshape(b - a, bs) if whole else None)
         if sink is None:
             out[t][0][a:b], out[t][1][a:b] = codes, scales
         else:
             sink(it, codes, scales)
         if not decode:
             return None
-        d = dec[t][lo:b * bs].reshape(b - a, bs)
-        if levels is None:
-            np.multiply(k, scales[:, None], out=d)
-        else:
-            np.take(levels, k, out=d, mode="clip")  # mode="clip": unbuffered into ``d``; k < 16 always
-            d *= scales[:, None]
         d = d.reshape(-1)[:hi - lo]
-        if residual:
+        if residual and not whole:  # the padded last block: the residual holds the values only
             np.subtract(x, d, out=res[t][lo:hi])
         return chunk_sum_squares(d)
 

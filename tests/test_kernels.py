@@ -1,0 +1,67 @@
+"""The compiled loops give the bits of the numpy expressions they replace, edge values included, on threads."""
+import numpy as np
+import pytest
+
+from wan_diloco import kernels
+from wan_diloco.merge import Workers
+
+EDGES = np.float32([0.0, -0.0, 1e-45, -1e-45, 3.4e38, -3.4e38, np.inf, -np.inf, np.nan, 1.0, -1.0])
+
+
+def _values(seed: int, n: int = 70_001) -> np.ndarray:
+    x = (np.random.default_rng(seed).standard_normal(n) * 10.0 ** np.random.default_rng(seed + 1).integers(-30, 30, n))
+    x = x.astype(np.float32)
+    x[:EDGES.size] = EDGES
+    return x
+
+
+def _same_bits(a, b) -> None:
+    np.testing.assert_array_equal(np.asarray(a).view(np.uint32), np.asarray(b).view(np.uint32))
+
+
+@pytest.mark.parametrize("keep", [np.float32(1), np.float32(0.37), np.float32(1e-30)])
+def test_scaled_add_is_numpys_multiply_then_add(keep):
+    s, x, k = _values(0), _values(2), np.float32(-2.5)
+    with np.errstate(all="ignore"):
+        want = np.add(np.multiply(s, keep), np.multiply(x, k))
+    got = s.copy()
+    kernels.scaled_add(got, keep, x, k)
+    _same_bits(got, want)
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_outer_update_and_commit_are_optaxs_order_of_operations(nesterov):
+    t, g, mu, neg_lr = _values(4), _values(6), np.float32(0.9), np.float32(-0.7)
+    with np.errstate(all="ignore"):
+        v = t * mu + g
+        want = (v * mu + g if nesterov else v) * neg_lr
+    u = np.empty_like(t)
+    kernels.outer_update(t, g, mu, neg_lr, nesterov, u)
+    _same_bits(u, want)
+    kernels.momentum_commit(t, g, mu)
+    _same_bits(t, v)
+
+
+def test_block_absmax_bits_is_the_max_of_abs_and_flags_every_non_finite_block():
+    x = _values(8, 64 * 300).reshape(300, 64)
+    x[5:] = np.nan_to_num(x[5:], nan=0.0, posinf=1.0, neginf=-1.0)  # the edge values sit in blocks 0..4
+    x[7, 3] = -np.inf
+    got = np.empty(300, np.uint32)
+    kernels.block_absmax_bits(x.view(np.uint32), got)
+    with np.errstate(invalid="ignore"):
+        want = np.max(np.abs(x), axis=1)
+    finite = np.isfinite(want)
+    _same_bits(got.view(np.float32)[finite], want[finite])
+    assert not np.isfinite(got.view(np.float32)[~finite]).any()
+    assert (~finite).sum() == 2  # block 0 (Inf, NaN), block 7 (−Inf)
+
+
+def test_the_loops_run_on_several_threads_at_once_with_the_same_bits():
+    # nogil: two threads in the loop at once must not disturb each other's chunks.
+    s, x, k = _values(10, 1 << 20), _values(12, 1 << 20), np.float32(0.5)
+    items = [(a, a + (1 << 16)) for a in range(0, 1 << 20, 1 << 16)]
+    one, four = s.copy(), s.copy()
+    for a, b in items:
+        kernels.scaled_add(one[a:b], np.float32(1), x[a:b], k)
+    Workers(4).map(lambda it: kernels.scaled_add(four[it[0]:it[1]], np.float32(1), x[it[0]:it[1]], k), items)
+    _same_bits(four, one)
