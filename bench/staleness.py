@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     # Seeds differ per row (in its name), so the header names none; the rest must match to add rows to a file.
     header = json.loads(json.dumps({
         "preset": "tiny", "tokens": tokens, "batch_size": 1, "quick": args.quick, "seed": "per row",
-        "sync_every": SYNC_EVERY, "eval_batches": eval_batches, "deployment": dep, "wire": WIRE,
+        "sync_every": SYNC_EVERY, "eval_batches": eval_batches, "deployment": dep, "holdout": "eval", "wire": WIRE,
         "lag": "link round trip = lag steps (rtt_s = lag x step_time_s), tau = min(lag, H - 1)"}))
     try:  # a bad setting or an incompatible --out stops here, before any run or write
         for o, m, g, s in todo.values():
