@@ -20,7 +20,7 @@ from pathlib import Path
 
 from wan_diloco.config import ConfigError, require
 
-DEFAULT_SHARD_MERGE_GB_S = 0.8  # one shard at M = 4 on 2 shared cores, end to end after #26 (docs/benchmarks.md)
+DEFAULT_SHARD_MERGE_GB_S = 1.0  # one shard at M = 4 on 2 shared cores, end to end after #26 (docs/benchmarks.md)
 MEASURED_FILE = Path(__file__).resolve().parents[2] / "bench" / "results" / "syncer.json"
 MEASURED_FIELD = "merged_fp32_gb_s_one_shard_by_learners"
 
