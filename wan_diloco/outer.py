@@ -114,7 +114,7 @@ class OuterOptimizer:
         """The update of fragment p for ``delta`` (float32, in arrays of ``buffers.POOL``); its momentum is untouched
         until ``commit``, so a refused merge leaves it as it was."""
         names = list(delta)
-        g = [np.ravel(delta[n]) for n in names]
+        g = [np.ravel(np.asarray(delta[n], np.float32)) for n in names]  # the loops take float32
         trace = self._trace(p)
         t = None if trace is None else [np.ravel(trace[n]) for n in names]
         out = POOL.split([x.size for x in g])
@@ -136,7 +136,7 @@ class OuterOptimizer:
         if trace is None:
             return
         names = list(delta)
-        g = [np.ravel(delta[n]) for n in names]
+        g = [np.ravel(np.asarray(delta[n], np.float32)) for n in names]  # the loops take float32
         t = [trace[n].reshape(-1) for n in names]  # views: the arrays are ours (``set_state``)
 
         def run(it) -> None:
