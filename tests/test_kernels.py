@@ -65,3 +65,13 @@ def test_the_loops_run_on_several_threads_at_once_with_the_same_bits():
         kernels.scaled_add(one[a:b], np.float32(1), x[a:b], k)
     Workers(4).map(lambda it: kernels.scaled_add(four[it[0]:it[1]], np.float32(1), x[it[0]:it[1]], k), items)
     _same_bits(four, one)
+
+
+@pytest.mark.parametrize("with_plus", [True, False])
+def test_difference_plus_is_numpys_subtract_then_add(with_plus):
+    a, b, c = _values(14), _values(16), _values(18)
+    with np.errstate(all="ignore"):
+        want = (a - b) + c if with_plus else a - b
+    out = np.empty_like(a)
+    kernels.difference_plus(a, b, c if with_plus else np.empty(0, np.float32), out)
+    _same_bits(out, want)

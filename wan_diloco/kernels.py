@@ -125,3 +125,15 @@ def momentum_commit(trace, g, mu):
     """trace ← trace·μ + g in place (float32 1-D)."""
     for i in range(trace.size):
         trace[i] = trace[i] * mu + g[i]
+
+
+@njit([types.void(_in(_f32, 1), _in(_f32, 1), _in(_f32, 1), _out(_f32, 1))], **_JIT)
+def difference_plus(a, b, c, out):
+    """out = (a − b) + c, or a − b where c is empty (float32 1-D): a learner's Δ = Θ − θ plus its
+    error-feedback residual in one pass (numpy: two, each into a new array)."""
+    if c.size == 0:
+        for i in range(out.size):
+            out[i] = a[i] - b[i]
+    else:
+        for i in range(out.size):
+            out[i] = (a[i] - b[i]) + c[i]
