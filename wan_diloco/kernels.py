@@ -1,8 +1,8 @@
 """Compiled loops (numba) for the host's hot passes: one pass over the values where numpy makes several.
 
-The codec's 4-bit passes: numpy decodes a 4-bit block in three passes (a table gather, a transposing copy, the scale multiply)
-and quantizes it in seventeen (|x|, the max, the multiply, fifteen compares): each pass streams the
-chunk through the cache again. These loops do the same float32 operations in the same order, one
+The codec's 4-bit passes: numpy decodes a 4-bit block in three passes (a table gather, a transposing
+copy, the scale multiply) and quantizes it in seventeen (|x|, the max, the multiply, fifteen
+compares): each pass streams the chunk through the cache again. These loops do the same float32 operations in the same order, one
 value at a time, so every code, scale and decoded value is the same bits as numpy's and jax.numpy's
 (tests/compression pin them): a product ``level × scale`` or ``x × (1/scale)`` is one IEEE multiply
 wherever it runs, and LLVM does not contract a multiply and an add into an FMA unless asked (numba
