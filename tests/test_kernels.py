@@ -1,4 +1,8 @@
 """The compiled loops give the bits of the numpy expressions they replace, edge values included, on threads."""
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -75,3 +79,21 @@ def test_difference_plus_is_numpys_subtract_then_add(with_plus):
     out = np.empty_like(a)
     kernels.difference_plus(a, b, c if with_plus else np.empty(0, np.float32), out)
     _same_bits(out, want)
+
+
+def test_the_module_imports_and_runs_where_numba_has_no_writable_cache_directory():
+    # A read-only install with no writable home (a container run as another user): numba's cache finds no
+    # place and raises at decoration; the loops must then compile in the process instead.
+    code = """
+import numba.core.caching as caching
+(getattr(caching, "CacheImpl", None) or caching._CacheImpl)._locator_classes = []
+import numpy as np
+from wan_diloco import kernels
+s = np.ones(8, np.float32)
+kernels.scaled_add(s, np.float32(1), np.full(8, 2, np.float32), np.float32(0.5))
+assert (s == 2).all(), s
+print("ok")
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]

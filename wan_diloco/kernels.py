@@ -11,9 +11,11 @@ in-place ops over a chunk (each a pass through the cache) becomes one loop with 
 the same order. The loops release the GIL, so ``merge.Workers`` runs them on every core.
 
 Each loop is compiled for its one signature (C-contiguous float32/uint8 arrays; inputs read-only, so a
-read-only array passes too) when this module is imported, and cached next to it: the first import on a
-host compiles them (a few seconds), later ones load them (~0.3 s). Compiling on first call instead
-would put that pause into a run's first encode, where a learner notices it.
+read-only array passes too) when this module is imported, and cached next to it (or in numba's user
+cache directory where the package is read-only): the first import on a host compiles them (a few
+seconds), later ones load them (~0.3 s). Where no cache directory is writable they are compiled at
+every import. Compiling on first call instead would put that pause into a run's first encode, where a
+learner notices it.
 
 The sums of squares stay numpy's (``merge.chunk_sum_squares``): their bits depend on its order of
 addition, and encoder and decoder must agree on them.
@@ -23,8 +25,18 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, types
 
-_JIT = dict(nogil=True, cache=True, boundscheck=False, error_model="numpy")
+_JIT = dict(nogil=True, boundscheck=False, error_model="numpy")
 _f32, _u8, _u32 = types.float32, types.uint8, types.uint32
+
+
+def _compiled(*signatures):
+    """``njit`` for these signatures, cached on disk where numba finds a writable place, else not."""
+    def wrap(fn):
+        try:
+            return njit(list(signatures), cache=True, **_JIT)(fn)
+        except RuntimeError:  # "no locator available": a read-only install and no writable cache directory
+            return njit(list(signatures), cache=False, **_JIT)(fn)
+    return wrap
 
 
 def _in(dtype, ndim: int):
@@ -41,7 +53,7 @@ def _quantize4_sig(n_mids: int):
                       _out(_u8, 2), _out(_f32, 2), _out(_f32, 2))
 
 
-@njit([types.void(_in(_u8, 2), _in(_f32, 1), _in(_f32, 1), _in(_f32, 1), _out(_f32, 2))], **_JIT)
+@_compiled(types.void(_in(_u8, 2), _in(_f32, 1), _in(_f32, 1), _in(_f32, 1), _out(_f32, 2)))
 def dequantize4(codes, scales, lo, hi, out):
     """4-bit blocks: ``out[i, j] = lo[codes[i, j]] · scales[i]`` and ``out[i, j + h] = hi[...] · scales[i]``.
 
@@ -56,7 +68,7 @@ def dequantize4(codes, scales, lo, hi, out):
             out[i, j + h] = hi[c] * s
 
 
-@njit([types.void(_in(_u32, 2), _out(_u32, 1))], **_JIT)
+@_compiled(types.void(_in(_u32, 2), _out(_u32, 1)))
 def block_absmax_bits(bits, out):
     """``out[i]``: the largest |x| bit pattern of block i (``bits``: the float32 blocks viewed as uint32).
 
@@ -71,7 +83,7 @@ def block_absmax_bits(bits, out):
         out[i] = m
 
 
-@njit([_quantize4_sig(15), _quantize4_sig(14)], **_JIT)  # the midpoints of NF4's 16 levels, uniform's 15
+@_compiled(_quantize4_sig(15), _quantize4_sig(14))  # the midpoints of NF4's 16 levels, uniform's 15
 def quantize4(x, inv, scales, mids, levels, codes, dec, res):
     """Round to nearest 4-bit codes: per value y = x · inv[i], its code the number of ``mids`` below y
     (the midpoints between neighbouring levels, ascending: a tuple, so the loop over them unrolls and
@@ -102,14 +114,14 @@ def quantize4(x, inv, scales, mids, levels, codes, dec, res):
                     res[i, j] = x[i, j] - dec[i, j]
 
 
-@njit([types.void(_out(_f32, 1), _f32, _in(_f32, 1), _f32)], **_JIT)
+@_compiled(types.void(_out(_f32, 1), _f32, _in(_f32, 1), _f32))
 def scaled_add(s, keep, x, k):
     """s ← s·keep + x·k in place (float32 1-D; ``merge._scaled_add``'s keep ≠ 0 case: s·1 is s)."""
     for i in range(s.size):
         s[i] = s[i] * keep + x[i] * k
 
 
-@njit([types.void(_in(_f32, 1), _in(_f32, 1), _f32, _f32, types.boolean, _out(_f32, 1))], **_JIT)
+@_compiled(types.void(_in(_f32, 1), _in(_f32, 1), _f32, _f32, types.boolean, _out(_f32, 1)))
 def outer_update(trace, g, mu, neg_lr, nesterov, u):
     """optax's SGD-with-momentum update from the old trace: u = −lr·(g + μ·(g + μ·trace)) with Nesterov,
     −lr·(g + μ·trace) without (float32 1-D, the operations in optax's order)."""
@@ -120,14 +132,14 @@ def outer_update(trace, g, mu, neg_lr, nesterov, u):
         u[i] = v * neg_lr
 
 
-@njit([types.void(_out(_f32, 1), _in(_f32, 1), _f32)], **_JIT)
+@_compiled(types.void(_out(_f32, 1), _in(_f32, 1), _f32))
 def momentum_commit(trace, g, mu):
     """trace ← trace·μ + g in place (float32 1-D)."""
     for i in range(trace.size):
         trace[i] = trace[i] * mu + g[i]
 
 
-@njit([types.void(_in(_f32, 1), _in(_f32, 1), _in(_f32, 1), _out(_f32, 1))], **_JIT)
+@_compiled(types.void(_in(_f32, 1), _in(_f32, 1), _in(_f32, 1), _out(_f32, 1)))
 def difference_plus(a, b, c, out):
     """out = (a − b) + c, or a − b where c is empty (float32 1-D): a learner's Δ = Θ − θ plus its
     error-feedback residual in one pass (numpy: two, each into a new array)."""
