@@ -60,8 +60,10 @@ def test_block_absmax_bits_is_the_max_of_abs_and_flags_every_non_finite_block():
     assert (~finite).sum() == 2  # block 0 (Inf, NaN), block 7 (−Inf)
 
 
-def test_the_loops_run_on_several_threads_at_once_with_the_same_bits():
-    # nogil: two threads in the loop at once must not disturb each other's chunks.
+def test_the_loops_release_the_gil_and_run_on_several_threads_at_once_with_the_same_bits():
+    # Without nogil the pool's threads would take turns: every loop must release the GIL.
+    loops = [f for f in vars(kernels).values() if hasattr(f, "targetoptions")]
+    assert len(loops) == 7 and all(f.targetoptions.get("nogil") for f in loops), [f.__name__ for f in loops]
     s, x, k = _values(10, 1 << 20), _values(12, 1 << 20), np.float32(0.5)
     items = [(a, a + (1 << 16)) for a in range(0, 1 << 20, 1 << 16)]
     one, four = s.copy(), s.copy()

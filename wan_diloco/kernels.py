@@ -13,7 +13,7 @@ the same order. The loops release the GIL, so ``merge.Workers`` runs them on eve
 Each loop is compiled for its one signature (C-contiguous float32/uint8 arrays; inputs read-only, so a
 read-only array passes too) when this module is imported, and cached next to it (or in numba's user
 cache directory where the package is read-only): the first import on a host compiles them (a few
-seconds), later ones load them (~0.3 s). Where no cache directory is writable they are compiled at
+seconds), later ones load them (~0.25 s, after numba's own import of ~0.15 s). Where no cache directory is writable they are compiled at
 every import. Compiling on first call instead would put that pause into a run's first encode, where a
 learner notices it.
 

@@ -175,7 +175,7 @@ class PlanConfig:
     # What one syncer shard merges, GB/s of fp32-equivalent outer gradients (bench/syncer.py measures it on
     # the syncer's host: docs/benchmarks.md); `plan` warns when the run needs more syncer.shards than it has,
     # and the simulator charges each merge at this rate with simulate.merge_takes_time. Unset: this checkout's
-    # bench/results/syncer.json, else 0.8 (planning.shards.shard_merge_rate).
+    # bench/results/syncer.json, else planning.shards.DEFAULT_SHARD_MERGE_GB_S (shard_merge_rate).
     shard_merge_gb_s: float | None = None
 
     def validate(self) -> None:

@@ -78,13 +78,12 @@ def _tile(x: np.ndarray, fmt: Format, dec: np.ndarray | None = None,
     s = _scales(absmax, INT4_QMAX, fmt.scale_dtype)
     inv = np.float32(1.0) / np.where(s > 0, s, np.float32(1.0))
     codes = np.empty((x.shape[0], x.shape[1] // 2), np.uint8)
-    none = _EMPTY[:0, :x.shape[1]]
+    none = np.empty((0, x.shape[1]), np.float32)  # no decoded values / residual wanted
     kernels.quantize4(x, inv, s, _midpoints(fmt.codebook or "nf4"), _levels(fmt.codebook or "nf4"), codes,
                       none if dec is None else dec, none if res is None else res)
     return codes, s
 
 
-_EMPTY = np.empty((0, 4096), np.float32)
 _NO_VALUES = np.empty(0, np.float32)
 _local = threading.local()
 
