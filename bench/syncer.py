@@ -224,7 +224,7 @@ def inprocess(layout, learners: list[int], reps: int, log, threads: list[int] = 
                 w0, c0, ru0 = time.perf_counter(), time.process_time(), resource.getrusage(resource.RUSAGE_SELF)
                 out = []
                 for m in range(M):
-                    delta = decode(i, payloads[i][m])
+                    delta = decode(i, payloads[i][m], deferred=True)  # as the runtime's serde: kept in its codes
                     delta.handed_over = True  # as the runtime's serde: the core drops it once folded
                     up = FragmentUpload(learner=m, fragment=i, due_step=rep + 1, base_version=version,
                                         c_steps=8, c_tokens=8 * TOKENS_PER_STEP * (1 + m % 3),
@@ -282,7 +282,7 @@ def inprocess(layout, learners: list[int], reps: int, log, threads: list[int] = 
         return SyncerCore(cfg, sub.fragments, theta0(sub), model_lib.is_embedding, wire_codec(sub))
 
     def upload_of(core, m, rep):
-        delta = core.codec.decode(i, payloads[i][m])
+        delta = core.codec.decode(i, payloads[i][m], deferred=True)
         delta.handed_over = True  # as the runtime's serde
         return FragmentUpload(learner=m, fragment=i, due_step=rep + 1, base_version=core.version[i], c_steps=8,
                               c_tokens=8 * TOKENS_PER_STEP, clock=VectorClock({f"learner-{m}": rep + 1}),

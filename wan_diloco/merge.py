@@ -205,7 +205,8 @@ class Accumulator:
 
     def add(self, delta: Sequence[np.ndarray], weight: float, sum_squares_t: Sequence[float] | None = None,
             gain: float = 1.0) -> None:
-        """Fold one Δ (its tensors in order, any shape of the right size) in with ``weight``;
+        """Fold one Δ (its tensors in order, any shape of the right size; or a ``compression.coded.Coded``
+        of them, folded straight from its codes) in with ``weight``;
         ``sum_squares_t``: its ‖Δ_t‖² (the checks computed them; None: computed here where RDA needs them).
         ``gain`` (staleness, ``outer.staleness_gains``) scales the Δ's weight in the sums but not in Σ w,
         so a merge of gained Δs is Σ w·g·Δ / Σ w: a round of only stale Δs steps less (docs/method.md)."""
@@ -215,9 +216,13 @@ class Accumulator:
             raise ValueError(f"merge: gains must be in [0, 1], got {gain!r}")
         if not (math.isfinite(w) and w >= 0):
             raise ValueError(f"merge: weights must be finite and non-negative, got {weight!r}")
-        flats = [np.ravel(d) for d in delta]
-        if [f.size for f in flats] != self.sizes:
-            raise ValueError(f"merge: Δ of sizes {[f.size for f in flats][:4]}..., expected {self.sizes[:4]}...")
+        coded = getattr(delta, "fold_into", None) is not None
+        if coded and any(self.use_rda) and sum_squares_t is None:
+            delta, coded = list(delta.materialize().values()), False  # the norms as a list of values gives them
+        flats = None if coded else [np.ravel(d) for d in delta]
+        sizes = list(delta.sizes) if coded else [f.size for f in flats]
+        if sizes != self.sizes:
+            raise ValueError(f"merge: Δ of sizes {sizes[:4]}..., expected {self.sizes[:4]}...")
         if w > 0 and self.equal:  # the first positive weight: Δs of weight 0 stop counting
             if self.count:
                 self.ref[:], self.w_sum[:], self.norm_sum[:] = 0, 0, 0
@@ -231,7 +236,7 @@ class Accumulator:
         if any(self.use_rda) and sum_squares_t is None:
             sum_squares_t = sum_squares(flats, self.workers)
         wg = w if g == 1 else w * g  # the same bits as before when no gain applies
-        coef = np.full(len(flats), wg)
+        coef = np.full(len(sizes), wg)
         for t, rda_t in enumerate(self.use_rda):
             if rda_t:
                 norm = math.sqrt(sum_squares_t[t])
@@ -252,7 +257,10 @@ class Accumulator:
             if k[t] != 0:
                 _scaled_add(sums[t][a:b], rescale[t], flats[t][a:b], k[t])
 
-        self.workers.map(fold, self.items)
+        if coded:
+            delta.fold_into(sums, rescale, k, self.workers)
+        else:
+            self.workers.map(fold, self.items)
         self.ref = new_ref
 
     def absorb(self, other: "Accumulator") -> None:

@@ -79,7 +79,7 @@ def _format1_raw(fmt: Format, arrays) -> tuple[bytes, list[np.ndarray]]:
         else scales.astype(np.float16).view(np.uint16)
     raw = (sb >> 8).astype(np.uint8).tobytes() + (sb & 0xFF).astype(np.uint8).tobytes() + \
         b"".join(c.tobytes() for c, _ in per)
-    stored = pack._scales(sb, fmt)  # what the decoder read back from the bits
+    stored = pack.read_scales(sb, fmt)  # what the decoder read back from the bits
     values, first = [], 0
     for a, (codes, _) in zip(arrays, per):
         k = codes.shape[0]

@@ -8,11 +8,13 @@ layout's tensors, float32 and finite.
 import struct
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from .codec_forge import FIELDS, HEADER, WIDTHS, fields
 from wan_diloco.compression import FRAGMENT_MAGIC, CodecConfig, CodecError, FragmentCodec
 from wan_diloco.fragments import Layout
+from wan_diloco.merge import sum_squares
 
 _RNG = np.random.default_rng(7)
 _FRAG = {
@@ -37,7 +39,12 @@ def _check(codec: FragmentCodec, fragment: int, msg: bytes):
         out = codec.decode(fragment, msg)
     except CodecError as e:
         assert str(e), "CodecError without a message"
+        with pytest.raises(CodecError):  # a syncer's deferred decode refuses it too
+            codec.decode(fragment, msg, deferred=True)
         return
+    kept = codec.decode(fragment, msg, deferred=True)  # kept in its codes: the same checks, sums and values
+    assert list(kept) == list(out) and kept.sum_squares.tobytes() == sum_squares(list(out.values())).tobytes()
+    assert all(kept[n].tobytes() == out[n].tobytes() for n in out)
     names = LAYOUT.fragments[fragment]
     assert list(out) == list(names)
     for name, arr in out.items():

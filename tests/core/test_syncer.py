@@ -1,4 +1,5 @@
 import dataclasses
+import itertools
 
 import numpy as np
 import pytest
@@ -392,13 +393,14 @@ def test_the_syncer_gives_the_same_bits_on_any_number_of_threads():
     payloads = [codec.encode({n: (rng.standard_normal(a.shape) * 1e-2).astype(np.float32) for n, a in params.items()})
                 for _ in range(6)]
     thetas, sent = [], []
-    for threads in (1, 2, 4):
+    # Decoded, or kept in its codes and folded from them (the runtime's syncer): the same bits either way.
+    for threads, deferred in itertools.product((1, 2, 4), (False, True)):
         s = SyncerCore(SyncerConfig(num_learners=3, quorum=3, grace=False, threads=threads), frags, params,
                        is_embedding, codec)
         out = []
         for r in range(2):
             for m in range(3):
-                delta = codec.decode(0, payloads[3 * r + m])
+                delta = codec.decode(0, payloads[3 * r + m], deferred=deferred)
                 up = FragmentUpload(learner=m, fragment=0, due_step=8 * (r + 1), base_version=r, c_steps=8,
                                     c_tokens=800 * (m + 1), clock=VectorClock({f"learner-{m}": 8 * (r + 1)}),
                                     delta=delta, nbytes=1)
@@ -409,6 +411,28 @@ def test_the_syncer_gives_the_same_bits_on_any_number_of_threads():
         assert p == sent[0]
         for n in t:
             np.testing.assert_array_equal(t[n], thetas[0][n])
+
+
+def test_a_delta_kept_in_its_codes_merges_whole_when_its_late_one_is_carried():
+    # Learner 1's late Δ is carried; its next Δ, kept in its codes, waits whole and is decoded to be
+    # combined with it: the same Θ as from decoded Δs.
+    layout = Layout(FRAGS, {n: a.shape for n, a in PARAMS.items()})
+    codec = FragmentCodec(CodecConfig(bits=4, block_size=16), layout)
+    pays = [codec.encode({"block_0/w": np.array(v, np.float32)}) for v in ([0.0, 0.1, 0.2], [0.3, 0.1, -0.3],
+                                                                           [0.2, 0.2, -0.1])]
+    thetas = []
+    for deferred in (False, True):
+        s = SyncerCore(SyncerConfig(num_learners=3, tau=2, quorum=1, grace=False), FRAGS, PARAMS, is_embedding, codec)
+
+        def up(m, due, i, base=0):
+            return dataclasses.replace(upload(m, due=due, base_version=base),
+                                       delta=codec.decode(0, pays[i], deferred=deferred))
+        s.on_fragment(1.0, up(0, 8, 0))
+        assert s.on_fragment(1.5, up(1, 8, 1)) == []  # late: carried
+        [b] = s.on_fragment(9.0, up(1, 16, 2, base=1))
+        assert b.msg.contributors == (1,) and s.stats.late_carried == 1
+        thetas.append(s.theta[0]["block_0/w"].tobytes())
+    assert thetas[0] == thetas[1]
 
 
 def test_threads_must_be_a_count_of_cores():

@@ -82,7 +82,7 @@ def quantize_fragment(arrays: Sequence[Any], sizes: Sequence[int], fmt: Format, 
 
 
 @lru_cache(maxsize=None)
-def _nibble_levels(codebook: str) -> tuple[np.ndarray, np.ndarray]:
+def nibble_levels(codebook: str) -> tuple[np.ndarray, np.ndarray]:
     """Code byte -> the level of its low nibble, and of its high nibble: two 1 KiB float32 tables."""
     lv = CODEBOOKS[codebook] * np.float32(INT4_QMAX)
     b = np.arange(256)
@@ -106,5 +106,5 @@ def dequantize_into(codes: np.ndarray, scales: np.ndarray, fmt: Format, out: np.
     if fmt.bits == 8:
         np.multiply(codes.view(np.int8), scales[:, None], out=out)
         return
-    lo, hi = _nibble_levels(fmt.codebook)
+    lo, hi = nibble_levels(fmt.codebook)
     kernels.dequantize4(codes, scales, lo, hi, out)

@@ -19,7 +19,8 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from wan_diloco.compression import chunks, entropy, frame, pack
+from wan_diloco.compression import chunks, coded, entropy, frame, pack
+from wan_diloco.compression.coded import Coded
 from wan_diloco.compression.blocks import resolve_impl
 from wan_diloco.compression.config import CodecConfig, Format
 from wan_diloco.compression.errors import CodecError, EncodeError
@@ -212,11 +213,14 @@ class FragmentCodec:
         return p, arrays
 
     # ------------------------------------------------------------ decode
-    def decode(self, fragment: int, payload: bytes | bytearray | memoryview) -> Decoded:
+    def decode(self, fragment: int, payload: bytes | bytearray | memoryview, *,
+               deferred: bool = False) -> Decoded | Coded:
         """Tensors of ``fragment`` (layout names and shapes, float32) from its payload, with their Σx².
 
         Without zstd, fp32 tensors are read-only views into ``payload``: do not
-        mutate a buffer passed in while its tensors are in use.
+        mutate a buffer passed in while its tensors are in use. ``deferred`` (8/4 bits; other formats
+        decode as without it): a ``Coded``, checked and with its Σx² but the values not yet written,
+        for a merge to fold in straight from the codes (a view of ``payload`` where it is stored raw).
         """
         try:
             self.layout.check_index(fragment)
@@ -241,6 +245,10 @@ class FragmentCodec:
         body = mv[frame.HEADER_BYTES:]
         spans = chunks.spans(h.fmt, self._sizes[fragment])
         source = entropy.Chunks(body, spans) if h.zstd else pack.Whole(body, spans)
+        if deferred and h.fmt.quantized:
+            names = self.layout.fragments[fragment]
+            return coded.scan(h.fmt, source, names, {n: self.layout.shapes[n] for n in names},
+                              self._sizes[fragment], self.workers)
         return self._unpack(fragment, h.fmt, source)
 
     def _unpack(self, p: int, fmt: Format, source, into=None) -> Decoded:

@@ -13,7 +13,6 @@ does, so the same bits as decoding the payload), their Σx² and what the codes 
 """
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Sequence
@@ -23,8 +22,8 @@ import numpy as np
 from wan_diloco import kernels
 from wan_diloco.compression.config import CODEBOOKS, INT4_QMAX, INT8_QMAX, MIN_SCALE, Format
 from wan_diloco.compression.quantize import BF16_MAX, n_levels, code_bytes_per_block, n_blocks
-from wan_diloco.compression.chunks import block_items
-from wan_diloco.merge import CHUNK, Workers, chunk_sum_squares, per_tensor
+from wan_diloco.compression.chunks import block_items, value_scratch
+from wan_diloco.merge import Workers, chunk_sum_squares, per_tensor
 
 
 @lru_cache(maxsize=None)
@@ -85,15 +84,6 @@ def _tile(x: np.ndarray, fmt: Format, dec: np.ndarray | None = None,
 
 
 _NO_VALUES = np.empty(0, np.float32)
-_local = threading.local()
-
-
-def _scratch(n: int) -> np.ndarray:
-    """This thread's float32 scratch of ``n`` values (an item: at most ``merge.CHUNK``), reused."""
-    buf = getattr(_local, "values", None)
-    if buf is None or buf.size < n:
-        buf = _local.values = np.empty(max(n, CHUNK), np.float32)
-    return buf[:n]
 
 
 @dataclass
@@ -133,7 +123,7 @@ def encode_host(arrays: Sequence[np.ndarray], sizes: Sequence[int], fmt: Format,
         if minus is not None:  # x − minus (+ plus) in one pass, into this thread's scratch
             m = np.ascontiguousarray(flat[1][t][lo:hi], np.float32)
             c = _NO_VALUES if plus is None else np.ascontiguousarray(flat[2][t][lo:hi], np.float32)
-            out = _scratch(hi - lo)
+            out = value_scratch(hi - lo)
             kernels.difference_plus(np.ascontiguousarray(x), m, c, out)
             return out
         if plus is not None:

@@ -191,7 +191,7 @@ class _Blockwise:
             off, ln = source.spans[c]
             raw = np.frombuffer(source.read(c, chunks.scratch(ln)), np.uint8)
             m, first = ln // (2 + cb), off // (2 + cb)
-            scales = _scales((raw[:m].astype(np.uint16) << 8) | raw[m:2 * m], fmt, first)
+            scales = read_scales((raw[:m].astype(np.uint16) << 8) | raw[m:2 * m], fmt, first)
             codes = raw[2 * m:].reshape(m, cb)
             sums = []
             for t, a, b, _ in per_chunk[c]:
@@ -225,7 +225,7 @@ def _scale_bits(scales: np.ndarray, fmt: Format) -> np.ndarray:
     return scales.astype(np.float16).view(np.uint16)
 
 
-def _scales(bits16: np.ndarray, fmt: Format, first: int = 0) -> np.ndarray:
+def read_scales(bits16: np.ndarray, fmt: Format, first: int = 0) -> np.ndarray:
     """Stored scale bits -> float32 scales, refusing any an encoder cannot write (blocks from ``first``)."""
     if fmt.scale_dtype == "bfloat16":
         scales = (bits16.astype(np.uint32) << 16).view(np.float32)

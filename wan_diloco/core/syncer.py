@@ -299,6 +299,7 @@ class SyncerCore(SyncerRounds):
             self.quarantine(now_s, msg.learner, why)
             raise ProtocolError(f"learner {msg.learner}: {why}; quarantined for {self.cfg.quarantine_s:g} s",
                                 "upload.delta")
+        return delta_sq
 
     def quarantine(self, now_s: float, learner: int, why: str) -> None:
         """Ignore ``learner`` for ``quarantine_s``: its messages are refused, and from the next ``tick``

@@ -180,9 +180,11 @@ def check_upload(cfg: SyncerConfig, msg: FragmentUpload, owned: Sequence[int], e
         extra = sorted(set(msg.delta) - set(frag))[:2]
         raise ProtocolError(f"fragment {msg.fragment} from learner {msg.learner}: missing {missing}, "
                             f"unexpected {extra}", "upload.tensors")
-    for n, d in msg.delta.items():
-        if d.shape != frag[n].shape:
-            raise ProtocolError(f"{n!r} from learner {msg.learner}: shape {d.shape}, expected {frag[n].shape}",
+    shapes = getattr(msg.delta, "shapes", None)  # a Δ still in its codes (``compression.coded``) knows them
+    for n in msg.delta:
+        shape = tuple(shapes[n]) if isinstance(shapes, Mapping) else np.shape(msg.delta[n])
+        if shape != frag[n].shape:
+            raise ProtocolError(f"{n!r} from learner {msg.learner}: shape {shape}, expected {frag[n].shape}",
                                 "upload.shape")
 
 

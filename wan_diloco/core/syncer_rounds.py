@@ -273,7 +273,10 @@ class SyncerRounds:
             rnd.contributions[msg.learner] = msg
             rnd.held.add(msg.learner)
             return
-        self._fold(self._sums(rnd, msg.fragment), msg, delta_sq)
+        # The checks' ‖Δ_t‖² serve RDA where they are summed as the merge sums them (its own, or a Δ kept in
+        # its codes: ``merge_sums``); a decoder's sums of another order would change the merge's bits.
+        own = getattr(msg.delta, "sum_squares", None) is None or getattr(msg.delta, "merge_sums", False)
+        self._fold(self._sums(rnd, msg.fragment), msg, delta_sq if own else None)
         rnd.contributions[msg.learner] = replace(msg, delta={}, payload=None)  # its counters; Δ is in the sums
         if getattr(msg.delta, "handed_over", False):
             msg.delta.clear()  # no one else holds it (``compression.Decoded``): its memory is free for the close
@@ -290,7 +293,8 @@ class SyncerRounds:
         # Staleness against p's version when the Δ folds in (its arrival, or the close for a carried Δ).
         gains = self.outer.gains(p, [self.version[p] - msg.base_version], [msg.delta])
         with self.timing("merge"):
-            sums.add([msg.delta[n] for n in names], upload_weight(msg),
+            coded = getattr(msg.delta, "fold_into", None) is not None and list(msg.delta) == list(names)
+            sums.add(msg.delta if coded else [msg.delta[n] for n in names], upload_weight(msg),
                      None if delta_sq is None else [delta_sq[n] for n in names], 1.0 if gains is None else gains[0])
 
     def _close(self, now_s: float, key: tuple[int, int], final: bool = False) -> list:

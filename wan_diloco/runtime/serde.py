@@ -37,6 +37,7 @@ from typing import Any, Mapping, Union
 import numpy as np
 
 from wan_diloco import transport
+from wan_diloco.compression.coded import Coded
 from wan_diloco.compression.fragment import Decoded
 from wan_diloco.core import fingerprint
 from wan_diloco.core.recovery import (  # noqa: F401 - importable from serde as before
@@ -174,8 +175,9 @@ def upload_from_frame(frame: transport.Frame, codec, num_learners: int) -> Fragm
     """A learner's FragmentUpload from its frame; ``codec.decode`` gives the delta."""
     learner = _learner_of(FragmentUpload, frame.sender, num_learners)
     fields = _fields_of(FragmentUpload, _without_kind(FragmentUpload, frame.meta))
-    delta = _decode(codec, frame.fragment, frame.payload)
-    if isinstance(delta, Decoded):
+    # Kept in its codes (``compression.coded``): the syncer folds it into a round's sums straight from them.
+    delta = _decode(codec, frame.fragment, frame.payload, deferred=True)
+    if isinstance(delta, (Decoded, Coded)):
         delta.handed_over = True  # decoded for this upload alone: the syncer drops it once folded
     return FragmentUpload(learner=learner, fragment=frame.fragment, delta=delta, nbytes=len(frame.payload),
                           payload=None, **fields)
@@ -312,10 +314,10 @@ def _learner_of(cls: type, sender: str, num_learners: int) -> int:
         raise _refusal(cls, "sender", str(e)) from None
 
 
-def _decode(codec, fragment: int, payload: Any) -> dict[str, np.ndarray]:
+def _decode(codec, fragment: int, payload: Any, deferred: bool = False) -> Mapping[str, np.ndarray]:
     """``codec.decode`` with a refusal (any ValueError, e.g. CodecError) as a ProtocolError."""
     try:
-        return codec.decode(fragment, payload)
+        return codec.decode(fragment, payload, deferred=True) if deferred else codec.decode(fragment, payload)
     except ProtocolError as e:
         e.field = e.field or "frame"
         raise
