@@ -138,9 +138,11 @@ def round_memory(make_core, upload_of, fp32_bytes: int, learners: list[int]) -> 
     fragments' worth: ``make_core(M)`` builds a core, ``upload_of(core, m, rep)`` decodes learner m's Δ
     for round ``rep`` (as the runtime does, one upload at a time) and returns its FragmentUpload."""
     from wan_diloco.buffers import POOL
+    from wan_diloco.compression.coded import RAW
     out = {}
     for M in learners:
         POOL.clear()
+        RAW.clear()  # an upload's raw bytes held until folded: counted from their first allocation
         tracemalloc.start()
         try:
             core = make_core(M)

@@ -19,13 +19,20 @@ def test_a_buffer_is_handed_out_again_only_once_no_view_of_it_is_left():
     assert id(c.base) == first and c.size == 6 and c.dtype == np.float32
 
 
-def test_held_buffers_survive_eviction_and_the_pool_stays_bounded():
+def test_held_buffers_stay_listed_and_come_back_once_let_go_and_idle_ones_stay_bounded():
     pool = BufferPool(keep=2)
     held = [pool.empty(4) for _ in range(4)]
     for i, h in enumerate(held):
         h[:] = i
-    assert len(pool._bufs) == 2
+    assert len(pool._bufs) == 4  # in use: none evicted, whatever keep
     assert [float(h[0]) for h in held] == [0.0, 1.0, 2.0, 3.0]  # nothing handed out twice
+    first = id(held[0].base)
+    del held[0]  # let go after three newer ones: it comes back (a syncer's Θ after a round or two)
+    assert id(pool.empty(4).base) == first
+    held.clear()
+    del h  # the loop variable held the last one
+    big = pool.empty(100)  # four idle, none large enough: a new one, and the idle beyond keep leave
+    assert len(pool._bufs) == 3 and pool._bufs[-1] is big.base
 
 
 def test_split_cuts_one_buffer_into_tensors():

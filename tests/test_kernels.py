@@ -42,6 +42,11 @@ def test_outer_update_and_commit_are_optaxs_order_of_operations(nesterov):
     u = np.empty_like(t)
     kernels.outer_update(t, g, mu, neg_lr, nesterov, u)
     _same_bits(u, want)
+    g2 = g.copy()
+    u2 = np.empty_like(t)
+    kernels.outer_advance(t, g2, mu, neg_lr, nesterov, u2)  # both in one pass, the new trace over g
+    _same_bits(u2, want)
+    _same_bits(g2, v)
     kernels.momentum_commit(t, g, mu)
     _same_bits(t, v)
 
@@ -63,7 +68,7 @@ def test_block_absmax_bits_is_the_max_of_abs_and_flags_every_non_finite_block():
 def test_the_loops_release_the_gil_and_run_on_several_threads_at_once_with_the_same_bits():
     # Without nogil the pool's threads would take turns: every loop must release the GIL.
     loops = [f for f in vars(kernels).values() if hasattr(f, "targetoptions")]
-    assert len(loops) == 9 and all(f.targetoptions.get("nogil") for f in loops), [f.__name__ for f in loops]
+    assert len(loops) == 10 and all(f.targetoptions.get("nogil") for f in loops), [f.__name__ for f in loops]
     s, x, k = _values(10, 1 << 20), _values(12, 1 << 20), np.float32(0.5)
     items = [(a, a + (1 << 16)) for a in range(0, 1 << 20, 1 << 16)]
     one, four = s.copy(), s.copy()

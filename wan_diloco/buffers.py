@@ -1,7 +1,7 @@
 """Float32 buffers handed out again once nothing refers to them: the syncer's hot path without fresh pages.
 
-A syncer decodes every upload into a fragment-sized array, folds it into a round's sums and drops it;
-each close makes the update and the new Θ. Fresh arrays that size come from ``mmap`` and each first
+A syncer's round sums its uploads into a fragment-sized array that at the close takes the new momentum,
+the old momentum's array taking the new Θ and the old Θ's going free. Fresh arrays that size come from ``mmap`` and each first
 touch of a page is a fault the kernel zeroes: a quarter of a CPU second per GB, as much as the NF4
 lookup itself. ``BufferPool.empty`` hands out a slice of a buffer it made before once no array refers to
 it any more (numpy views keep their base alive, so the base's reference count says when the last one
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import sys
 import threading
+from typing import Any, Mapping
 
 import numpy as np
 
@@ -42,8 +43,16 @@ class BufferPool:
                 return self._bufs[fit][:n]
             buf = np.empty(n, np.float32)
             self._bufs.append(buf)
-            if len(self._bufs) > self.keep:
-                del self._bufs[0]
+            # Buffers still held stay listed (they come back when let go: a syncer's momentum and Θ are
+            # pooled buffers that change places every round); idle ones past ``keep`` leave, oldest first.
+            idle = []
+            for i in range(len(self._bufs) - 1):
+                b = self._bufs[i]  # held in a variable as in the search above: the same count when idle
+                if sys.getrefcount(b) == _IDLE_REFS:
+                    idle.append(i)
+            b = None
+            for i in reversed(idle[:max(0, len(idle) - self.keep)]):
+                del self._bufs[i]
             return buf[:n]
 
     def clear(self) -> None:
@@ -63,3 +72,24 @@ class BufferPool:
 
 
 POOL = BufferPool()
+
+
+def pooled_copy(arrays: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    """float32 copies of ``arrays`` in one buffer of ``POOL`` (a syncer's Θ or momentum of one fragment): the
+    arrays a close lets go come back to the pool for the next round's sums, from the first round on."""
+    flat = [np.ravel(np.asarray(a, np.float32)) for a in arrays.values()]
+    out = POOL.split([x.size for x in flat])
+    for o, x in zip(out, flat):
+        np.copyto(o, x)
+    return {n: o.reshape(np.shape(a)) for (n, a), o in zip(arrays.items(), out)}
+
+_local = threading.local()
+
+
+def thread_scratch(n: int) -> np.ndarray:
+    """This thread's float32 scratch of ``n`` values, grown on demand and reused: a work item's values
+    (at most ``merge.CHUNK``, 1 MiB: it stays in cache) made, decoded or padded on a pool's thread."""
+    buf = getattr(_local, "values", None)
+    if buf is None or buf.size < n:
+        buf = _local.values = np.empty(max(n, 1 << 18), np.float32)
+    return buf[:n]

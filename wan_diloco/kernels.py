@@ -169,6 +169,19 @@ def outer_update(trace, g, mu, neg_lr, nesterov, u):
         u[i] = v * neg_lr
 
 
+@_compiled(types.void(_in(_f32, 1), _out(_f32, 1), _f32, _f32, types.boolean, _out(_f32, 1)))
+def outer_advance(trace, g, mu, neg_lr, nesterov, u):
+    """``outer_update`` and ``momentum_commit`` in one pass, the new trace written over g: u as
+    ``outer_update`` computes it from the old trace, then g ← trace·μ + g (each g[i] read before it is
+    written). The syncer's close: the merged Δ is not needed once its momentum is taken."""
+    for i in range(u.size):
+        gi = g[i]
+        v = trace[i] * mu + gi
+        w = v * mu + gi if nesterov else v
+        u[i] = w * neg_lr
+        g[i] = v
+
+
 @_compiled(types.void(_out(_f32, 1), _in(_f32, 1), _f32))
 def momentum_commit(trace, g, mu):
     """trace ← trace·μ + g in place (float32 1-D)."""

@@ -15,11 +15,13 @@ import numpy as np
 import optax
 
 from wan_diloco import kernels
-from wan_diloco.buffers import POOL
+from wan_diloco.buffers import POOL, pooled_copy, thread_scratch
 from wan_diloco.config import require
 from wan_diloco.merge import SERIAL, Workers, chunks
 
 
+# Below this, |Θ_p| + |update| cannot reach float32's largest value: Θ_p + update cannot overflow.
+NO_OVERFLOW = float(np.finfo(np.float32).max) / 4
 MAX_LR = 10.0  # outer learning rate bound (``OuterConfig.validate``)
 STALENESS = ("none", "scale", "gate")  # ``OuterConfig.staleness``
 MAX_STALENESS_POWER = 8.0  # past it a Δ one version old weighs < 0.4 % of a fresh one: dropping it says so better
@@ -105,7 +107,11 @@ class OuterOptimizer:
     def set_state(self, p: int, state: Any) -> None:
         """Adopt ``state`` (optax's pytree, e.g. from a snapshot) as writable host copies: ``commit``
         writes into them, and a snapshot's arrays may be read-only or shared."""
+        trace = state[0].trace if self._mu is not None and hasattr(state[0], "trace") else None
+        pooled = pooled_copy(trace) if isinstance(trace, Mapping) else None
         self.states[p] = jax.tree.map(lambda a: np.array(a, dtype=np.float32), state)
+        if pooled is not None:  # in the pool: a close lets its arrays go for the next round's sums
+            self.states[p][0].trace.update(pooled)
 
     def _trace(self, p: int) -> Mapping[str, np.ndarray] | None:
         return self.states[p][0].trace if self._mu is not None else None
@@ -144,6 +150,56 @@ class OuterOptimizer:
             kernels.momentum_commit(t[i][a:b], g[i][a:b], self._mu)
 
         workers.map(run, chunks([x.size for x in g]))
+
+    def step_streamed(self, p: int, theta: Mapping[str, np.ndarray], delta: Mapping[str, np.ndarray], encode,
+                      theta_sq: float | None) -> tuple[dict[str, np.ndarray], Any] | None:
+        """The outer step of fragment p without an update array: (the new Θ_p, what ``encode`` returned), or
+        None where ``encode`` cannot (nothing changed then). ``encode(produce, consume, bound_ok)`` is a
+        codec's ``roundtrip_streamed``: each work item's update is made into a thread's scratch
+        (``kernels.outer_advance``: the update as ``update`` makes it, the new momentum written over the
+        merged Δ), encoded, and once every item passed, decoded and added to Θ_p (as ``numpy.add``). The new
+        Θ_p goes into the old momentum's arrays (or, without momentum, the merged Δ's): Θ_p's own arrays are
+        never written (a snapshot may share them). ``delta``: float32 writable arrays, spent whatever
+        happens. ValueError where the encoder refuses the update or Θ_p + update overflows (checked first
+        by a pass of its own only where ``theta_sq``, ‖Θ_p‖², and the update's scales leave it possible):
+        Θ_p and the momentum are then as they were."""
+        names = list(delta)
+        g = [np.ravel(delta[n]) for n in names]
+        if not all(x.dtype == np.float32 and x.flags.writeable and x.flags.c_contiguous for x in g):
+            return None
+        th = [np.ravel(theta[n]) for n in names]
+        trace = self._trace(p)
+        t = None if trace is None else [trace[n].reshape(-1) for n in names]
+        dest = g if t is None else t
+        mu, neg_lr, nesterov = self._mu, self._neg_lr, self._nesterov
+
+        def produce(i: int, lo: int, hi: int) -> np.ndarray:
+            u = thread_scratch(hi - lo)
+            if t is None:
+                np.multiply(g[i][lo:hi], neg_lr, out=u)
+            else:
+                kernels.outer_advance(t[i][lo:hi], g[i][lo:hi], mu, neg_lr, nesterov, u)
+            return u
+
+        def consume(i: int, lo: int, hi: int, u: np.ndarray, write: bool) -> None:
+            with np.errstate(over="ignore", invalid="ignore"):
+                if write:
+                    np.add(th[i][lo:hi], u, out=dest[i][lo:hi])
+                    return
+                np.add(th[i][lo:hi], u, out=u)
+            if not np.isfinite(u).all():
+                raise ValueError("the outer step overflowed (non-finite result)")
+
+        def bound_ok(largest: float) -> bool:
+            return theta_sq is not None and math.sqrt(theta_sq) + largest < NO_OVERFLOW
+
+        enc = encode(produce, consume, bound_ok)
+        if enc is None:
+            return None
+        if trace is not None:
+            for n, x in zip(names, g):
+                trace[n] = x.reshape(np.shape(trace[n]))
+        return {n: x.reshape(np.shape(delta[n])) for n, x in zip(names, dest)}, enc
 
     def gains(self, p: int, staleness: Sequence[int], deltas: Sequence[Mapping[str, np.ndarray]]) -> np.ndarray | None:
         """``staleness_gains`` of fragment p's contributions ``deltas`` (the gate's cosines against p's

@@ -74,14 +74,6 @@ def scratch(n: int) -> np.ndarray:
     return buf[:n]
 
 
-def value_scratch(n: int) -> np.ndarray:
-    """This thread's float32 scratch of ``n`` values (grown on demand; ``merge.CHUNK`` fits L2)."""
-    buf = getattr(_local, "values", None)
-    if buf is None or buf.size < n:
-        buf = _local.values = np.empty(max(n, CHUNK), np.float32)
-    return buf[:n]
-
-
 class Packed:
     """A fragment's raw bytes as the packer's parts, read a chunk at a time (``read``) with no whole copy.
 

@@ -19,9 +19,9 @@ from typing import Sequence
 import numpy as np
 
 from wan_diloco import kernels
-from wan_diloco.buffers import BufferPool
+from wan_diloco.buffers import BufferPool, thread_scratch
 from wan_diloco.compression import blocks, chunks, pack
-from wan_diloco.compression.config import Format
+from wan_diloco.compression.config import INT4_QMAX, INT8_QMAX, Format
 from wan_diloco.compression.quantize import code_bytes_per_block, n_blocks
 from wan_diloco.merge import Workers, chunk_sum_squares, per_tensor
 from wan_diloco.merge import chunks as merge_chunks
@@ -156,7 +156,7 @@ def scan(fmt: Format, source, names: Sequence[str], shapes: Mapping[str, tuple[i
     def sum_item(it) -> float:
         t, a, b = it
         lo, hi = a // bs, -(-b // bs)  # the tensor's blocks holding values [a, b): a is a block boundary
-        x = chunks.value_scratch((hi - lo) * bs).reshape(hi - lo, bs)
+        x = thread_scratch((hi - lo) * bs).reshape(hi - lo, bs)
         g = geo.starts[t] + lo
         while lo < hi:  # the blocks of each zstd chunk they lie in
             c = g // per
@@ -169,3 +169,32 @@ def scan(fmt: Format, source, names: Sequence[str], shapes: Mapping[str, tuple[i
 
     sq = per_tensor(len(sizes), items, workers.map(sum_item, items))
     return Coded(names, shapes, fmt, sizes, _Stored(raw, source.spans), scales, sq, workers)
+
+
+def decode_items(fmt: Format, source, sizes: Sequence[int], workers: Workers, consume, bound_ok=None) -> None:
+    """Each work item's decoded values (``chunks.block_items``: [lo, hi) of tensor t, in this thread's
+    scratch) to ``consume(t, lo, hi, values, write)`` on ``workers``: all with ``write`` True, after a pass
+    of all with ``write`` False where ``bound_ok(b)`` is False for b, the largest |value| the scales allow."""
+    geo = _Geometry(fmt, sizes)
+    raw = [np.frombuffer(source.read(c), np.uint8) for c in range(len(source.spans))]
+
+    def scales_of(c: int) -> np.ndarray:
+        m = raw[c].size // (2 + geo.cb)
+        return pack.read_scales((raw[c][:m].astype(np.uint16) << 8) | raw[c][m:2 * m], fmt, geo.first(c))
+
+    scales = workers.map(scales_of, list(range(len(raw))))
+    level = INT4_QMAX if fmt.bits == 4 else INT8_QMAX  # every codebook's levels lie in [-1, 1] x qmax
+    top = max((float(s.max()) for s in scales if s.size), default=0.0) * level
+    bs = geo.bs
+
+    def run(it, write: bool) -> None:
+        t, a, b, c = it
+        x = thread_scratch((b - a) * bs).reshape(b - a, bs)
+        g = geo.starts[t] + a - geo.first(c)
+        blocks.dequantize_into(geo.codes(raw[c], c)[g:g + b - a], scales[c][g:g + b - a], fmt, x)
+        lo = a * bs
+        hi = min(sizes[t], b * bs)
+        consume(t, lo, hi, x.reshape(-1)[:hi - lo], write)
+
+    for write in ([False, True] if bound_ok is not None and not bound_ok(top) else [True]):
+        workers.map(lambda it: run(it, write), geo.items)

@@ -22,7 +22,8 @@ import numpy as np
 from wan_diloco import kernels
 from wan_diloco.compression.config import CODEBOOKS, INT4_QMAX, INT8_QMAX, MIN_SCALE, Format
 from wan_diloco.compression.quantize import BF16_MAX, n_levels, code_bytes_per_block, n_blocks
-from wan_diloco.compression.chunks import block_items, value_scratch
+from wan_diloco.buffers import thread_scratch
+from wan_diloco.compression.chunks import block_items
 from wan_diloco.merge import Workers, chunk_sum_squares, per_tensor
 
 
@@ -98,10 +99,11 @@ class HostEncoded:
 
 def encode_host(arrays: Sequence[np.ndarray], sizes: Sequence[int], fmt: Format, workers: Workers,
                 minus: Sequence[np.ndarray] | None = None, plus: Sequence[np.ndarray] | None = None,
-                decode: bool = False, residual: bool = False, sink=None) -> HostEncoded:
+                decode: bool = False, residual: bool = False, sink=None, produce=None) -> HostEncoded:
     """Quantize ``arrays − minus + plus`` (float32, computed a chunk at a time in that order: the bits of
-    the whole-array expression) and, with ``decode``, decode them; with ``residual`` also keep what the
-    codes dropped. The items of blocks are ``pack.unpack``'s (``chunks.block_items``), so Σx² is its sum
+    the whole-array expression), or the values ``produce(t, lo, hi)`` makes for values [lo, hi) of tensor
+    t (float32; it may return this thread's ``buffers.thread_scratch``), and, with ``decode``, decode them; with
+    ``residual`` also keep what the codes dropped. The items of blocks are ``pack.unpack``'s (``chunks.block_items``), so Σx² is its sum
     to the bit. ``sink(item, codes, scales)``: takes each item's codes and scales where it wants them
     (``pack.pack_host``: straight into the payload's raw bytes) instead of per-tensor arrays."""
     bs, cb = fmt.block_size, code_bytes_per_block(fmt.bits, fmt.block_size)
@@ -116,14 +118,16 @@ def encode_host(arrays: Sequence[np.ndarray], sizes: Sequence[int], fmt: Format,
         if residual:
             res.append(np.empty(n, np.float32))
     items = block_items(sizes, fmt)
-    flat = [[np.ravel(x) for x in xs] if xs is not None else None for xs in (arrays, minus, plus)]
+    flat = [[np.ravel(x) for x in xs] if xs is not None else None for xs in (arrays, minus, plus)]  # arrays: None with produce
 
     def values(t: int, lo: int, hi: int) -> np.ndarray:
+        if produce is not None:
+            return produce(t, lo, hi)
         x = np.asarray(flat[0][t][lo:hi], np.float32)
         if minus is not None:  # x − minus (+ plus) in one pass, into this thread's scratch
             m = np.ascontiguousarray(flat[1][t][lo:hi], np.float32)
             c = _NO_VALUES if plus is None else np.ascontiguousarray(flat[2][t][lo:hi], np.float32)
-            out = value_scratch(hi - lo)
+            out = thread_scratch(hi - lo)
             kernels.difference_plus(np.ascontiguousarray(x), m, c, out)
             return out
         if plus is not None:

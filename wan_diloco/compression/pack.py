@@ -276,11 +276,13 @@ class _BadScales(Exception):
 
 def pack_host(fmt: Format, names: Sequence[str], sizes: Sequence[int], workers: Workers, raw: np.ndarray,
               arrays: Sequence[np.ndarray], minus: Sequence[np.ndarray] | None = None,
-              plus: Sequence[np.ndarray] | None = None, decode: bool = False, residual: bool = False) -> HostEncoded:
-    """``pack`` of ``arrays − minus + plus`` (numpy, 8 or 4 bits, round to nearest) in one pass per item of
-    blocks (``host_quantize.encode_host``) that writes its scales and codes straight into ``raw`` (uint8,
-    the raw bytes: no per-tensor codes are held) and with ``decode`` also decodes them: the decoded values
-    and Σx². NonFiniteError names a refused tensor; ``raw`` then holds nothing to keep."""
+              plus: Sequence[np.ndarray] | None = None, decode: bool = False, residual: bool = False,
+              produce=None) -> HostEncoded:
+    """``pack`` of ``arrays − minus + plus`` (numpy, 8 or 4 bits, round to nearest), or of what ``produce``
+    makes (``encode_host``'s; ``arrays`` None), in one pass per item of blocks (``host_quantize.encode_host``)
+    that writes its scales and codes straight into ``raw`` (uint8, the raw bytes: no per-tensor codes are
+    held) and with ``decode`` also decodes them: the decoded values and Σx². NonFiniteError names a refused
+    tensor; ``raw`` then holds nothing to keep."""
     bs, cb = fmt.block_size, code_bytes_per_block(fmt.bits, fmt.block_size)
     m, nb, starts = chunks.chunk_blocks(fmt), 0, []
     for n in sizes:
@@ -300,8 +302,12 @@ def pack_host(fmt: Format, names: Sequence[str], sizes: Sequence[int], workers: 
         raw[codes_at:codes_at + k * cb] = codes.reshape(-1).view(np.uint8)
 
     try:
-        return encode_host(arrays, sizes, fmt, workers, minus, plus, decode=decode, residual=residual, sink=sink)
+        return encode_host(arrays, sizes, fmt, workers, minus, plus, decode=decode, residual=residual, sink=sink,
+                           produce=produce)
     except _BadScales as e:
+        if produce is not None:  # its values are gone: say what the cause may be
+            also = "" if fmt.scale_dtype == "bfloat16" else f", or a magnitude that {_SCALE_OVERFLOW}"
+            raise NonFiniteError(f"tensor {names[e.t]!r}: NaN/Inf values{also}") from None
         x = np.asarray(arrays[e.t], np.float32)
         x = x - np.asarray(minus[e.t], np.float32) if minus is not None else x
         x = x + np.asarray(plus[e.t], np.float32) if plus is not None else x

@@ -42,6 +42,7 @@ from wan_diloco.core.syncer_guards import (  # noqa: F401
 )
 from wan_diloco.core.syncer_rounds import Round, SyncerRounds
 from wan_diloco.core.syncer_state import LearnerInfo, SyncerStats, read_snapshot, snapshot_tensors  # noqa: F401
+from wan_diloco.buffers import pooled_copy
 from wan_diloco.merge import Workers, sum_squares
 from wan_diloco.outer import OuterOptimizer
 
@@ -84,8 +85,7 @@ class SyncerCore(SyncerRounds):
         if not self.owned or not all(isinstance(p, int) and 0 <= p < P for p in self.owned):
             raise ValueError(f"owned fragments must be a non-empty subset of 0..{P - 1}, got {owned!r}")
         mine = set(self.owned)
-        self.theta = [{n: np.array(params[n], dtype=np.float32) for n in f} if p in mine else {}
-                      for p, f in enumerate(fragments)]
+        self.theta = [pooled_copy({n: params[n] for n in f}) if p in mine else {} for p, f in enumerate(fragments)]
         self.version = [0] * len(fragments)
         # ||Θ_p||² for the norm check: Θ_p changes only in ``_close`` and ``restore``, which set it
         # (None: compute on the next upload).

@@ -9,7 +9,6 @@ as one Δ, whose norm RDA needs). docs/method.md, "Merging as Δs arrive", has w
 """
 from __future__ import annotations
 
-import math
 from collections import deque
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, replace
@@ -19,13 +18,12 @@ import numpy as np
 
 from wan_diloco.clock import VectorClock
 from wan_diloco.core.protocol import (
-    FINAL_TIMER, SYNCER, Broadcast, Codec, Ema, FragmentUpload, GlobalUpdate, ProtocolError, SetTimer, Tensors,
-    encode_or_refuse,
+    FINAL_TIMER, SYNCER, Broadcast, Codec, Ema, FragmentUpload, GlobalUpdate, ProtocolError, SetTimer,
 )
+from wan_diloco.core.close_step import close_step
 from wan_diloco.core.syncer_config import SyncerConfig
 from wan_diloco.core.syncer_state import LearnerInfo, SyncerStats
-from wan_diloco.fragments import Encoded
-from wan_diloco.merge import Accumulator, Workers, chunk_sum_squares, chunks, per_tensor, token_weights
+from wan_diloco.merge import Accumulator, Workers, token_weights
 from wan_diloco.outer import OuterOptimizer
 
 Timing = Callable[[str], AbstractContextManager[Any]]
@@ -72,40 +70,6 @@ def fold_carried(rnd: Round, carried: Mapping[int, FragmentUpload], oldest_base:
     return fold, keep, stale
 
 
-# Below this, |Θ_p| + |update| cannot reach float32's largest value: Θ_p + update cannot overflow.
-_NO_OVERFLOW = float(np.finfo(np.float32).max) / 4
-
-
-def outer_step(outer: OuterOptimizer, codec: Codec, p: int, theta: Tensors, delta: Mapping[str, np.ndarray],
-               workers: Workers, timing: Timing, theta_sq: float | None = None) -> Encoded:
-    """The encoded update for the merged ``delta``, its values in the update's own arrays; Θ_p and the
-    momentum untouched (``outer.commit`` advances it once the round is taken; ``apply_update`` then makes
-    the new Θ_p). ProtocolError where the outer step came out non-finite: the codec refuses such an update,
-    or Θ_p + update would overflow (checked by a pass only where ||Θ_p|| (``theta_sq``) and the update's
-    norm leave it possible: ``apply_update`` must not fail once the momentum has moved)."""
-    with np.errstate(over="ignore", invalid="ignore"), timing("outer_step"):
-        update = outer.update(p, delta, workers)
-    # Everyone, the syncer included, applies the same decoded update: all copies stay bit-identical.
-    # The codec refuses a non-finite update (an outer step that overflowed). Decoded over the update's
-    # own arrays (encoded, they are not needed again): a round holds no third fragment.
-    with timing("encode"):
-        enc = encode_or_refuse(codec, update, f"update of fragment {p}", in_place=True)
-    u_sq = getattr(enc.values, "sum_squares", None)
-    if theta_sq is None or u_sq is None or math.sqrt(theta_sq) + math.sqrt(float(np.sum(u_sq))) >= _NO_OVERFLOW:
-        if not math.isfinite(add(theta, enc.values, workers)[1]):
-            raise ProtocolError("the outer step overflowed (non-finite result)")
-    return enc
-
-
-def apply_update(theta: Tensors, update: Tensors, workers: Workers, out: Mapping[str, np.ndarray]
-                 ) -> tuple[dict[str, np.ndarray], float]:
-    """(the new Θ_p = Θ_p + update in ``out``'s arrays, ||new Θ_p||² from the same pass). Not in place:
-    a snapshot being written shares Θ_p's arrays (``export``); ``out`` is the merged Δ, spent once the
-    momentum has taken it."""
-    with np.errstate(over="ignore", invalid="ignore"):
-        return add(theta, update, workers, out=out)
-
-
 def finals_complete(finals: Mapping[tuple[int, int], FragmentUpload], owned: Sequence[int],
                     alive: Sequence[int]) -> bool:
     """Every live learner sent its final upload of every fragment this core owns."""
@@ -137,25 +101,6 @@ def combine(a: FragmentUpload, b: FragmentUpload) -> FragmentUpload:
         c_tokens=a.c_tokens + b.c_tokens, base_version=min(a.base_version, b.base_version), nbytes=a.nbytes + b.nbytes,
         payload=None,
     )
-
-
-def add(a: Tensors, b: Tensors, workers: Workers, out: Mapping[str, np.ndarray] | None = None
-        ) -> tuple[dict[str, np.ndarray], float]:
-    """({n: a[n] + b[n]} as float32, in ``out``'s arrays or fresh ones, Σ of its squares), chunk by
-    chunk on ``workers``: each chunk's squares are summed while it is in cache (NaN/Inf: non-finite)."""
-    names = list(a)
-    xs, ys = [np.ravel(a[n]) for n in names], [np.ravel(b[n]) for n in names]
-    res = [np.empty(x.size, np.float32) if out is None else out[n].reshape(-1) for n, x in zip(names, xs)]
-    items = chunks([x.size for x in xs])
-
-    def run(it) -> float:
-        i, lo, hi = it
-        np.add(xs[i][lo:hi], ys[i][lo:hi], out=res[i][lo:hi])
-        return chunk_sum_squares(res[i][lo:hi])
-
-    with np.errstate(over="ignore", invalid="ignore"):
-        sq = float(per_tensor(len(names), items, workers.map(run, items)).sum())
-    return {n: o.reshape(np.shape(a[n])) for n, o in zip(names, res)}, sq
 
 
 class SyncerRounds:
@@ -328,16 +273,13 @@ class SyncerRounds:
         with self.timing("merge"):
             delta = dict(zip(self.fragments[p], sums.result()))
         try:
-            enc = outer_step(self.outer, self.codec, p, self.theta[p], delta, self.workers, self.timing,
-                             self.theta_sq[p])
+            enc, update, self.theta[p], self.theta_sq[p] = close_step(
+                self.outer, self.codec, p, self.theta[p], delta, self.workers, self.timing, self.theta_sq[p])
         except ProtocolError as e:
             # Θ_p and its momentum stay as they were; the learners keep their Δs' steps in θ and send again.
             self.stats.refused_rounds += 1
             self.notices.append(f"merge of fragment {p} (due step {due}, learners {learners}) refused: {e}")
             return []
-        with self.timing("outer_step"):
-            self.outer.commit(p, delta, self.workers)
-            self.theta[p], self.theta_sq[p] = apply_update(self.theta[p], enc.values, self.workers, out=delta)
         from_version = self.version[p]
         self.version[p] += 1
         self.last_closed_due[p] = max(self.last_closed_due[p], due)
@@ -352,7 +294,7 @@ class SyncerRounds:
         self.stats.bytes_out += enc.nbytes
         msg = GlobalUpdate(
             fragment=p, from_version=from_version, to_version=self.version[p], due_step=due,
-            global_step=self.global_step, clock=self.clock, update=enc.values, nbytes=enc.nbytes,
+            global_step=self.global_step, clock=self.clock, update=update, nbytes=enc.nbytes,
             contributors=tuple(learners), held_s={m: now_s - t for m, t in rnd.received_s.items()},
             payload=enc.payload, final=final, run_id=self.run_id, epoch=self.epoch, resumed_from=self.resumed_from,
         )
