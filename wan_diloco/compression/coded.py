@@ -6,9 +6,8 @@ value, and one more fragment held, for values that are used once. ``scan`` inste
 chunks once into a buffer of raw bytes (an eighth of the values' size in 4 bits), validates every
 scale and computes each tensor's Σx² as the merge would from the values (``merge.sum_squares``'s
 items, each dequantized into this thread's cache-sized scratch: the same bits, so RDA's norms need no
-pass over values); ``Coded.fold_into`` then
-dequantizes each item into the sums in one pass (``kernels.fold4`` / ``fold8``: the same bits as
-decode then fold). Anything that wants the values themselves reads them as from a ``Decoded``: the
+pass over values); ``Coded.fold_into`` then dequantizes each item into the sums in one pass
+(``kernels.fold4`` / ``fold8``: the same bits as decode then fold). Anything that wants the values themselves reads them as from a ``Decoded``: the
 first lookup decodes the whole fragment (``materialize``).
 """
 from __future__ import annotations
@@ -52,8 +51,9 @@ class Coded(Mapping):
 
     def __init__(self, names: Sequence[str], shapes: Mapping[str, tuple[int, ...]], fmt: Format,
                  sizes: Sequence[int], source: _Stored, scales: list[np.ndarray], sum_squares: np.ndarray,
-                 workers: Workers):
+                 workers: Workers, geo: "_Geometry"):
         self._names, self.shapes, self.fmt, self.sizes = list(names), dict(shapes), fmt, list(sizes)
+        self._geo = geo
         self._source, self._scales, self.sum_squares, self._workers = source, scales, sum_squares, workers
         self._values: dict[str, np.ndarray] | None = None
 
@@ -87,8 +87,7 @@ class Coded(Mapping):
         is 0), x its decoded values (``merge._scaled_add``'s arithmetic, float32; flat sums of its size)."""
         if self._source is None:
             raise ValueError("coded upload: cleared, nothing to fold")
-        fmt, sizes = self.fmt, self.sizes
-        geo = _Geometry(fmt, sizes)
+        fmt, sizes, geo = self.fmt, self.sizes, self._geo
         lo, hi = blocks.nibble_levels(fmt.codebook) if fmt.bits == 4 else (None, None)
         raw, scales, bs = self._source.raw, self._scales, fmt.block_size
 
@@ -146,8 +145,7 @@ def scan(fmt: Format, source, names: Sequence[str], shapes: Mapping[str, tuple[i
         off, ln = source.spans[c]
         got = np.frombuffer(source.read(c, store[off:off + ln]), np.uint8)
         raw[c] = got  # the store's or a view of the payload (a chunk stored raw, or no zstd)
-        m = ln // (2 + geo.cb)
-        scales[c] = pack.read_scales((got[:m].astype(np.uint16) << 8) | got[m:2 * m], fmt, geo.first(c))
+        scales[c] = pack.chunk_scales(got, geo.cb, fmt, geo.first(c))
 
     workers.map(read, list(range(len(source.spans))))
     bs, per = geo.bs, geo.per_chunk_blocks
@@ -168,7 +166,7 @@ def scan(fmt: Format, source, names: Sequence[str], shapes: Mapping[str, tuple[i
         return chunk_sum_squares(x.reshape(-1)[:b - a])
 
     sq = per_tensor(len(sizes), items, workers.map(sum_item, items))
-    return Coded(names, shapes, fmt, sizes, _Stored(raw, source.spans), scales, sq, workers)
+    return Coded(names, shapes, fmt, sizes, _Stored(raw, source.spans), scales, sq, workers, geo)
 
 
 def decode_items(fmt: Format, source, sizes: Sequence[int], workers: Workers, consume, bound_ok=None) -> None:
@@ -178,11 +176,7 @@ def decode_items(fmt: Format, source, sizes: Sequence[int], workers: Workers, co
     geo = _Geometry(fmt, sizes)
     raw = [np.frombuffer(source.read(c), np.uint8) for c in range(len(source.spans))]
 
-    def scales_of(c: int) -> np.ndarray:
-        m = raw[c].size // (2 + geo.cb)
-        return pack.read_scales((raw[c][:m].astype(np.uint16) << 8) | raw[c][m:2 * m], fmt, geo.first(c))
-
-    scales = workers.map(scales_of, list(range(len(raw))))
+    scales = workers.map(lambda c: pack.chunk_scales(raw[c], geo.cb, fmt, geo.first(c)), list(range(len(raw))))
     level = INT4_QMAX if fmt.bits == 4 else INT8_QMAX  # every codebook's levels lie in [-1, 1] x qmax
     top = max((float(s.max()) for s in scales if s.size), default=0.0) * level
     bs = geo.bs

@@ -191,7 +191,7 @@ class _Blockwise:
             off, ln = source.spans[c]
             raw = np.frombuffer(source.read(c, chunks.scratch(ln)), np.uint8)
             m, first = ln // (2 + cb), off // (2 + cb)
-            scales = read_scales((raw[:m].astype(np.uint16) << 8) | raw[m:2 * m], fmt, first)
+            scales = chunk_scales(raw, cb, fmt, first)
             codes = raw[2 * m:].reshape(m, cb)
             sums = []
             for t, a, b, _ in per_chunk[c]:
@@ -240,6 +240,12 @@ def read_scales(bits16: np.ndarray, fmt: Format, first: int = 0) -> np.ndarray:
         raise CodecError(f"scale of block {first + i} is {scales[i]!r}: not 0 or a positive value in "
                          f"[{MIN_SCALE:.3g}, float32 max / {qmax}]")
     return scales
+
+
+def chunk_scales(raw: np.ndarray, code_bytes: int, fmt: Format, first: int) -> np.ndarray:
+    """The float32 scales of an 8/4-bit chunk's raw bytes (its blocks from ``first``), checked: ``read_scales``."""
+    m = raw.size // (2 + code_bytes)
+    return read_scales((raw[:m].astype(np.uint16) << 8) | raw[m:2 * m], fmt, first)
 
 
 _PACKERS = {32: _Float32(), 16: _BFloat16(), 8: _Blockwise(), 4: _Blockwise()}
