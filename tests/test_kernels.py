@@ -68,7 +68,7 @@ def test_block_absmax_bits_is_the_max_of_abs_and_flags_every_non_finite_block():
 def test_the_loops_release_the_gil_and_run_on_several_threads_at_once_with_the_same_bits():
     # Without nogil the pool's threads would take turns: every loop must release the GIL.
     loops = [f for f in vars(kernels).values() if hasattr(f, "targetoptions")]
-    assert len(loops) == 10 and all(f.targetoptions.get("nogil") for f in loops), [f.__name__ for f in loops]
+    assert len(loops) == 12 and all(f.targetoptions.get("nogil") for f in loops), [f.__name__ for f in loops]
     s, x, k = _values(10, 1 << 20), _values(12, 1 << 20), np.float32(0.5)
     items = [(a, a + (1 << 16)) for a in range(0, 1 << 20, 1 << 16)]
     one, four = s.copy(), s.copy()
@@ -132,4 +132,29 @@ def test_fold4_and_fold8_are_decoding_then_folding(keep, pad):
             kernels.fold4(c, scales, lo, hi, got, keep, kk)
         else:
             kernels.fold8(c, scales, got, keep, kk)
+        _same_bits(got, want)
+
+
+@pytest.mark.parametrize("pad", [0, 5, 63])
+def test_add_decoded_is_decoding_then_numpys_add(pad):
+    from wan_diloco.compression.blocks import nibble_levels
+    k = 300
+    rng = np.random.default_rng(13)
+    scales = np.abs(_values(15, k))
+    lo, hi = nibble_levels("uniform")
+    for bits in (4, 8):
+        c = rng.integers(0, 256, (k, 32), dtype=np.uint8) if bits == 4 else rng.integers(-127, 128, (k, 64)).astype(np.int8)
+        x = np.empty((k, 64), np.float32)
+        with np.errstate(all="ignore"):
+            if bits == 4:
+                kernels.dequantize4(c, scales, lo, hi, x)
+            else:
+                np.multiply(c, scales[:, None], out=x)
+            base = _values(17, k * 64 - pad)
+            want = np.add(base, x.reshape(-1)[:base.size])
+        got = np.full_like(base, np.nan)
+        if bits == 4:
+            kernels.add_decoded4(c, scales, lo, hi, base, got)
+        else:
+            kernels.add_decoded8(c, scales, base, got)
         _same_bits(got, want)

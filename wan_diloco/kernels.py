@@ -139,6 +139,35 @@ def fold4(codes, scales, lo, hi, s, keep, k):
                 s[base + j] = s[base + j] * keep + (x[j] * sc) * k
 
 
+@_compiled(types.void(_in(_u8, 2), _in(_f32, 1), _in(_f32, 1), _in(_f32, 1), _in(_f32, 1), _out(_f32, 1)))
+def add_decoded4(codes, scales, lo, hi, base, out):
+    """out ← base + x for the decoded values x of the 4-bit blocks (``dequantize4``'s), x never written out:
+    the same bits as ``dequantize4`` then numpy's add. ``base`` and ``out`` hold the first out.size values of
+    the blocks (a tensor's last block is padded); out may be base."""
+    kb, h = codes.shape
+    bs, n = 2 * h, out.size
+    x = np.empty(bs, np.float32)
+    for i in range(kb):
+        sc, first = scales[i], i * bs
+        for j in range(h):
+            c = codes[i, j]
+            x[j] = lo[c]
+            x[j + h] = hi[c]
+        for j in range(min(bs, n - first)):
+            out[first + j] = base[first + j] + x[j] * sc
+
+
+@_compiled(types.void(_in(types.int8, 2), _in(_f32, 1), _in(_f32, 1), _out(_f32, 1)))
+def add_decoded8(codes, scales, base, out):
+    """``add_decoded4`` for int8 blocks: x = float32(code) · scale."""
+    kb, bs = codes.shape
+    n = out.size
+    for i in range(kb):
+        sc, first = scales[i], i * bs
+        for j in range(min(bs, n - first)):
+            out[first + j] = base[first + j] + np.float32(codes[i, j]) * sc
+
+
 @_compiled(types.void(_in(types.int8, 2), _in(_f32, 1), _out(_f32, 1), _f32, _f32))
 def fold8(codes, scales, s, keep, k):
     """``fold4`` for int8 blocks: x = float32(code) · scale, as numpy's int8 × float32 multiply."""

@@ -154,7 +154,7 @@ class OuterOptimizer:
     def step_streamed(self, p: int, theta: Mapping[str, np.ndarray], delta: Mapping[str, np.ndarray], encode,
                       theta_sq: float | None) -> tuple[dict[str, np.ndarray], Any] | None:
         """The outer step of fragment p without an update array: (the new Θ_p, what ``encode`` returned), or
-        None where ``encode`` cannot (nothing changed then). ``encode(produce, consume, bound_ok)`` is a
+        None where ``encode`` cannot (nothing changed then). ``encode(produce, base, out, bound_ok)`` is a
         codec's ``roundtrip_streamed``: each work item's update is made into a thread's scratch
         (``kernels.outer_advance``: the update as ``update`` makes it, the new momentum written over the
         merged Δ), encoded, and once every item passed, decoded and added to Θ_p (as ``numpy.add``). The new
@@ -167,10 +167,9 @@ class OuterOptimizer:
         g = [np.ravel(delta[n]) for n in names]
         if not all(x.dtype == np.float32 and x.flags.writeable and x.flags.c_contiguous for x in g):
             return None
-        th = [np.ravel(theta[n]) for n in names]
+        th = [np.ravel(np.asarray(theta[n], np.float32)) for n in names]
         trace = self._trace(p)
         t = None if trace is None else [trace[n].reshape(-1) for n in names]
-        dest = g if t is None else t
         mu, neg_lr, nesterov = self._mu, self._neg_lr, self._nesterov
 
         def produce(i: int, lo: int, hi: int) -> np.ndarray:
@@ -181,19 +180,11 @@ class OuterOptimizer:
                 kernels.outer_advance(t[i][lo:hi], g[i][lo:hi], mu, neg_lr, nesterov, u)
             return u
 
-        def consume(i: int, lo: int, hi: int, u: np.ndarray, write: bool) -> None:
-            with np.errstate(over="ignore", invalid="ignore"):
-                if write:
-                    np.add(th[i][lo:hi], u, out=dest[i][lo:hi])
-                    return
-                np.add(th[i][lo:hi], u, out=u)
-            if not np.isfinite(u).all():
-                raise ValueError("the outer step overflowed (non-finite result)")
-
         def bound_ok(largest: float) -> bool:
             return theta_sq is not None and math.sqrt(theta_sq) + largest < NO_OVERFLOW
 
-        enc = encode(produce, consume, bound_ok)
+        dest = g if t is None else t
+        enc = encode(produce, th, dest, bound_ok)
         if enc is None:
             return None
         if trace is not None:

@@ -98,7 +98,7 @@ def test_a_close_never_writes_into_thetas_own_arrays():
 
 
 @pytest.mark.parametrize("theta_value,delta_value,lr,why", [(1.0, 5e37, 10.0, "'block_0/w': NaN/Inf values$"),
-                                                            (3e38, -1e38, 1.0, "the outer step overflowed")])
+                                                            (3e38, -1e38, 1.0, "'block_0/w': adding its decoded values to the base overflows float32")])
 def test_a_refused_streamed_step_leaves_theta_and_the_momentum_as_they_were(theta_value, delta_value, lr, why):
     # A huge Δ with a large outer lr (the update leaves float32: the encoder refuses it), or Θ near float32's
     # largest value and a finite update of the same sign (only Θ + update overflows: the checking pass).

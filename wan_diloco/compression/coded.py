@@ -21,6 +21,7 @@ from wan_diloco import kernels
 from wan_diloco.buffers import BufferPool, thread_scratch
 from wan_diloco.compression import blocks, chunks, pack
 from wan_diloco.compression.config import INT4_QMAX, INT8_QMAX, Format
+from wan_diloco.compression.errors import NonFiniteError
 from wan_diloco.compression.quantize import code_bytes_per_block, n_blocks
 from wan_diloco.merge import Workers, chunk_sum_squares, per_tensor
 from wan_diloco.merge import chunks as merge_chunks
@@ -169,26 +170,53 @@ def scan(fmt: Format, source, names: Sequence[str], shapes: Mapping[str, tuple[i
     return Coded(names, shapes, fmt, sizes, _Stored(raw, source.spans), scales, sq, workers, geo)
 
 
-def decode_items(fmt: Format, source, sizes: Sequence[int], workers: Workers, consume, bound_ok=None) -> None:
-    """Each work item's decoded values (``chunks.block_items``: [lo, hi) of tensor t, in this thread's
-    scratch) to ``consume(t, lo, hi, values, write)`` on ``workers``: all with ``write`` True, after a pass
-    of all with ``write`` False where ``bound_ok(b)`` is False for b, the largest |value| the scales allow."""
+class _Overflow(Exception):
+    """base + decoded values of tensor ``t`` overflow float32 (``add_decoded``'s checking pass)."""
+
+    def __init__(self, t: int):
+        self.t = t
+
+
+def add_decoded(fmt: Format, source, names: Sequence[str], sizes: Sequence[int], workers: Workers,
+                base: Sequence[np.ndarray], out: Sequence[np.ndarray], bound_ok=None) -> None:
+    """out[t] ← base[t] + the decoded values of tensor t (flat float32 arrays of ``sizes``; out may be base),
+    one work item at a time on ``workers`` (``kernels.add_decoded4`` / ``add_decoded8``: the bits of decoding
+    then ``numpy.add``). Where ``bound_ok(b)`` is False for b, the largest |value| the scales allow, a pass
+    that writes nothing first checks every sum: NonFiniteError if one overflows, and ``out`` untouched."""
     geo = _Geometry(fmt, sizes)
     raw = [np.frombuffer(source.read(c), np.uint8) for c in range(len(source.spans))]
-
     scales = workers.map(lambda c: pack.chunk_scales(raw[c], geo.cb, fmt, geo.first(c)), list(range(len(raw))))
     level = INT4_QMAX if fmt.bits == 4 else INT8_QMAX  # every codebook's levels lie in [-1, 1] x qmax
     top = max((float(s.max()) for s in scales if s.size), default=0.0) * level
+    lo_tab, hi_tab = blocks.nibble_levels(fmt.codebook) if fmt.bits == 4 else (None, None)
     bs = geo.bs
 
-    def run(it, write: bool) -> None:
+    def piece(it):
         t, a, b, c = it
-        x = thread_scratch((b - a) * bs).reshape(b - a, bs)
         g = geo.starts[t] + a - geo.first(c)
-        blocks.dequantize_into(geo.codes(raw[c], c)[g:g + b - a], scales[c][g:g + b - a], fmt, x)
-        lo = a * bs
-        hi = min(sizes[t], b * bs)
-        consume(t, lo, hi, x.reshape(-1)[:hi - lo], write)
+        return t, a * bs, min(sizes[t], b * bs), geo.codes(raw[c], c)[g:g + b - a], scales[c][g:g + b - a]
 
-    for write in ([False, True] if bound_ok is not None and not bound_ok(top) else [True]):
-        workers.map(lambda it: run(it, write), geo.items)
+    def check(it) -> None:
+        t, lo, hi, codes, sc = piece(it)
+        x = thread_scratch(codes.shape[0] * bs).reshape(-1, bs)
+        blocks.dequantize_into(codes, sc, fmt, x)
+        y = x.reshape(-1)[:hi - lo]
+        with np.errstate(over="ignore", invalid="ignore"):
+            np.add(base[t][lo:hi], y, out=y)
+        if not np.isfinite(y).all():
+            raise _Overflow(t)
+
+    def run(it) -> None:
+        t, lo, hi, codes, sc = piece(it)
+        if fmt.bits == 4:
+            kernels.add_decoded4(codes, sc, lo_tab, hi_tab, base[t][lo:hi], out[t][lo:hi])
+        else:
+            kernels.add_decoded8(codes.view(np.int8), sc, base[t][lo:hi], out[t][lo:hi])
+
+    if bound_ok is not None and not bound_ok(top):
+        try:
+            workers.map(check, geo.items)
+        except _Overflow as e:
+            raise NonFiniteError(f"tensor {names[e.t]!r}: adding its decoded values to the base overflows float32 "
+                                 "(non-finite result)") from None
+    workers.map(run, geo.items)

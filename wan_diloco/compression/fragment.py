@@ -104,22 +104,22 @@ class FragmentCodec:
         """Whether ``roundtrip_streamed`` encodes (a host 8/4-bit format, rounding to nearest)."""
         return self._fused()
 
-    def roundtrip_streamed(self, fragment: int, produce, consume, bound_ok) -> Encoded | None:
+    def roundtrip_streamed(self, fragment: int, produce, base, out, bound_ok) -> Encoded | None:
         """Encode ``fragment`` from values made a work item at a time, never held whole: ``produce(t, lo,
         hi)`` gives values [lo, hi) of tensor t (float32; it may return this thread's ``buffers.thread_scratch``).
-        Once every item passed the encoder's checks (NonFiniteError otherwise, before any ``consume``),
-        ``consume(t, lo, hi, decoded, write)`` takes each item's decoded values (the bits ``decode`` gives),
-        first all with ``write`` False where ``bound_ok(b)`` is False for b, the largest |decoded value| the
-        scales allow, then all with ``write`` True. Encoded's ``values`` is None: decode the payload for them.
-        None where this codec cannot (not a host 8/4-bit format): the caller goes the whole-array way."""
+        Once every item passed the encoder's checks (NonFiniteError otherwise, ``out`` untouched), out[t] ←
+        base[t] + the decoded values (the bits ``decode`` gives, added as ``numpy.add``; flat float32 arrays
+        in the layout's order; ``coded.add_decoded``, which first checks every sum where ``bound_ok`` says an
+        overflow is possible). Encoded's ``values`` is None: decode the payload for them. None where this
+        codec cannot (not a host 8/4-bit format): the caller goes the whole-array way."""
         if not self._fused():
             return None
         names, sizes = self.layout.fragments[fragment], self._sizes[fragment]
 
         def fill(raw):
             pack.pack_host(self._fmt, names, sizes, self.workers, raw, None, produce=produce)
-            coded.decode_items(self._fmt, pack.Whole(raw, chunks.spans(self._fmt, sizes)), sizes, self.workers,
-                               consume, bound_ok)
+            coded.add_decoded(self._fmt, pack.Whole(raw, chunks.spans(self._fmt, sizes)), names, sizes,
+                              self.workers, base, out, bound_ok)
 
         data = self._frame(fragment, fill=fill)
         return Encoded(values=None, nbytes=len(data), payload=data)
