@@ -86,10 +86,14 @@ def pooled_copy(arrays: Mapping[str, Any]) -> dict[str, np.ndarray]:
 _local = threading.local()
 
 
-def thread_scratch(n: int) -> np.ndarray:
+def thread_scratch(n: int, slot: int = 0) -> np.ndarray:
     """This thread's float32 scratch of ``n`` values, grown on demand and reused: a work item's values
-    (at most ``merge.CHUNK``, 1 MiB: it stays in cache) made, decoded or padded on a pool's thread."""
-    buf = getattr(_local, "values", None)
+    (at most ``merge.CHUNK``, 1 MiB: it stays in cache) made, decoded or padded on a pool's thread.
+    ``slot``: 0 or 1, two scratches a pass may use at once (an item's values and their decoded twin)."""
+    bufs = getattr(_local, "values", None)
+    if bufs is None:
+        bufs = _local.values = [None, None]
+    buf = bufs[slot]
     if buf is None or buf.size < n:
-        buf = _local.values = np.empty(max(n, 1 << 18), np.float32)
+        buf = bufs[slot] = np.empty(max(n, 1 << 18), np.float32)
     return buf[:n]

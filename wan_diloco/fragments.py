@@ -234,6 +234,30 @@ class Layout:
             raise ValueError(f"fragment {fragment!r} out of range 0..{len(self.fragments) - 1}")
 
 
+class LazyValues(Mapping):
+    """A fragment's tensors made on first lookup by ``make()`` (a decode of the payload), then kept: an
+    ``Encoded``'s values where the encoder did not hold them and most callers never read them."""
+
+    def __init__(self, names: Sequence[str], make: Callable[[], Mapping[str, Any]]):
+        self._names, self._make = list(names), make
+        self._values: Mapping[str, Any] | None = None
+
+    @property
+    def made(self) -> bool:
+        return self._values is not None
+
+    def __getitem__(self, name: str) -> Any:
+        if self._values is None:
+            self._values = self._make()
+        return self._values[name]
+
+    def __iter__(self):
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+
 @dataclass(frozen=True)
 class Encoded:
     """One fragment as it crosses the wire: the bytes, their length, and exactly what decoding them gives."""

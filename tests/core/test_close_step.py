@@ -10,8 +10,7 @@ import pytest
 from wan_diloco.clock import VectorClock
 from wan_diloco.compression import CodecConfig, FragmentCodec
 from wan_diloco.core import FragmentUpload, SyncerConfig, SyncerCore
-from wan_diloco.core.close_step import Decoding
-from wan_diloco.fragments import Layout
+from wan_diloco.fragments import LazyValues, Layout
 from wan_diloco.merge import CHUNK
 from wan_diloco.outer import OuterConfig
 
@@ -76,7 +75,7 @@ def test_the_update_a_broadcast_carries_is_its_payload_decoded_when_looked_up():
                                   delta={n: np.full(a.shape, 0.01 * (m + 1), np.float32) for n, a in PARAMS.items()})
     s.on_fragment(0.0, up(0))
     [b] = s.on_fragment(0.0, up(1))
-    assert isinstance(b.msg.update, Decoding) and b.msg.update._values is None  # nothing decoded yet
+    assert isinstance(b.msg.update, LazyValues) and not b.msg.update.made  # nothing decoded yet
     want = codec.decode(0, b.msg.payload)
     assert list(b.msg.update) == list(want) and len(b.msg.update) == 2
     assert all(b.msg.update[n].tobytes() == want[n].tobytes() for n in want)

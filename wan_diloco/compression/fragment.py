@@ -24,7 +24,7 @@ from wan_diloco.compression.coded import Coded
 from wan_diloco.compression.blocks import resolve_impl
 from wan_diloco.compression.config import CodecConfig, Format
 from wan_diloco.compression.errors import CodecError, EncodeError
-from wan_diloco.fragments import Encoded, Layout
+from wan_diloco.fragments import Encoded, LazyValues, Layout
 from wan_diloco.merge import SERIAL, Workers
 
 
@@ -140,8 +140,8 @@ class FragmentCodec:
             if b.shape != self.layout.shapes[n] or r.shape != self.layout.shapes[n]:
                 raise EncodeError(f"tensor {n!r}: base or residual shape differs from {self.layout.shapes[n]}")
         thetas = [np.asarray(x) for x in thetas]
-        if self._fused():
-            enc, host = self._roundtrip_host(p, bases, thetas, pluses, residual)
+        if self._fused():  # a learner sends the payload: its values are decoded only if someone looks
+            enc, host = self._roundtrip_host(p, bases, thetas, pluses, residual, hold=False)
             shaped = {n: r.reshape(self.layout.shapes[n]) for n, r in zip(names, host.residual or [])}
             return enc, shaped if residual else None
         delta = {n: b - np.asarray(x, np.float32) for n, b, x in zip(names, bases, thetas)}
@@ -154,15 +154,19 @@ class FragmentCodec:
         """Whether host arrays are encoded and decoded in one pass (``pack.pack_host``)."""
         return self._fmt.quantized and self._impl == "jnp" and not self.cfg.stochastic_rounding
 
-    def _roundtrip_host(self, p: int, arrays, minus=None, plus=None, residual: bool = False):
+    def _roundtrip_host(self, p: int, arrays, minus=None, plus=None, residual: bool = False, hold: bool = True):
+        """``hold`` False: the values are decoded from the payload when first looked up (``LazyValues``)."""
         got = {}
 
         def fill(raw):
             got["host"] = pack.pack_host(self._fmt, self.layout.fragments[p], self._sizes[p], self.workers, raw,
-                                         arrays, minus, plus, decode=True, residual=residual)
+                                         arrays, minus, plus, decode=True, residual=residual, hold=hold)
 
         data = self._frame(p, fill=fill)
         host = got["host"]
+        if not hold:
+            lazy = LazyValues(self.layout.fragments[p], lambda: self.decode(p, data))
+            return Encoded(values=lazy, nbytes=len(data), payload=data), host
         out = Decoded()
         out.sum_squares = host.sum_squares
         for n, flat in zip(self.layout.fragments[p], host.decoded):

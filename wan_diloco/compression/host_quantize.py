@@ -99,13 +99,15 @@ class HostEncoded:
 
 def encode_host(arrays: Sequence[np.ndarray], sizes: Sequence[int], fmt: Format, workers: Workers,
                 minus: Sequence[np.ndarray] | None = None, plus: Sequence[np.ndarray] | None = None,
-                decode: bool = False, residual: bool = False, sink=None, produce=None) -> HostEncoded:
+                decode: bool = False, residual: bool = False, sink=None, produce=None, hold: bool = True
+                ) -> HostEncoded:
     """Quantize ``arrays − minus + plus`` (float32, computed a chunk at a time in that order: the bits of
     the whole-array expression), or the values ``produce(t, lo, hi)`` makes for values [lo, hi) of tensor
     t (float32; it may return this thread's ``buffers.thread_scratch``), and, with ``decode``, decode them; with
     ``residual`` also keep what the codes dropped. The items of blocks are ``pack.unpack``'s (``chunks.block_items``), so Σx² is its sum
     to the bit. ``sink(item, codes, scales)``: takes each item's codes and scales where it wants them
-    (``pack.pack_host``: straight into the payload's raw bytes) instead of per-tensor arrays."""
+    (``pack.pack_host``: straight into the payload's raw bytes) instead of per-tensor arrays. ``hold`` False:
+    each item is decoded into a scratch for its residual only (no decoded values or Σx² come back)."""
     bs, cb = fmt.block_size, code_bytes_per_block(fmt.bits, fmt.block_size)
     residual = residual and decode
     out, dec, res = [], [], []
@@ -113,7 +115,7 @@ def encode_host(arrays: Sequence[np.ndarray], sizes: Sequence[int], fmt: Format,
         k = n_blocks(n, bs)
         if sink is None:
             out.append((np.empty((k, cb), np.int8 if fmt.bits == 8 else np.uint8), np.empty(k, np.float32)))
-        if decode:
+        if decode and hold:
             dec.append(np.empty(k * bs, np.float32))
         if residual:
             res.append(np.empty(n, np.float32))
@@ -144,7 +146,7 @@ def encode_host(arrays: Sequence[np.ndarray], sizes: Sequence[int], fmt: Format,
             tile = np.zeros((b - a) * bs, np.float32)
             tile[:hi - lo] = x
             tile = tile.reshape(b - a, bs)
-        d = dec[t][lo:b * bs].reshape(b - a, bs) if decode else None
+        d = None if not decode else (dec[t][lo:b * bs] if hold else thread_scratch((b - a) * bs, 1)).reshape(b - a, bs)
         whole = residual and hi - lo == (b - a) * bs
         codes, scales = _tile(tile, fmt, d, res[t][lo:hi].reshape(b - a, bs) if whole else None)
         if sink is None:
@@ -156,11 +158,11 @@ def encode_host(arrays: Sequence[np.ndarray], sizes: Sequence[int], fmt: Format,
         d = d.reshape(-1)[:hi - lo]
         if residual and not whole:  # the padded last block: the residual holds the values only
             np.subtract(x, d, out=res[t][lo:hi])
-        return chunk_sum_squares(d)
+        return chunk_sum_squares(d) if hold else None
 
     sums = workers.map(run, items)
-    if not decode:
-        return HostEncoded(out)
+    if not decode or not hold:
+        return HostEncoded(out, residual=res if residual else None)
     return HostEncoded(out, [d[:n] for d, n in zip(dec, sizes)], per_tensor(len(sizes), items, sums),
                        res if residual else None)
 

@@ -283,12 +283,12 @@ class _BadScales(Exception):
 def pack_host(fmt: Format, names: Sequence[str], sizes: Sequence[int], workers: Workers, raw: np.ndarray,
               arrays: Sequence[np.ndarray], minus: Sequence[np.ndarray] | None = None,
               plus: Sequence[np.ndarray] | None = None, decode: bool = False, residual: bool = False,
-              produce=None) -> HostEncoded:
+              produce=None, hold: bool = True) -> HostEncoded:
     """``pack`` of ``arrays − minus + plus`` (numpy, 8 or 4 bits, round to nearest), or of what ``produce``
     makes (``encode_host``'s; ``arrays`` None), in one pass per item of blocks (``host_quantize.encode_host``)
     that writes its scales and codes straight into ``raw`` (uint8, the raw bytes: no per-tensor codes are
-    held) and with ``decode`` also decodes them: the decoded values and Σx². NonFiniteError names a refused
-    tensor; ``raw`` then holds nothing to keep."""
+    held) and with ``decode`` also decodes them: the decoded values and Σx² (with ``hold``; else only for
+    the residual). NonFiniteError names a refused tensor; ``raw`` then holds nothing to keep."""
     bs, cb = fmt.block_size, code_bytes_per_block(fmt.bits, fmt.block_size)
     m, nb, starts = chunks.chunk_blocks(fmt), 0, []
     for n in sizes:
@@ -309,7 +309,7 @@ def pack_host(fmt: Format, names: Sequence[str], sizes: Sequence[int], workers: 
 
     try:
         return encode_host(arrays, sizes, fmt, workers, minus, plus, decode=decode, residual=residual, sink=sink,
-                           produce=produce)
+                           produce=produce, hold=hold)
     except _BadScales as e:
         if produce is not None:  # its values are gone: say what the cause may be
             also = "" if fmt.scale_dtype == "bfloat16" else f", or a magnitude that {_SCALE_OVERFLOW}"

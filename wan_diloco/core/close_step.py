@@ -5,46 +5,23 @@ CPU: ``FragmentCodec.roundtrip_streamed``), ``OuterOptimizer.step_streamed`` mak
 a thread's scratch, encodes it, then decodes it and adds it to Θ_p: the close holds the merged Δ (which
 takes the new momentum), the payload and scratch, never an update array; the update's values a driver
 may read (the simulator's learners apply them) are decoded from the payload when first looked up
-(``Decoding``). Elsewhere (``outer_step``): the update in an array of its own, encoded in place,
+(``fragments.LazyValues``). Elsewhere (``outer_step``): the update in an array of its own, encoded in place,
 decoded over itself, and the momentum and Θ_p advanced after.
 """
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping as MappingABC
 from contextlib import AbstractContextManager
 from typing import Any, Callable, Mapping
 
 import numpy as np
 
 from wan_diloco.core.protocol import Codec, ProtocolError, Tensors, encode_or_refuse
-from wan_diloco.fragments import Encoded
+from wan_diloco.fragments import Encoded, LazyValues
 from wan_diloco.merge import Workers, chunk_sum_squares, chunks, per_tensor
 from wan_diloco.outer import NO_OVERFLOW, OuterOptimizer
 
 Timing = Callable[[str], AbstractContextManager[Any]]
-
-
-class Decoding(MappingABC):
-    """An update's tensors decoded from its payload when first looked up (``codec.decode``), then kept."""
-
-    def __init__(self, codec: Codec, fragment: int, payload: bytes | bytearray, names):
-        self._codec, self._fragment, self._payload, self._names = codec, fragment, payload, list(names)
-        self._values: Mapping[str, np.ndarray] | None = None
-
-    def _decoded(self) -> Mapping[str, np.ndarray]:
-        if self._values is None:
-            self._values = self._codec.decode(self._fragment, self._payload)
-        return self._values
-
-    def __getitem__(self, name: str) -> np.ndarray:
-        return self._decoded()[name]
-
-    def __iter__(self):
-        return iter(self._names)
-
-    def __len__(self) -> int:
-        return len(self._names)
 
 
 def close_step(outer: OuterOptimizer, codec: Codec, p: int, theta: Tensors, delta: dict[str, np.ndarray],
@@ -64,7 +41,7 @@ def close_step(outer: OuterOptimizer, codec: Codec, p: int, theta: Tensors, delt
             new_theta, enc = got
             # ‖new Θ_p‖² is left to the next upload's norm check: summed over the merge's items there, the
             # bits a pass here would give.
-            return enc, Decoding(codec, p, enc.payload, delta), new_theta, None
+            return enc, LazyValues(list(delta), lambda: codec.decode(p, enc.payload)), new_theta, None
     enc = outer_step(outer, codec, p, theta, delta, workers, timing, theta_sq)
     with timing("outer_step"):
         outer.commit(p, delta, workers)
