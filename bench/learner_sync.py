@@ -67,6 +67,7 @@ class LocalNet:
         self.schedule, self.step_of, self.delay = schedule, step_of, delay
         self.uploads: list = []  # every FragmentUpload, in the order sent
         self._got: dict[tuple[int, int], object] = {}
+        self._answer_bufs: dict[int, list[dict]] = {}
         self._cond = threading.Condition()
         self._answered_upto = 0
         self._inbox: collections.deque = collections.deque()
@@ -80,9 +81,22 @@ class LocalNet:
                 serde.to_frame(msg)
         else:
             serde.to_frame(msg)
+        # The answer a one-learner syncer sends back (−Δ), decoded here as a learner's network thread decodes
+        # an arriving update: off the training thread (a fused encode's values are decoded from its payload
+        # when looked up). Into two reused buffers per fragment, as a decode into the pool would be: an answer
+        # is applied long before its fragment's next one is made.
+        bufs = self._answer_bufs.setdefault(msg.fragment, [{}, {}])
+        bufs.reverse()
+        answer = {}
+        for n, d in msg.delta.items():
+            d = np.asarray(d)
+            out = bufs[0].get(n)
+            if out is None or out.shape != d.shape:
+                out = bufs[0][n] = np.empty(d.shape, np.float32)
+            answer[n] = np.negative(d, out=out)
         with self._cond:
             self.uploads.append(msg)
-            self._got[(msg.due_step, msg.fragment)] = msg
+            self._got[(msg.due_step, msg.fragment)] = (msg, answer)
             self._cond.notify_all()
 
     def next(self, block_s: float = 0.0):
@@ -91,10 +105,10 @@ class LocalNet:
             with self._cond:
                 if not self._cond.wait_for(lambda: (s, p) in self._got, timeout=60):
                     raise RuntimeError(f"LocalNet: no upload of fragment {p} due at step {s} within 60 s")
-                msg = self._got.pop((s, p))
+                msg, answer = self._got.pop((s, p))
             self._inbox.append(Arrived(time.monotonic(), GlobalUpdate(
                 fragment=p, from_version=msg.base_version, to_version=msg.base_version + 1, due_step=s,
-                global_step=s, clock=msg.clock, update={n: -d for n, d in msg.delta.items()}, nbytes=msg.nbytes,
+                global_step=s, clock=msg.clock, update=answer, nbytes=msg.nbytes,
                 contributors=(msg.learner,), held_s={msg.learner: 0.0})))
         self._answered_upto = max(self._answered_upto, upto)
         if not self._inbox:
