@@ -68,7 +68,7 @@ def test_block_absmax_bits_is_the_max_of_abs_and_flags_every_non_finite_block():
 def test_the_loops_release_the_gil_and_run_on_several_threads_at_once_with_the_same_bits():
     # Without nogil the pool's threads would take turns: every loop must release the GIL.
     loops = [f for f in vars(kernels).values() if hasattr(f, "targetoptions")]
-    assert len(loops) == 12 and all(f.targetoptions.get("nogil") for f in loops), [f.__name__ for f in loops]
+    assert len(loops) == 13 and all(f.targetoptions.get("nogil") for f in loops), [f.__name__ for f in loops]
     s, x, k = _values(10, 1 << 20), _values(12, 1 << 20), np.float32(0.5)
     items = [(a, a + (1 << 16)) for a in range(0, 1 << 20, 1 << 16)]
     one, four = s.copy(), s.copy()
@@ -106,6 +106,16 @@ print("ok")
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
 
 
+def _decoded(bits: int, codes, scales, lo, hi) -> np.ndarray:
+    """The decoder's values of (k, 64) blocks, flat: ``dequantize4`` (4 bits) or numpy's int8 × scale."""
+    x = np.empty((codes.shape[0], 64), np.float32)
+    if bits == 4:
+        kernels.dequantize4(codes, scales, lo, hi, x)
+    else:
+        np.multiply(codes, scales[:, None], out=x)
+    return x.reshape(-1)
+
+
 @pytest.mark.parametrize("keep", [np.float32(0), np.float32(1), np.float32(0.37)])
 @pytest.mark.parametrize("pad", [0, 5, 63])
 def test_fold4_and_fold8_are_decoding_then_folding(keep, pad):
@@ -118,13 +128,8 @@ def test_fold4_and_fold8_are_decoding_then_folding(keep, pad):
     lo, hi = nibble_levels("nf4")
     for bits in (4, 8):
         c = codes if bits == 4 else rng.integers(-127, 128, (k, 64)).astype(np.int8)
-        x = np.empty((k, 64), np.float32)
         with np.errstate(all="ignore"):
-            if bits == 4:
-                kernels.dequantize4(c, scales, lo, hi, x)
-            else:
-                np.multiply(c, scales[:, None], out=x)
-            x = x.reshape(-1)[:k * 64 - pad]
+            x = _decoded(bits, c, scales, lo, hi)[:k * 64 - pad]
             s, kk = _values(16, x.size), np.float32(-2.5)
             want = np.multiply(x, kk) if keep == 0 else np.add(np.multiply(s, keep), np.multiply(x, kk))
         got = s.copy() if keep else np.full_like(s, np.nan)  # keep 0: whatever the sums held is overwritten
@@ -144,14 +149,9 @@ def test_add_decoded_is_decoding_then_numpys_add(pad):
     lo, hi = nibble_levels("uniform")
     for bits in (4, 8):
         c = rng.integers(0, 256, (k, 32), dtype=np.uint8) if bits == 4 else rng.integers(-127, 128, (k, 64)).astype(np.int8)
-        x = np.empty((k, 64), np.float32)
         with np.errstate(all="ignore"):
-            if bits == 4:
-                kernels.dequantize4(c, scales, lo, hi, x)
-            else:
-                np.multiply(c, scales[:, None], out=x)
             base = _values(17, k * 64 - pad)
-            want = np.add(base, x.reshape(-1)[:base.size])
+            want = np.add(base, _decoded(bits, c, scales, lo, hi)[:base.size])
         got = np.full_like(base, np.nan)
         if bits == 4:
             kernels.add_decoded4(c, scales, lo, hi, base, got)

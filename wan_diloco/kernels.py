@@ -114,6 +114,17 @@ def quantize4(x, inv, scales, mids, levels, codes, dec, res):
                     res[i, j] = x[i, j] - dec[i, j]
 
 
+@njit(inline="always", **_JIT)
+def _block_levels(codes, i, lo, hi, x):
+    """x[j], x[j + h] ← the levels of block i's byte j (its low and high nibble): the loops that use a 4-bit
+    block's values gather them here first, so the arithmetic over x vectorizes."""
+    h = codes.shape[1]
+    for j in range(h):
+        c = codes[i, j]
+        x[j] = lo[c]
+        x[j + h] = hi[c]
+
+
 @_compiled(types.void(_in(_u8, 2), _in(_f32, 1), _in(_f32, 1), _in(_f32, 1), _out(_f32, 1), _f32, _f32))
 def fold4(codes, scales, lo, hi, s, keep, k):
     """``dequantize4`` straight into a merge's fold: s ← s·keep + x·k for the decoded values x of the 4-bit
@@ -126,10 +137,7 @@ def fold4(codes, scales, lo, hi, s, keep, k):
     x = np.empty(bs, np.float32)
     for i in range(kb):
         sc, base = scales[i], i * bs
-        for j in range(h):
-            c = codes[i, j]
-            x[j] = lo[c]
-            x[j + h] = hi[c]
+        _block_levels(codes, i, lo, hi, x)
         m = min(bs, n - base)
         if keep == 0:
             for j in range(m):
@@ -149,10 +157,7 @@ def add_decoded4(codes, scales, lo, hi, base, out):
     x = np.empty(bs, np.float32)
     for i in range(kb):
         sc, first = scales[i], i * bs
-        for j in range(h):
-            c = codes[i, j]
-            x[j] = lo[c]
-            x[j + h] = hi[c]
+        _block_levels(codes, i, lo, hi, x)
         for j in range(min(bs, n - first)):
             out[first + j] = base[first + j] + x[j] * sc
 
