@@ -148,7 +148,8 @@ def test_add_decoded_is_decoding_then_numpys_add(pad):
     scales = np.abs(_values(15, k))
     lo, hi = nibble_levels("uniform")
     for bits in (4, 8):
-        c = rng.integers(0, 256, (k, 32), dtype=np.uint8) if bits == 4 else rng.integers(-127, 128, (k, 64)).astype(np.int8)
+        c = (rng.integers(0, 256, (k, 32), dtype=np.uint8) if bits == 4
+             else rng.integers(-127, 128, (k, 64)).astype(np.int8))
         with np.errstate(all="ignore"):
             base = _values(17, k * 64 - pad)
             want = np.add(base, _decoded(bits, c, scales, lo, hi)[:base.size])

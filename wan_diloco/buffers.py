@@ -1,7 +1,8 @@
 """Float32 buffers handed out again once nothing refers to them: the syncer's hot path without fresh pages.
 
-A syncer's round sums its uploads into a fragment-sized array that at the close takes the new momentum,
-the old momentum's array taking the new Θ and the old Θ's going free. Fresh arrays that size come from ``mmap`` and each first
+A syncer's round sums its uploads into a fragment-sized array that at the close takes the new
+momentum, the old momentum's array taking the new Θ and the old Θ's going free. Fresh arrays that
+size come from ``mmap`` and each first
 touch of a page is a fault the kernel zeroes: a quarter of a CPU second per GB, as much as the NF4
 lookup itself. ``BufferPool.empty`` hands out a slice of a buffer it made before once no array refers to
 it any more (numpy views keep their base alive, so the base's reference count says when the last one

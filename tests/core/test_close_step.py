@@ -70,9 +70,11 @@ def test_the_streamed_step_gives_the_bits_of_the_whole_array_step(bits, outer):
 def test_the_update_a_broadcast_carries_is_its_payload_decoded_when_looked_up():
     codec = FragmentCodec(CodecConfig(bits=4, block_size=64), LAYOUT)
     s, _ = run(codec, OuterConfig(), 1, rounds=0)
-    up = lambda m: FragmentUpload(learner=m, fragment=0, due_step=8, base_version=0, c_steps=8, c_tokens=800,  # noqa: E731
-                                  clock=VectorClock({f"learner-{m}": 8}), nbytes=1,
-                                  delta={n: np.full(a.shape, 0.01 * (m + 1), np.float32) for n, a in PARAMS.items()})
+    def up(m):
+        return FragmentUpload(learner=m, fragment=0, due_step=8, base_version=0, c_steps=8, c_tokens=800,
+                              clock=VectorClock({f"learner-{m}": 8}), nbytes=1,
+                              delta={n: np.full(a.shape, 0.01 * (m + 1), np.float32) for n, a in PARAMS.items()})
+
     s.on_fragment(0.0, up(0))
     [b] = s.on_fragment(0.0, up(1))
     assert isinstance(b.msg.update, LazyValues) and not b.msg.update.made  # nothing decoded yet
@@ -96,8 +98,10 @@ def test_a_close_never_writes_into_thetas_own_arrays():
     assert all(not np.shares_memory(shared[n], s.theta[0][n]) for n in shared)
 
 
-@pytest.mark.parametrize("theta_value,delta_value,lr,why", [(1.0, 5e37, 10.0, "'block_0/w': NaN/Inf values$"),
-                                                            (3e38, -1e38, 1.0, "'block_0/w': adding its decoded values to the base overflows float32")])
+@pytest.mark.parametrize("theta_value,delta_value,lr,why", [
+    (1.0, 5e37, 10.0, "'block_0/w': NaN/Inf values$"),
+    (3e38, -1e38, 1.0, "'block_0/w': adding its decoded values to the base overflows float32"),
+])
 def test_a_refused_streamed_step_leaves_theta_and_the_momentum_as_they_were(theta_value, delta_value, lr, why):
     # A huge Δ with a large outer lr (the update leaves float32: the encoder refuses it), or Θ near float32's
     # largest value and a finite update of the same sign (only Θ + update overflows: the checking pass).

@@ -1,14 +1,14 @@
 """An 8/4-bit upload kept as its codes: checked and measured on receipt, decoded straight into a merge.
 
-A syncer folds each upload into a round's running sums (``merge.Accumulator``). Decoding it first
-writes a fragment of float32 values that the fold then reads back: 8 bytes of memory traffic per
-value, and one more fragment held, for values that are used once. ``scan`` instead reads a payload's
-chunks once into a buffer of raw bytes (an eighth of the values' size in 4 bits), validates every
-scale and computes each tensor's Σx² as the merge would from the values (``merge.sum_squares``'s
-items, each dequantized into this thread's cache-sized scratch: the same bits, so RDA's norms need no
-pass over values); ``Coded.fold_into`` then dequantizes each item into the sums in one pass
-(``kernels.fold4`` / ``fold8``: the same bits as decode then fold). Anything that wants the values themselves reads them as from a ``Decoded``: the
-first lookup decodes the whole fragment (``materialize``).
+A syncer folds each upload into a round's running sums (``merge.Accumulator``). Decoding it first writes a
+fragment of float32 values that the fold then reads back: 8 bytes of memory traffic per value, and one more
+fragment held, for values that are used once. ``scan`` instead reads a payload's chunks once into a buffer of
+raw bytes (an eighth of the values' size in 4 bits), validates every scale and computes each tensor's Σx² as
+the merge would from the values (``merge.sum_squares``'s items, each dequantized into this thread's
+cache-sized scratch: the same bits, so RDA's norms need no pass over values); ``Coded.fold_into`` then dequantizes
+each item into the sums in one pass (``kernels.fold4`` / ``fold8``: the same bits as decode then fold).
+Anything that wants the values themselves reads them as from a ``Decoded``: the first lookup decodes the whole
+fragment (``materialize``).
 """
 from __future__ import annotations
 

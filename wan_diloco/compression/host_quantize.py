@@ -103,9 +103,9 @@ def encode_host(arrays: Sequence[np.ndarray], sizes: Sequence[int], fmt: Format,
                 ) -> HostEncoded:
     """Quantize ``arrays − minus + plus`` (float32, computed a chunk at a time in that order: the bits of
     the whole-array expression), or the values ``produce(t, lo, hi)`` makes for values [lo, hi) of tensor
-    t (float32; it may return this thread's ``buffers.thread_scratch``), and, with ``decode``, decode them; with
-    ``residual`` also keep what the codes dropped. The items of blocks are ``pack.unpack``'s (``chunks.block_items``), so Σx² is its sum
-    to the bit. ``sink(item, codes, scales)``: takes each item's codes and scales where it wants them
+    t (float32; it may return this thread's ``buffers.thread_scratch``), and, with ``decode``, decode
+    them; with ``residual`` also keep what the codes dropped. The items of blocks are ``pack.unpack``'s
+    (``chunks.block_items``), so Σx² is its sum to the bit. ``sink(item, codes, scales)``: takes each item's codes and scales where it wants them
     (``pack.pack_host``: straight into the payload's raw bytes) instead of per-tensor arrays. ``hold`` False:
     each item is decoded into a scratch for its residual only (no decoded values or Σx² come back)."""
     bs, cb = fmt.block_size, code_bytes_per_block(fmt.bits, fmt.block_size)
@@ -120,7 +120,8 @@ def encode_host(arrays: Sequence[np.ndarray], sizes: Sequence[int], fmt: Format,
         if residual:
             res.append(np.empty(n, np.float32))
     items = block_items(sizes, fmt)
-    flat = [[np.ravel(x) for x in xs] if xs is not None else None for xs in (arrays, minus, plus)]  # arrays: None with produce
+    # ``arrays`` is None with ``produce``.
+    flat = [[np.ravel(x) for x in xs] if xs is not None else None for xs in (arrays, minus, plus)]
 
     def values(t: int, lo: int, hi: int) -> np.ndarray:
         if produce is not None:

@@ -224,7 +224,7 @@ class SyncerRounds:
         self._fold(self._sums(rnd, msg.fragment), msg, delta_sq if own else None)
         rnd.contributions[msg.learner] = replace(msg, delta={}, payload=None)  # its counters; Δ is in the sums
         if getattr(msg.delta, "handed_over", False):
-            msg.delta.clear()  # no one else holds it (``compression.Decoded``): its memory is free for the close
+            msg.delta.clear()  # no one else holds it (a ``Decoded`` or ``Coded``): its memory is free for the close
 
     def _sums(self, rnd: Round, p: int) -> Accumulator:
         if rnd.sums is None:
