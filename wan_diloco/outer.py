@@ -108,10 +108,13 @@ class OuterOptimizer:
         """Adopt ``state`` (optax's pytree, e.g. from a snapshot) as writable host copies: ``commit``
         writes into them, and a snapshot's arrays may be read-only or shared."""
         trace = state[0].trace if self._mu is not None and hasattr(state[0], "trace") else None
-        pooled = pooled_copy(trace) if isinstance(trace, Mapping) else None
-        self.states[p] = jax.tree.map(lambda a: np.array(a, dtype=np.float32), state)
-        if pooled is not None:  # in the pool: a close lets its arrays go for the next round's sums
+        if isinstance(trace, Mapping):  # copied into the pool: a close lets its arrays go for the next round's sums
+            pooled = pooled_copy(trace)
+            state = (state[0]._replace(trace={}),) + tuple(state[1:])  # copied once, not twice
+            self.states[p] = jax.tree.map(lambda a: np.array(a, dtype=np.float32), state)
             self.states[p][0].trace.update(pooled)
+            return
+        self.states[p] = jax.tree.map(lambda a: np.array(a, dtype=np.float32), state)
 
     def _trace(self, p: int) -> Mapping[str, np.ndarray] | None:
         return self.states[p][0].trace if self._mu is not None else None
