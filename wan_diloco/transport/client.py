@@ -1,12 +1,11 @@
 """gRPC (HTTP/2) client of the syncer: metadata and fragment Frames up, Frames down, bulk.
 
-Several channels (TCP connections) per peer; uploads go round-robin over them. Every call has a
-deadline and its sender's token (a learner's own; the run's token is never sent, only what it derives
-for the sender: ``security.call_token``); calls that fail with UNAVAILABLE are retried with exponential
-backoff and jitter for up to ``retry_budget_s`` (gRPC itself reconnects the channel with the same
-backoff settings). Every other status (e.g. ALREADY_EXISTS: another process subscribed with our sender
-name) is final and raised as ``TransportError``.
-"""
+Several channels (TCP connections) per peer; uploads go round-robin over them. Every call has a deadline
+and its sender's token (a learner's own; the run's token is never sent, only what it derives for the
+sender: ``security.call_token``); calls that fail with UNAVAILABLE are retried with exponential backoff and
+jitter for up to ``retry_budget_s`` (gRPC itself reconnects the channel with the same backoff settings).
+Every other status (e.g. ALREADY_EXISTS: another process subscribed as our sender) is final and raised
+as ``TransportError``."""
 from __future__ import annotations
 
 import asyncio
@@ -20,6 +19,7 @@ from typing import AsyncIterator
 import grpc
 
 from .config import MAX_CHANNELS, PROBE_TUNED, TransportConfig, tune_for_link
+from .direct_send import DirectLinks
 from .framing import BufferPool, MessageReader, iter_chunks
 from .heap import pin_malloc_thresholds
 from .messages import (
@@ -61,6 +61,7 @@ class SyncerClient:
                                                    self.config.max_uploads_per_sender))
         self._closed = False
         self.link: LinkSample | None = None  # the last probe's measurement: sizes later connections
+        self._direct = DirectLinks(target, self._token, self.config) if self.config.direct_port else None
 
     def channel_options(self) -> list[tuple[str, int]]:
         """gRPC options of the next connection opened: after a probe, the HTTP/2 window, frame and read
@@ -101,6 +102,8 @@ class SyncerClient:
 
     async def close(self) -> None:
         self._closed = True
+        if self._direct is not None:
+            await self._direct.close()
         channels, self._channels = self._channels, []
         await asyncio.gather(*(c.close() for c in channels), return_exceptions=True)
 
@@ -166,33 +169,30 @@ class SyncerClient:
 
     async def upload_fragment(self, frame: Frame) -> Ack:
         """Stream one Frame in chunks of ``chunk_bytes`` over the next channel (the Upload RPC), or, when
-        it is at least twice ``stripe_min_bytes`` and there are several channels, striped over them
-        (the Stripe RPC, ``stripes.py``).
-
-        At most ``max_inflight_uploads`` (and ``max_uploads_per_sender``) run at once;
-        more callers wait here, so a learner never queues more than that many
-        fragments in memory.
-        """
+        it is at least twice ``stripe_min_bytes`` and there are several channels, striped over them (the
+        Stripe RPC, ``stripes.py``; direct stripes with ``direct_port``, ``direct.py``). At most
+        ``max_inflight_uploads`` (and ``max_uploads_per_sender``) run at once; more callers wait here, so a
+        learner never queues more than that many fragments in memory."""
         if not isinstance(frame, Frame):
             raise MessageError(f"upload_fragment takes a Frame, got {type(frame).__name__}")
         head, payload = encode_parts(frame)  # chunks are sliced and checksummed lazily, per try
         size = len(head) + len(payload) + TRAILER_BYTES
         if size > self.config.max_message_bytes:
             raise MessageError(f"fragment of {size} bytes exceeds max_message_bytes {self.config.max_message_bytes}")
-
         metadata = self._metadata(frame.sender)
-
         stripes = stripe_count(len(self._channels), size, self.config.stripe_min_bytes)
 
         async def attempt():
-            if stripes > 1:  # one stream per connection: one fragment can use them all
+            deadline_s = self.config.upload_deadline_s(size)
+            if stripes > 1 and self._direct is not None:  # TLS straight into the syncer's buffer
+                reply = await self._direct.send(frame, head, payload, stripes, deadline_s)
+            elif stripes > 1:  # one stream per connection: one fragment can use them all
                 reply = await send_striped(self._channels, next(self._next_channel), f"/{SERVICE}/Stripe", frame,
-                                           head, payload, stripes, self.config.chunk_bytes,
-                                           self.config.upload_deadline_s(size), metadata)
+                                           head, payload, stripes, self.config.chunk_bytes, deadline_s, metadata)
             else:
                 call = self._channel().stream_unary(f"/{SERVICE}/Upload")
                 reply = await call(iter_chunks(head, payload, self.config.chunk_bytes),
-                                   timeout=self.config.upload_deadline_s(size), metadata=metadata, wait_for_ready=True)
+                                   timeout=deadline_s, metadata=metadata, wait_for_ready=True)
             self.metrics.sent("Upload", size)
             return reply
 

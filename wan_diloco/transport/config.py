@@ -53,6 +53,10 @@ class TransportConfig:
     # client: an upload of at least twice this many bytes is striped over the channels (one stripe per
     # channel, each at least this big) instead of riding one connection; 0: never striped
     stripe_min_bytes: int = 8 * MiB
+    # the syncer's port for direct stripes (direct.py: a striped upload's bytes over plain TLS connections,
+    # decrypted straight into the buffer they are decoded from, at about half the receiver's CPU per GiB of
+    # gRPC's); the same number on both sides, on the syncer's host. 0: off, every byte rides gRPC
+    direct_port: int = 0
     max_inflight_uploads: int = 8  # client: fragment uploads in flight at once (capped by max_uploads_per_sender)
     max_concurrent_uploads: int = 16  # server: uploads reassembled at once (memory bound)
     max_uploads_per_sender: int = 4  # server: open uploads of one sender; more are refused (RESOURCE_EXHAUSTED)
@@ -98,6 +102,8 @@ class TransportConfig:
         )
         require(self.stripe_min_bytes == 0 or self.stripe_min_bytes >= 64 * 1024, "stripe_min_bytes",
                 f"must be 0 (never stripe) or >= 65536, got {self.stripe_min_bytes}")
+        require(0 <= self.direct_port <= 65535, "direct_port", f"must be a port in [1, 65535] or 0 (off), got "
+                f"{self.direct_port}")
         require(1 <= self.channels <= 64, "channels", f"must be in [1, 64], got {self.channels}")
         require(self.max_inflight_uploads >= 1, "max_inflight_uploads", "must be >= 1")
         require(self.max_concurrent_uploads >= 1, "max_concurrent_uploads", "must be >= 1")

@@ -6,6 +6,7 @@ import hmac
 import ipaddress
 import os
 import socket
+import ssl
 from pathlib import Path
 from typing import Sequence
 
@@ -132,11 +133,14 @@ def require_secure_or_loopback(address: str, tls: TlsConfig | None, allow_insecu
         )
 
 
+def _path(path: str, what: str) -> str:
+    if not Path(path).is_file():
+        raise ConfigError(f"tls.{what}: file {path} not found")
+    return path
+
+
 def _read(path: str, what: str) -> bytes:
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"tls.{what}: file {p} not found")
-    return p.read_bytes()
+    return Path(_path(path, what)).read_bytes()
 
 
 def server_credentials(tls: TlsConfig) -> grpc.ServerCredentials:
@@ -157,6 +161,38 @@ def channel_credentials(tls: TlsConfig) -> grpc.ChannelCredentials:
     key = _read(tls.key_file, "key_file") if tls.mutual else None
     chain = _read(tls.cert_file, "cert_file") if tls.mutual else None
     return grpc.ssl_channel_credentials(root_certificates=roots, private_key=key, certificate_chain=chain)
+
+
+def server_ssl_context(tls: TlsConfig) -> ssl.SSLContext:
+    """``server_credentials``' settings for a socket the gRPC core does not own (direct stripes)."""
+    tls.validate()
+    if not tls.cert_file:
+        raise ConfigError("tls.cert_file: a TLS server needs cert_file and key_file")
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    ctx.load_cert_chain(_path(tls.cert_file, "cert_file"), _path(tls.key_file, "key_file"))
+    if tls.mutual:
+        ctx.load_verify_locations(_path(tls.ca_file, "ca_file"))
+        ctx.verify_mode = ssl.CERT_REQUIRED
+    return ctx
+
+
+def client_ssl_context(tls: TlsConfig) -> ssl.SSLContext:
+    """``channel_credentials``' settings for a socket the gRPC core does not own (direct stripes)."""
+    tls.validate()
+    ctx = ssl.create_default_context(cafile=_path(tls.ca_file, "ca_file") if tls.ca_file else None)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    if tls.mutual:
+        ctx.load_cert_chain(_path(tls.cert_file, "cert_file"), _path(tls.key_file, "key_file"))
+    return ctx
+
+
+def peer_common_name(ssl_object) -> str | None:
+    """The common name of a verified client certificate on a TLS socket (``certificate_name``'s rule:
+    exactly one, else None)."""
+    cert = ssl_object.getpeercert() if ssl_object is not None else None
+    names = [v for rdn in (cert or {}).get("subject", ()) for k, v in rdn if k == "commonName"]
+    return names[0] if len(names) == 1 else None
 
 
 class ListenError(OSError):

@@ -26,20 +26,21 @@ from typing import Callable
 import grpc
 
 from .bulk_serve import bulk_messages
+from .direct import DirectServer, status_of
 from .callers import IDENTITY_REASONS, MAX_PEER_LINKS, SENDER_HEADER, Callers, abort_call, sender_metadata, uploader
 from .config import TransportConfig
 from .framing import BufferPool, MessageReader, Prepared
 from .handler import BulkSource, Handler, Rejected
 from .heap import pin_malloc_thresholds
-from .messages import (
-    Ack, BulkRequest, Frame, Message, MessageError, OversizedError, Payload, Subscribe, decode_message,
-    encode_message,
-)
+from .messages import Ack, BulkRequest, Frame, Message, MessageError, Payload, Subscribe, decode_message, encode_message
 from .metrics import TransportMetrics
 from .probe import MAX_CONCURRENT_PROBES, MAX_PROBE_BYTES, PROBE_MESSAGE_MIN_BYTES, record_link
-from .security import certificate_identity, check_token, require_secure_or_loopback, server_credentials, why_not_listening
+from .security import (
+    certificate_identity, check_token, require_secure_or_loopback, server_credentials, server_ssl_context,
+    why_not_listening,
+)
 from .stripe_fetch import StripeOffers
-from .stripes import StripeAssembler, StripeTimeout
+from .stripes import StripeAssembler
 
 # Re-exported: callers and applications import these from here.
 __all__ = ["BulkSource", "Handler", "IDENTITY_REASONS", "MAX_PEER_LINKS", "Rejected", "SENDER_HEADER", "SERVICE",
@@ -92,6 +93,7 @@ class TransportServer:
         self._stripes = StripeAssembler(self.config, self._pool, self._begin_upload, self._end_upload,
                                         self._deliver, self.callers.bind, self.metrics)
         self._offers = StripeOffers(self.config, name, self.metrics)
+        self._direct = DirectServer(self.config, self.callers, self._stripes, self.metrics)
         self._probes = 0
         # sender -> its latest link measurement as it reported it (``Probe`` meta): for /status.
         self.peer_links: dict[str, dict] = {}
@@ -120,6 +122,10 @@ class TransportServer:
             except RuntimeError:  # gRPC's "Failed to bind to address ...", without the reason
                 raise why_not_listening(self.address) from None
             await server.start()
+            if self.config.direct_port:  # direct stripes (direct.py) beside gRPC, on the same host
+                tls = self.config.tls
+                await self._direct.start(self.address.rpartition(":")[0], self.config.direct_port,
+                                         server_ssl_context(tls) if tls is not None else None)
         except BaseException:
             await server.stop(None)
             raise
@@ -133,6 +139,7 @@ class TransportServer:
         return f"{host}:{self.port}"
 
     async def stop(self, grace_s: float | None = 1.0) -> None:
+        await self._direct.stop()
         if self._server is not None:
             server, self._server = self._server, None
             await server.stop(grace_s)
@@ -159,16 +166,10 @@ class TransportServer:
         """Turn an exception from decoding or the handler into a status (or re-raise)."""
         if not isinstance(error, Exception) or isinstance(error, grpc.aio.AbortError):
             raise error  # cancellation, generator close, or a status already set
-        if isinstance(error, OversizedError):
-            await self._fail(context, rpc, grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
-        if isinstance(error, MessageError):
-            await self._fail(context, rpc, grpc.StatusCode.INVALID_ARGUMENT, str(error))
-        if isinstance(error, Rejected):
-            await self._fail(context, rpc, error.code, str(error))
-        if isinstance(error, StripeTimeout):
-            await self._fail(context, rpc, grpc.StatusCode.DEADLINE_EXCEEDED, str(error))
-        log.exception("%s handler failed", rpc, exc_info=error)
-        await self._fail(context, rpc, grpc.StatusCode.INTERNAL, f"handler failed: {type(error).__name__}: {error}")
+        code, detail = status_of(error)
+        if code == grpc.StatusCode.INTERNAL:
+            log.exception("%s handler failed", rpc, exc_info=error)
+        await self._fail(context, rpc, code, detail)
 
     def _ack(self, rpc: str, ack: Ack | None) -> bytes:
         data = encode_message(ack if ack is not None else Ack(sender=self.name))

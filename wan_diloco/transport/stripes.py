@@ -130,6 +130,7 @@ class Assembly:
         self.result = asyncio.get_running_loop().create_future()  # the Ack bytes every stripe call answers
         self.progress_at = asyncio.get_running_loop().time()
         self.failed = False
+        self.writers = 0  # direct stripes reading into buf right now: it goes back to the pool after them
 
     def claim(self, st: Stripe) -> None:
         """Reserve ``st``'s bytes; MessageError if it does not belong with the stripes already claimed."""
@@ -185,14 +186,7 @@ class StripeAssembler:
                 raise StripeTimeout(f"no stripe header within {idle_s:g} s (stream_idle_timeout_s)") from None
             if head is None:
                 raise MessageError("stripe call ended before its header")
-            header = decode_message(head, max_bytes=self.config.grpc_message_bytes)
-            if not isinstance(header, Frame):
-                raise MessageError(f"stripe header: expected Frame, got {type(header).__name__}")
-            self.bind(bound, header.sender)
-            st = Stripe.parse(header.meta, self.config.max_message_bytes)
-            if expect is not None:
-                expect(st)
-            asm = await self._join(who, st)
+            st, asm = await self.open_stripe(head, bound, who, expect)
             digest, at, loop = xxhash.xxh3_64(), st.offset, asyncio.get_running_loop()
             try:
                 async with asyncio.timeout(idle_s) as quiet:
@@ -211,20 +205,38 @@ class StripeAssembler:
                 raise StripeTimeout(f"no data for {idle_s:g} s (stream_idle_timeout_s) in stripe {st.index} of "
                                     f"upload {st.upload} after {nbytes} bytes; upload aborted") from None
             if not asm.failed:
-                if at != st.offset + st.length:
-                    raise MessageError(f"stripe {st.index} of upload {st.upload}: ended after {at - st.offset} "
-                                       f"of {st.length} bytes")
-                if digest.intdigest() != st.xxh3:
-                    raise MessageError(f"stripe {st.index} of upload {st.upload}: checksum mismatch")
-                self.metrics.received(self.rpc, nbytes, 0)
-                asm.done.add(st.index)
-                if len(asm.done) == asm.count:
-                    await self._complete(asm, bound)
+                await self.close_stripe(st, asm, at - st.offset, digest.intdigest(), bound)
             return await asm.result
         except BaseException as e:
             if asm is not None:
-                self._fail(asm, e)
+                self.fail(asm, e)
             raise
+
+    async def open_stripe(self, head: bytes | memoryview, bound: str | None, who: str,
+                          expect: Callable[[Stripe], None] | None = None) -> tuple[Stripe, Assembly]:
+        """A stripe's header message checked and its upload joined (a slot taken for its first stripe):
+        the stripe and the upload whose buffer its bytes go into."""
+        header = decode_message(head, max_bytes=self.config.grpc_message_bytes)
+        if not isinstance(header, Frame):
+            raise MessageError(f"stripe header: expected Frame, got {type(header).__name__}")
+        self.bind(bound, header.sender)
+        st = Stripe.parse(header.meta, self.config.max_message_bytes)
+        if expect is not None:
+            expect(st)
+        return st, await self._join(who, st)
+
+    async def close_stripe(self, st: Stripe, asm: Assembly, nbytes: int, digest: int, bound: str | None,
+                           rpc: str | None = None) -> None:
+        """Stripe ``st`` ended after ``nbytes`` of its bytes, which hash to ``digest``: checked, counted, and
+        once it is the upload's last, the message decoded and delivered (``asm.result`` then holds the Ack)."""
+        if nbytes != st.length:
+            raise MessageError(f"stripe {st.index} of upload {st.upload}: ended after {nbytes} of {st.length} bytes")
+        if digest != st.xxh3:
+            raise MessageError(f"stripe {st.index} of upload {st.upload}: checksum mismatch")
+        self.metrics.received(rpc or self.rpc, nbytes, 0)
+        asm.done.add(st.index)
+        if len(asm.done) == asm.count:
+            await self._complete(asm, bound)
 
     async def _join(self, who: str, st: Stripe) -> Assembly:
         key = (who, st.upload)
@@ -251,7 +263,7 @@ class StripeAssembler:
             try:
                 asm.claim(st)
             except MessageError as e:  # a stripe that does not fit fails the whole upload
-                self._fail(asm, e)
+                self.fail(asm, e)
                 raise
             await asyncio.shield(asm.opened)
         return asm
@@ -267,7 +279,7 @@ class StripeAssembler:
             if left > 0:
                 loop.call_later(left, check)
             else:
-                self._fail(asm, StripeTimeout(f"upload {asm.key[1]}: stripes {asm.missing()} of {asm.count} "
+                self.fail(asm, StripeTimeout(f"upload {asm.key[1]}: stripes {asm.missing()} of {asm.count} "
                                               f"did not arrive within {idle_s:g} s (stream_idle_timeout_s)"))
         loop.call_later(idle_s, check)
 
@@ -284,7 +296,7 @@ class StripeAssembler:
             asm.result.set_result(ack)
             self._release(asm)
 
-    def _fail(self, asm: Assembly, error: BaseException) -> None:
+    def fail(self, asm: Assembly, error: BaseException) -> None:
         if asm.result.done():
             return
         asm.failed = True
@@ -297,10 +309,16 @@ class StripeAssembler:
         asm.result.exception()  # retrieved here: other stripe calls may be gone already
         self._release(asm)
 
+    def write_done(self, asm: Assembly) -> None:
+        """A direct stripe stopped writing into ``asm.buf`` (``asm.writers`` was raised for it)."""
+        asm.writers -= 1
+        if asm.result.done():
+            self._release(asm)
+
     def _release(self, asm: Assembly) -> None:
         if self.uploads.get(asm.key) is asm:
             del self.uploads[asm.key]
-        if asm.buf is not None:
+        if asm.buf is not None and not asm.writers:  # a socket may still be reading into it: not yet
             buf, asm.buf = asm.buf, None
             self.pool.put(buf)
             self.end(asm.key[0])
