@@ -18,10 +18,12 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
+import itertools
 import json
 import os
 import platform
 import resource
+import socket
 import statistics
 import ssl
 import subprocess
@@ -108,6 +110,10 @@ def transport_config(spec: dict) -> TransportConfig:
         base = dataclasses.replace(tuned, channels=spec["channels"], max_inflight_uploads=base.max_inflight_uploads)
     if spec.get("unstriped"):  # every fragment on one stream (the transport before striping)
         base = dataclasses.replace(base, stripe_min_bytes=0)
+    if spec.get("direct_port"):  # direct stripes (transport/direct.py): both sides name the receiver's port
+        base = dataclasses.replace(base, direct_port=spec["direct_port"])
+    if spec.get("stripe_min_bytes"):
+        base = dataclasses.replace(base, stripe_min_bytes=spec["stripe_min_bytes"])
     if spec.get("chunk_bytes"):  # the gRPC message size (a receiver takes messages up to its own)
         base = dataclasses.replace(base, chunk_bytes=spec["chunk_bytes"])
     if spec.get("tls_dir"):
@@ -132,10 +138,45 @@ async def serve(spec: dict) -> None:
         async with server:
             await stop.wait()
         return
+    if spec["kind"] == "floor":
+        await serve_floor(spec, stop)
+        return
     decode = load_codec()[2] if spec.get("decode") else None
+    if spec.get("direct"):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            spec = {**spec, "direct_port": probe.getsockname()[1]}
     config = transport_config({**spec, "side": "server"})
     server = TransportServer(CountingHandler(decode), TOKEN, config, "127.0.0.1:0")
     port = await server.start()
+    print(json.dumps({"port": port, "direct_port": spec.get("direct_port", 0)}), flush=True)
+    try:
+        await stop.wait()
+    finally:
+        await server.stop(0)
+
+
+async def serve_floor(spec: dict, stop: asyncio.Event) -> None:
+    """gRPC's own floor: a bare grpc.aio server whose one method reads every message and drops it (no
+    framing, reassembly, checksum or handler of ours), with the transport's server options and TLS."""
+    async def sink(requests, context):
+        n = 0
+        async for chunk in requests:
+            n += len(chunk)
+        return n.to_bytes(8, "little")
+
+    config = transport_config({**spec, "side": "server"})
+    server = grpc.aio.server(options=config.server_options())
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+        "floor", {"Sink": grpc.stream_unary_rpc_method_handler(sink)}),))
+    if spec.get("tls_dir"):
+        d = spec["tls_dir"]
+        creds = grpc.ssl_server_credentials([(Path(f"{d}/server.key").read_bytes(),
+                                              Path(f"{d}/server.pem").read_bytes())])
+        port = server.add_secure_port("127.0.0.1:0", creds)
+    else:
+        port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
     print(json.dumps({"port": port}), flush=True)
     try:
         await stop.wait()
@@ -145,14 +186,15 @@ async def serve(spec: dict) -> None:
 
 @contextlib.contextmanager
 def receiver(spec: dict):
-    """A receiver subprocess for ``spec``; yields (port, pid); always torn down."""
+    """A receiver subprocess for ``spec``; yields (port, pid, what it printed); always torn down."""
     proc = subprocess.Popen([sys.executable, __file__, "--serve", json.dumps(spec)],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         line = proc.stdout.readline()
         if not line:
             raise RuntimeError(f"receiver {spec} exited with {proc.wait()}")
-        yield json.loads(line)["port"], proc.pid
+        info = json.loads(line)
+        yield info["port"], proc.pid, info
     finally:
         proc.stdin.close()
         try:
@@ -209,6 +251,28 @@ async def send_fragments(port: int, spec: dict, total_bytes: int, fragment_bytes
         t0 = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(spec["streams"])))
         return time.perf_counter() - t0, n_fragments * fragment_bytes
+
+
+async def send_floor(port: int, spec: dict, total_bytes: int) -> tuple[float, int]:
+    """``total_bytes`` in ``chunk_bytes`` messages on one gRPC call per channel to ``serve_floor``."""
+    config = transport_config(spec)
+    chunk = random_bytes(config.chunk_bytes)
+    per_call = total_bytes // config.channels // len(chunk)
+    tls = spec.get("tls_dir")
+    creds = grpc.ssl_channel_credentials(Path(f"{tls}/ca.pem").read_bytes()) if tls else None
+    target = f"127.0.0.1:{port}"
+    channels = [grpc.aio.secure_channel(target, creds, options=config.client_options()) if creds else
+                grpc.aio.insecure_channel(target, options=config.client_options()) for _ in range(config.channels)]
+    try:
+        calls = [c.stream_unary("/floor/Sink") for c in channels]
+        await asyncio.gather(*(call(iter([chunk])) for call in calls))  # connections up
+        t0 = time.perf_counter()
+        got = await asyncio.gather(*(call(itertools.repeat(chunk, per_call)) for call in calls))
+        dt = time.perf_counter() - t0
+    finally:
+        await asyncio.gather(*(c.close() for c in channels))
+    assert sum(int.from_bytes(g, "little") for g in got) == per_call * len(chunk) * len(channels)
+    return dt, per_call * len(chunk) * len(channels)
 
 
 async def send_int4(port: int, spec: dict, total_wire_bytes: int, values: int) -> tuple[float, int]:
@@ -269,7 +333,7 @@ def plot(report: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     rows = report["rows"]
-    colors = {"tcp": "#888888", "grpc": "#3b75af", "int4": "#c0504d"}
+    colors = {"tcp": "#888888", "grpc": "#3b75af", "int4": "#c0504d", "floor": "#9bbbd9", "direct": "#4f9d69"}
     fig, ax = plt.subplots(figsize=(9, 0.42 * len(rows) + 1.4))
     y = range(len(rows))
     for i, r in enumerate(rows):
@@ -316,13 +380,15 @@ def grpc_rows(channels_many: int) -> list[dict]:
 
 
 async def measure(row: dict, port: int, args, tls_dir: str) -> tuple[float, int]:
-    spec = {**row, "rate_gbit_s": args.rate_gbit_s, "rtt_s": args.rtt_s,
+    spec = {**{k: v for k, v in row.items() if k != "port"}, "rate_gbit_s": args.rate_gbit_s, "rtt_s": args.rtt_s,
             "tls_dir": tls_dir if row.get("tls") else None}
     if row["kind"] == "tcp":
         dt = await send_tcp(port, args.total_bytes, spec["tls_dir"])
         return dt, args.total_bytes // (4 * MiB) * 4 * MiB
     if row["kind"] == "int4":
         return await send_int4(port, spec, args.total_bytes // 2, args.int4_values)
+    if row["kind"] == "floor":
+        return await send_floor(port, spec, args.total_bytes)
     return await send_fragments(port, spec, args.total_bytes, args.fragment_bytes)
 
 
@@ -346,10 +412,19 @@ def main(argv=None) -> int:
     args.fragment_bytes = min(args.fragment_mib * MiB, args.total_bytes)
     args.int4_values = 8 * MiB if args.quick else 16 * MiB
 
+    c = args.channels
     rows = ([{"name": "raw asyncio tcp", "kind": "tcp"}, {"name": "raw asyncio tcp+tls", "kind": "tcp", "tls": True}]
-            + [{**r, "kind": "grpc"} for r in grpc_rows(args.channels)]
-            + [{"name": f"int4 end to end, 4 streams x {args.channels} channels, tuned", "kind": "int4",
-                "streams": 4, "channels": args.channels, "settings": "tuned", "decode": True}])
+            + [{**r, "kind": "grpc"} for r in grpc_rows(c)]
+            # gRPC with nothing of ours on the receiving side, and our stripes without gRPC (direct.py)
+            + [{"name": f"grpc{t} floor: {c} calls dropping every message, tuned", "kind": "floor", "channels": c, "streams": 1,
+                "settings": "tuned", "tls": bool(t)} for t in ("", "+tls")]
+            + [{"name": f"direct{t} stripes, 1 stream x {c} channels, tuned", "kind": "direct", "streams": 1,
+                "channels": c, "settings": "tuned", "tls": bool(t), "direct": True} for t in ("", "+tls")]
+            + [{"name": f"int4 end to end, 4 streams x {c} channels, tuned", "kind": "int4",
+                "streams": 4, "channels": c, "settings": "tuned", "decode": True},
+               {"name": f"int4 end to end, direct stripes, 4 streams x {c} channels, tuned", "kind": "int4",
+                "streams": 4, "channels": c, "settings": "tuned", "decode": True, "direct": True,
+                "stripe_min_bytes": 2 * MiB}])
     results = {r["name"]: [] for r in rows}
     cpu = {r["name"]: [] for r in rows}  # per round: (sender, receiver) CPU s per GiB
     out = Path(args.out)
@@ -358,18 +433,20 @@ def main(argv=None) -> int:
         make_dev_certs(tmp)
         ports = {}
         for r in rows:  # one receiver per distinct server setup, started once
-            key = (r["kind"], r.get("settings"), bool(r.get("tls")), bool(r.get("decode")))
+            key = (r["kind"], r.get("settings"), bool(r.get("tls")), bool(r.get("decode")), bool(r.get("direct")))
             if key not in ports:
-                spec = {"kind": "tcp" if r["kind"] == "tcp" else "grpc", "settings": r.get("settings", "default"),
+                kind = r["kind"] if r["kind"] in ("tcp", "floor") else "grpc"
+                spec = {"kind": kind, "settings": r.get("settings", "default"), "direct": bool(r.get("direct")),
                         "tls_dir": tmp if r.get("tls") else None, "decode": r.get("decode", False),
                         "channels": 1, "streams": 1, "rate_gbit_s": args.rate_gbit_s, "rtt_s": args.rtt_s,
                         "chunk_bytes": max(MESSAGE_SIZES)}  # takes every row's messages
                 ports[key] = stack.enter_context(receiver(spec))
             r["port"] = ports[key]
+            r["direct_port"] = ports[key][2].get("direct_port", 0)
         t_start = time.perf_counter()
         for rnd in range(args.rounds):
             for r in rows:
-                port, pid = r["port"]
+                port, pid, _ = r["port"]
                 s0, r0 = cpu_s(pid)
                 dt, nbytes = run(measure(r, port, args, tmp))
                 s1, r1 = cpu_s(pid)
@@ -456,7 +533,10 @@ def summarize(rows: list[dict], results: dict, cpu: dict, args, elapsed: float, 
     best_clear = max(grpc_clear, key=lambda r: r["ratio_vs_tcp"])
     cheapest_clear = min(grpc_clear, key=lambda r: r["cpu_vs_tcp"])
     best_tls = max(grpc_tls, key=lambda r: r["ratio_vs_tcp"])
-    int4_row = next(r for r in out_rows if r["kind"] == "int4")
+    int4_row, int4_direct = (next(r for r in out_rows if r["kind"] == "int4" and ("direct" in r["name"]) == d)
+                             for d in (False, True))
+    floor = {r["tls"]: r for r in out_rows if r["kind"] == "floor"}
+    direct = {r["tls"]: r for r in out_rows if r["kind"] == "direct"}
     by_name = {r["name"]: r for r in out_rows}
     pair = [by_name[f"grpc 1 stream x {args.channels} channels, tuned, {k}"] for k in ("unstriped", "striped")]
     sizes = {r["name"]: r for r in out_rows if "KiB messages" in r["name"]}
@@ -486,7 +566,23 @@ def summarize(rows: list[dict], results: dict, cpu: dict, args, elapsed: float, 
                                             "met": best_tls.get("receiver_cpu_vs_tls_tcp", 99) <= 1.5},
             "int4_end_to_end_gbit_s": {"target": 3.0, "row": int4_row["name"], "measured": int4_row["gbit_s"],
                                        "met": int4_row["gbit_s"] >= 3.0, "codec": codec["codec"]},
+            "direct_cleartext_ratio": {"target": 0.5, "row": direct[False]["name"],
+                                       "measured": direct[False]["ratio_vs_tcp"],
+                                       "met": direct[False]["ratio_vs_tcp"] >= 0.5},
+            "direct_cleartext_cpu_vs_tcp": {"target": 2.0, "row": direct[False]["name"],
+                                            "measured": direct[False]["cpu_vs_tcp"],
+                                            "met": direct[False]["cpu_vs_tcp"] <= 2.0},
+            "direct_tls_receiver_cpu_vs_tls_tcp": {"target": 1.5, "row": direct[True]["name"],
+                                                   "measured": direct[True].get("receiver_cpu_vs_tls_tcp"),
+                                                   "met": direct[True].get("receiver_cpu_vs_tls_tcp", 99) <= 1.5},
+            "int4_end_to_end_direct_gbit_s": {"target": 3.0, "row": int4_direct["name"],
+                                              "measured": int4_direct["gbit_s"], "met": int4_direct["gbit_s"] >= 3.0},
         },
+        # What gRPC costs with nothing of ours on the receiving side: if its receiver is above the targets,
+        # no change of ours to the gRPC path can meet them.
+        "grpc_floor": {"cleartext_receiver_cpu_vs_tcp": floor[False]["receiver_cpu_vs_tcp"],
+                       "tls_receiver_cpu_vs_tls_tcp": floor[True].get("receiver_cpu_vs_tls_tcp"),
+                       "cleartext_ratio_vs_tcp": floor[False]["ratio_vs_tcp"]},
     })
     return report
 
@@ -495,7 +591,7 @@ def striped(row: dict, args) -> bool:
     """Whether this row's fragments travel striped (the client's own rule, ``upload_fragment``)."""
     if row["kind"] == "tcp" or row.get("unstriped"):
         return False
-    size = args.fragment_bytes if row["kind"] == "grpc" else 0  # int4 fragments are a few MiB: see the row
+    size = args.fragment_bytes if row["kind"] in ("grpc", "direct") else 0  # int4 fragments: a few MiB
     return row.get("channels", 1) > 1 and size >= 2 * TransportConfig().stripe_min_bytes
 
 

@@ -310,6 +310,7 @@ def _minor_faults(pid: int) -> int:
     return int(_stat(pid)[7])
 
 
+DIRECT_PORT = 47_001  # in the emulated hub's own namespace: nothing else listens there
 TRANSPORT_ROUNDS = 4  # the first on fresh connections (cold), the median of the others is the row's figure
 TUNED_HOST, DEFAULT_HOST = 256 << 20, 4 << 20  # TCP buffer maximum of the emulated hosts (tcp_rmem/tcp_wmem)
 SETTINGS_ARGS = {
@@ -320,6 +321,9 @@ SETTINGS_ARGS = {
     "auto-unstriped": lambda rate, rtt_ms: ["--auto-channels", "--unstriped"],
     "tuned-unstriped": lambda rate, rtt_ms: ["--tuned", f"{rate},{rtt_ms}", "--unstriped"],
     "8-channels": lambda rate, rtt_ms: ["--channels", "8"],  # default settings on 8 connections
+    # Stripes over plain TLS connections into the receiver's buffer (transport.direct_port), not gRPC.
+    "direct-tuned": lambda rate, rtt_ms: ["--tuned", f"{rate},{rtt_ms}", "--direct-port", str(DIRECT_PORT)],
+    "direct-auto": lambda rate, rtt_ms: ["--auto-channels", "--direct-port", str(DIRECT_PORT)],
 }
 
 

@@ -8,7 +8,7 @@ TLS, channels and HTTP/2 settings a run uses.
     wan_peer.py server --host H --tls DIR [--tuned RATE,RTT]      prints {"ready": port}, serves until stdin closes
     wan_peer.py probe  --target H:P --tls DIR --samples N           prints the link samples
     wan_peer.py upload --target H:P --tls DIR --mib M --fragments F [--rounds R] [--tuned RATE,RTT] [--auto-channels]
-                       [--unstriped]
+                       [--unstriped] [--direct-port P]
     wan_peer.py tls-sink --host H --tls DIR       raw TLS over TCP: prints {"ready": port}, then one connection's
                                                   {"bytes", "cpu_s", "wall_s"} (the receiver's reference)
     wan_peer.py tls-send --target H:P --tls DIR --mib M                        prints {"gbit_s", "cpu_s", "bytes"}
@@ -60,6 +60,8 @@ def config(args) -> TransportConfig:
         base = tune_for_link(rate, rtt_ms / 1e3, base, socket_buffer_bytes=host_socket_buffer_bytes())
     if args.unstriped:  # every fragment on one HTTP/2 stream (the transport before striping)
         base = dataclasses.replace(base, stripe_min_bytes=0)
+    if args.direct_port:  # striped uploads over plain TLS connections to this port (transport/direct.py)
+        base = dataclasses.replace(base, direct_port=args.direct_port)
     return dataclasses.replace(base, channels=args.channels) if args.channels else base
 
 
@@ -186,6 +188,7 @@ def main() -> int:
                    help="upload: first widen the connections from link probes, as a learner does")
     p.add_argument("--rounds", type=int, default=1, help="upload: timed rounds on the same connections")
     p.add_argument("--unstriped", action="store_true", help="upload: never stripe a fragment over connections")
+    p.add_argument("--direct-port", type=int, default=0, help="direct stripes on this port (both sides)")
     args = p.parse_args()
     run({"server": serve, "probe": probe, "upload": upload, "tls-sink": tls_sink, "tls-send": tls_send}[args.mode](args))
     return 0

@@ -113,3 +113,10 @@ def test_the_fingerprint_names_eager_learners_and_their_stand_in_lr_only_when_on
     eager = Assembly(micro(eager=True, outer_lr=0.5)).fingerprint
     assert fingerprint_lib.differences(plain, eager) == ["schedule (learner.eager 1 vs missing, syncer.outer.lr 0.5 vs missing)"]
     assert Assembly(micro(eager=True)).learner_core(0).outer_lr == np.float32(micro().syncer.outer.lr)
+
+
+def test_the_fingerprint_names_the_direct_stripes_port_only_when_one_is_set():
+    from wan_diloco.core import fingerprint as fingerprint_lib
+    plain = Assembly(micro()).fingerprint
+    direct = Assembly(micro().with_changes(transport={"direct_port": 7701})).fingerprint
+    assert fingerprint_lib.differences(direct, plain) == ["transport (transport.direct_port missing vs 7701)"]

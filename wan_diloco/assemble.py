@@ -176,6 +176,8 @@ class Assembly:
                                                         if spec.syncer.shards > 1 else {})},
             # Θ(0) from a file: a learner that read another file (or none) would train from another start.
             **({"model": {"init": self.init_digest}} if spec.model.init else {}),
+            # Direct stripes: a learner uploading to a port its syncer does not serve would only retry.
+            **({"transport": {"direct_port": spec.transport.direct_port}} if spec.transport.direct_port else {}),
             "run": {"run_id": spec.run.run_id, "learners": spec.run.learners},
         })
 

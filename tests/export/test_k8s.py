@@ -146,3 +146,13 @@ def test_launch_script_runs_in_order(fakes):
     assert len(secrets) == 6 and max(secrets) < steps.index("kubectl -n training apply -f syncer.yaml")
     assert steps[-2:] == ["kubectl -n training apply -f region-us-east-1.yaml",
                           "kubectl -n training apply -f region-eu-west-1.yaml"]
+
+
+def test_the_direct_stripes_port_is_served_and_opened_when_the_run_file_sets_one():
+    docs = objects(files(transport={"direct_port": 7072}))
+    [service] = [d for d in docs if d["kind"] == "Service"]
+    assert [(p["name"], p["port"]) for p in service["spec"]["ports"]] == [("grpc", 7070), ("direct", 7072),
+                                                                           ("status", 7071)]
+    [sts] = [d for d in docs if d["kind"] == "StatefulSet"]
+    [c] = sts["spec"]["template"]["spec"]["containers"]
+    assert {"name": "direct", "containerPort": 7072} in c["ports"]

@@ -137,3 +137,8 @@ def test_launch_script_starts_the_syncers_then_the_regions_with_every_shards_ip(
          "SYNCER=ip-wd-syncer-0:7070,ip-wd-syncer-1:7070"]]
     made = [c["argv"][1] for c in calls if c["argv"][0] == "wan-diloco"]
     assert made == ["token"] * 5 + ["certs"]  # before any launch: the tasks mount what these write
+
+
+def test_the_direct_stripes_port_goes_through_the_firewall_too():
+    syncer = yaml.safe_load(files(transport={"direct_port": 7072})["syncer.yaml"])
+    assert syncer["resources"]["ports"] == [7070, 7072, 7071]

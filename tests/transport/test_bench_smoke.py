@@ -28,5 +28,10 @@ def test_bench_transport_tiny_run(tmp_path):
     sizes = report["message_sizes"]  # the default message size against smaller and larger ones
     assert len(sizes) == 3 and [v["receiver_cpu_vs_default"] for n, v in sizes.items() if "(default)" in n] == [1.0]
     assert set(report["targets"]) == {"best_cleartext_ratio", "best_cleartext_cpu_vs_tcp", "tls_ratio",
-                                      "tls_receiver_cpu_vs_tls_tcp", "int4_end_to_end_gbit_s"}
+                                      "tls_receiver_cpu_vs_tls_tcp", "int4_end_to_end_gbit_s",
+                                      "direct_cleartext_ratio", "direct_cleartext_cpu_vs_tcp",
+                                      "direct_tls_receiver_cpu_vs_tls_tcp", "int4_end_to_end_direct_gbit_s"}
+    direct = [r for r in report["rows"] if r["kind"] == "direct"]  # the same stripes, not through gRPC
+    assert [r["tls"] for r in direct] == [False, True] and all(r["striped"] for r in direct)
+    assert report["grpc_floor"]["tls_receiver_cpu_vs_tls_tcp"] > 0  # gRPC with nothing of ours receiving
     assert out.with_suffix(".png").stat().st_size > 0

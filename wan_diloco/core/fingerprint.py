@@ -9,7 +9,7 @@ Components, in order: ``protocol`` (``core.messages.PROTOCOL_VERSION``), ``layou
 and, as ``fragments``, a hash of every fragment's tensor names, shapes and dtype), ``learner`` (the
 schedule: H, P, the offset rule, τ; eager updates and their outer lr when on), ``codec`` (the fragment
 format's version and every setting of it), ``syncer`` (the shard plan), ``model`` (only with ``[model]
-init``: a digest of the parameters read, Θ(0)), ``run`` (run id and number of learners). Built by
+init``: a digest of the parameters read, Θ(0)), ``transport`` (only with direct stripes: their port), ``run`` (run id and number of learners). Built by
 ``assemble.Assembly.fingerprint``; pure here.
 """
 from __future__ import annotations
@@ -23,7 +23,7 @@ from wan_diloco.core.messages import MAX_FINGERPRINT_CHARS
 SETTINGS_DIFFER = "settings differ from the syncer's"  # in the refusal: a learner stops on it, not retries
 # What a mismatch in each component is called in the one line the operator reads.
 LABELS = {"protocol": "protocol version", "layout": "layout", "learner": "schedule", "codec": "codec format",
-          "syncer": "shard plan", "model": "starting parameters", "run": "run"}
+          "syncer": "shard plan", "model": "starting parameters", "transport": "transport", "run": "run"}
 _SAFE = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-.+/#*")
 _MAX_VALUE_CHARS = 24  # longer values (a long run id) travel as a hash
 MAX_CHARS = MAX_FINGERPRINT_CHARS  # ``Metadata.fingerprint``; past it, the longest components go as hashes

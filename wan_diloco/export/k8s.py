@@ -69,7 +69,9 @@ def _volumes(dep: Deployment, secret_name: str) -> list[dict]:
 
 def syncer_objects(dep: Deployment) -> list[dict]:
     st = dep.spec.run.status_port
-    ports = [{"name": "grpc", "port": dep.port}] + ([{"name": "status", "port": st}] if st > 0 else [])
+    dp = dep.spec.transport.direct_port  # direct stripes: a second port learners connect to
+    ports = ([{"name": "grpc", "port": dep.port}] + ([{"name": "direct", "port": dp}] if dp else [])
+             + ([{"name": "status", "port": st}] if st > 0 else []))
     service = {"apiVersion": "v1", "kind": "Service", "metadata": _meta(dep, "syncer"),
                "spec": {"clusterIP": "None", "selector": {"app.kubernetes.io/instance": dep.options.name,
                                                           "app.kubernetes.io/component": "syncer"},

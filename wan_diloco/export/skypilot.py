@@ -31,7 +31,8 @@ def _resources(dep: Deployment, region: str, learners: bool) -> dict:
         res["accelerators"] = dep.options.accelerators
     if not learners:
         st = dep.spec.run.status_port
-        res["ports"] = [dep.port] + ([st] if st > 0 else [])  # learners connect in; the dashboard too
+        dp = dep.spec.transport.direct_port  # learners connect in (gRPC, direct stripes); the dashboard too
+        res["ports"] = [dep.port] + ([dp] if dp else []) + ([st] if st > 0 else [])
     if dep.options.image:
         res["image_id"] = f"docker:{dep.options.image}"
     return res

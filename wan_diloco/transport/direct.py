@@ -144,6 +144,11 @@ class Connection(asyncio.BufferedProtocol):
             self.transport.pause_reading()
             self._wake(None)
 
+    @property
+    def got(self) -> int:
+        """Bytes of the current read in so far."""
+        return self._got
+
     def divert(self) -> None:
         """Drop the rest of the current read instead of writing it: its buffer is not ours any more."""
         self._view, self._diverted = None, True
@@ -319,29 +324,35 @@ class DirectServer:
                 writing[0] = False
                 self.assembler.write_done(asm)
 
+        view, digest, hashed = memoryview(asm.buf)[st.offset : st.offset + st.length], xxhash.xxh3_64(), [0]
+
         def progress() -> None:
             asm.progress_at = loop.time()
             quiet.reschedule(asm.progress_at + idle_s)
             if asm.failed and writing[0]:  # another stripe failed it: drain the rest of this one elsewhere
                 conn.divert()
                 let_go()
+            elif writing[0]:  # hashed as each read lands, while its bytes are still in cache
+                digest.update(view[hashed[0] : conn.got])
+                hashed[0] = conn.got
 
         try:
             try:
                 async with asyncio.timeout(idle_s) as quiet:
-                    await conn.read_into(memoryview(asm.buf)[st.offset : st.offset + st.length], progress)
+                    await conn.read_into(view, progress)
             except TimeoutError:
                 raise StripeTimeout(f"no data for {idle_s:g} s (stream_idle_timeout_s) in stripe {st.index} "
                                     f"of upload {st.upload}; upload aborted") from None
-            digest = None if asm.failed else xxhash.xxh3_64_intdigest(
-                memoryview(asm.buf)[st.offset : st.offset + st.length])
+            digest = None if asm.failed else digest.intdigest()
         except BaseException as e:
             conn.divert()
+            view.release()
             let_go()
             if isinstance(e, (ConnectionError, EOFError)):  # ours; the other stripes' answer is the upload's
                 e = MessageError(f"stripe {st.index} of upload {st.upload}: its connection closed mid-stripe")
             self.assembler.fail(asm, e)
             raise
+        view.release()
         let_go()
         try:
             if digest is not None:

@@ -280,7 +280,7 @@ class StripeAssembler:
                 loop.call_later(left, check)
             else:
                 self.fail(asm, StripeTimeout(f"upload {asm.key[1]}: stripes {asm.missing()} of {asm.count} "
-                                              f"did not arrive within {idle_s:g} s (stream_idle_timeout_s)"))
+                                             f"did not arrive within {idle_s:g} s (stream_idle_timeout_s)"))
         loop.call_later(idle_s, check)
 
     async def _complete(self, asm: Assembly, bound: str | None) -> None:
@@ -297,6 +297,7 @@ class StripeAssembler:
             self._release(asm)
 
     def fail(self, asm: Assembly, error: BaseException) -> None:
+        """End ``asm`` with ``error`` (every stripe's answer; nothing is delivered), unless it has ended."""
         if asm.result.done():
             return
         asm.failed = True
