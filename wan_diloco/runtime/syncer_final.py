@@ -85,6 +85,8 @@ class FinalWrite:
             "final_learners": sorted(self.core.final_participants()),
             "params_path": str(self.params_path) if self.params_path else None,
             "params_error": self.params_error,
+            # uploads' bytes that came over direct stripes (transport.direct_port), not through gRPC
+            "direct_bytes_in": self.metrics.total(self.metrics.bytes_in, "Direct"),
             **self.summary(),
         }
         self.final_saved.set()
