@@ -40,6 +40,7 @@ import os
 import platform
 import queue
 import resource
+import socket
 import statistics
 import subprocess
 import sys
@@ -367,6 +368,8 @@ async def serve_syncer(args: dict) -> None:
     STREAM_IDLE_TIMEOUT_S[0] = args["idle_timeout_s"]
     layout = build_layout(args["layout"], args["fragments"])
     spec = run_spec(args["layout"], args["learners"], args["fragments"], args["shards"])
+    if args.get("direct_port"):  # striped uploads over plain connections (transport/direct.py), not gRPC
+        spec = spec.with_changes(transport={"direct_port": args["direct_port"]})
     rss0 = rss_bytes()  # before Θ and the outer state exist
     metrics = TransportMetrics()
     service = SyncerService(spec, metrics, parts=bench_parts(spec, layout), shard=args["shard"])
@@ -393,6 +396,7 @@ async def serve_syncer(args: dict) -> None:
         return {"t": time.monotonic(), "cpu_s": time.process_time(), "rss_max_kib": ru.ru_maxrss,
                 "user_s": ru.ru_utime, "sys_s": ru.ru_stime, "minor_faults": ru.ru_minflt,
                 "bytes_in": metrics.total(metrics.bytes_in), "bytes_out": metrics.total(metrics.bytes_out),
+                "direct_bytes_in": metrics.total(metrics.bytes_in, "Direct"),
                 "rounds": sum(core.stats.fragment_syncs), "uploads": state["uploads"],
                 "merged_bytes": state["merged_bytes"], "stages": stages.snapshot(),
                 "errors": {f"{x.labels['rpc']}/{x.labels['code']}": x.value for c in metrics.errors.collect()
@@ -468,9 +472,12 @@ async def serve_learner(args: dict) -> None:
     identities = set()
     recv, sent, errors, ticks = [], [], [], itertools.count(1)
     config = TransportConfig(call_timeout_s=300.0)
+    if args.get("stripe_min_bytes"):
+        config = dataclasses.replace(config, stripe_min_bytes=args["stripe_min_bytes"])
     targets = args["targets"]  # one per shard; fragment p goes to targets[owners[p]]
     owners = args["owners"]
-    clients = [SyncerClient(t, TOKEN, config) for t in targets]
+    ports = args.get("direct_ports") or [0] * len(targets)  # direct stripes to each shard's own port
+    clients = [SyncerClient(t, TOKEN, dataclasses.replace(config, direct_port=d)) for t, d in zip(targets, ports)]
     for c in clients:
         await c.connect()
     me = f"learner-{m}"
@@ -590,14 +597,28 @@ class _Proc:
 
 def start_shards(shards: int, args: dict) -> list[_Proc]:
     """The syncer shards: S processes, each a SyncerService of its fragments (``shard_owners``)."""
-    return [_Proc("syncer", {**args, "shards": shards, "shard": s}) for s in range(shards)]
+    ports = args.get("direct_ports") or [0] * shards
+    return [_Proc("syncer", {**args, "shards": shards, "shard": s, "direct_port": ports[s]}) for s in range(shards)]
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` loopback ports free right now (for the shards' direct stripes)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 def end_to_end(layout_name: str, layout, shards: int, M: int, payloads: Path, index, opts, log) -> dict:
     P = len(layout.fragments)
     syncer_args = {"layout": layout_name, "fragments": P, "learners": M, "warmup_rounds": opts.warmup_rounds,
                    "idle_timeout_s": opts.idle_timeout_s,
-                   "measure_rounds": opts.rounds or P, "max_seconds": opts.max_seconds}
+                   "measure_rounds": opts.rounds or P, "max_seconds": opts.max_seconds,
+                   "direct_ports": free_ports(shards) if opts.direct else None}
     t0 = time.perf_counter()
     procs: list[_Proc] = []
     try:
@@ -607,7 +628,9 @@ def end_to_end(layout_name: str, layout, shards: int, M: int, payloads: Path, in
         log(f"e2e S={shards} M={M}: syncer ready in {max(h['setup_s'] for h in hello):.1f} s")
         targets = [f"127.0.0.1:{h['port']}" for h in hello]
         learners = [_Proc("learner", {"learner": m, "fragments": P, "index": index, "payloads": str(payloads),
-                                      "targets": targets, "owners": shard_owners(layout, shards)}) for m in range(M)]
+                                      "targets": targets, "owners": shard_owners(layout, shards),
+                                      "direct_ports": syncer_args["direct_ports"],
+                                      "stripe_min_bytes": opts.stripe_min_mib << 20}) for m in range(M)]
         procs += learners
         budget = 300 + opts.max_seconds * 2 + 60 * opts.warmup_rounds
         results = [s.next_json(budget, "result")["result"] for s in syncers]
@@ -671,6 +694,8 @@ def row_of(results: list[dict], logs: list[dict], layout, shards: int, M: int, e
         "merged_gb_s": merged_rate / GB,
         "merged_gb_s_per_core": merged / GB / cpu,
         "in_gbit_s": rate("bytes_in") * 8 / 1e9,
+        "direct_share_of_in": sum(delta(r, "direct_bytes_in") for r in results) / max(1, sum(delta(r, "bytes_in")
+                                                                                              for r in results)),
         "out_gbit_s": rate("bytes_out") * 8 / 1e9,
         "round_latency_ms": 1e3 * pct(to_all, 50) if to_all else None,
         "cpu_split": {k: v / (merged / GB) for k, v in split.items()},
@@ -791,6 +816,11 @@ def main(argv=None) -> int:
                    help="end-to-end window cap per M (default 120; quick 30)")
     p.add_argument("--idle-timeout-s", type=float, default=STREAM_IDLE_TIMEOUT_S[0],
                    help="the syncer's transport.stream_idle_timeout_s (the default config's is 30)")
+    p.add_argument("--direct", action="store_true",
+                   help="end to end: uploads as direct stripes (transport.direct_port), not through gRPC")
+    p.add_argument("--stripe-min-mib", type=int, default=0,
+                   help="learners' transport.stripe_min_bytes in MiB (default: the transport's, 8): an upload of at "
+                        "least twice this is striped")
     p.add_argument("--skip-inprocess", action="store_true")
     p.add_argument("--skip-end-to-end", action="store_true", help="the in-process part only")
     p.add_argument("--threads", default=None,
@@ -870,6 +900,8 @@ def main(argv=None) -> int:
     doc = {
         "benchmark": "syncer",
         "quick": args.quick,
+        "uploads": "direct stripes (transport.direct_port)" if args.direct else "gRPC",
+        "stripe_min_bytes": (args.stripe_min_mib << 20) or None,
         "what": "rows: end to end over loopback, S syncer shard processes (SyncerService + TransportServer) and M learner "
                 "processes uploading pre-encoded int4 fragments; fragments_per_s counts learner fragments (uploads) "
                 "merged, merged_gb_s their fp32-equivalent bytes (fragments x fragment fp32 size) per second, "
