@@ -26,9 +26,9 @@ from typing import Callable
 import grpc
 
 from .bulk_serve import bulk_messages
-from .direct import DirectServer, status_of
 from .callers import IDENTITY_REASONS, MAX_PEER_LINKS, SENDER_HEADER, Callers, abort_call, sender_metadata, uploader
 from .config import TransportConfig
+from .direct import DirectServer, status_of
 from .framing import BufferPool, MessageReader, Prepared
 from .handler import BulkSource, Handler, Rejected
 from .heap import pin_malloc_thresholds
