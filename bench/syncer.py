@@ -40,7 +40,6 @@ import os
 import platform
 import queue
 import resource
-import socket
 import statistics
 import subprocess
 import sys
@@ -602,15 +601,13 @@ def start_shards(shards: int, args: dict) -> list[_Proc]:
 
 
 def free_ports(n: int) -> list[int]:
-    """``n`` loopback ports free right now (for the shards' direct stripes)."""
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+    """``n`` different loopback ports free right now (for the shards' direct stripes)."""
+    from wan_diloco.runtime.launch_cluster import free_port
+    ports: list[int] = []
+    while len(ports) < n:
+        if (port := free_port()) not in ports:
+            ports.append(port)
+    return ports
 
 
 def end_to_end(layout_name: str, layout, shards: int, M: int, payloads: Path, index, opts, log) -> dict:

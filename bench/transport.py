@@ -23,7 +23,6 @@ import json
 import os
 import platform
 import resource
-import socket
 import statistics
 import ssl
 import subprocess
@@ -43,7 +42,9 @@ from wan_diloco.transport import (  # noqa: E402
     Ack, Frame, SyncerClient, TlsConfig, TransportConfig, TransportServer, run, tune_for_link,
 )
 from wan_diloco.transport.dev_certs import make_dev_certs  # noqa: E402
+from wan_diloco.runtime.launch_cluster import free_port  # noqa: E402
 from wan_diloco.transport.loop import have_uvloop  # noqa: E402
+from wan_diloco.transport.security import channel_credentials, server_credentials  # noqa: E402
 
 from int4_codec import load_codec  # noqa: E402  (bench/int4_codec.py)
 
@@ -143,9 +144,7 @@ async def serve(spec: dict) -> None:
         return
     decode = load_codec()[2] if spec.get("decode") else None
     if spec.get("direct"):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            spec = {**spec, "direct_port": probe.getsockname()[1]}
+        spec = {**spec, "direct_port": free_port()}
     config = transport_config({**spec, "side": "server"})
     server = TransportServer(CountingHandler(decode), TOKEN, config, "127.0.0.1:0")
     port = await server.start()
@@ -169,11 +168,8 @@ async def serve_floor(spec: dict, stop: asyncio.Event) -> None:
     server = grpc.aio.server(options=config.server_options())
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
         "floor", {"Sink": grpc.stream_unary_rpc_method_handler(sink)}),))
-    if spec.get("tls_dir"):
-        d = spec["tls_dir"]
-        creds = grpc.ssl_server_credentials([(Path(f"{d}/server.key").read_bytes(),
-                                              Path(f"{d}/server.pem").read_bytes())])
-        port = server.add_secure_port("127.0.0.1:0", creds)
+    if config.tls is not None:
+        port = server.add_secure_port("127.0.0.1:0", server_credentials(config.tls))
     else:
         port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
@@ -258,8 +254,7 @@ async def send_floor(port: int, spec: dict, total_bytes: int) -> tuple[float, in
     config = transport_config(spec)
     chunk = random_bytes(config.chunk_bytes)
     per_call = total_bytes // config.channels // len(chunk)
-    tls = spec.get("tls_dir")
-    creds = grpc.ssl_channel_credentials(Path(f"{tls}/ca.pem").read_bytes()) if tls else None
+    creds = channel_credentials(config.tls) if config.tls is not None else None
     target = f"127.0.0.1:{port}"
     channels = [grpc.aio.secure_channel(target, creds, options=config.client_options()) if creds else
                 grpc.aio.insecure_channel(target, options=config.client_options()) for _ in range(config.channels)]
@@ -416,8 +411,8 @@ def main(argv=None) -> int:
     rows = ([{"name": "raw asyncio tcp", "kind": "tcp"}, {"name": "raw asyncio tcp+tls", "kind": "tcp", "tls": True}]
             + [{**r, "kind": "grpc"} for r in grpc_rows(c)]
             # gRPC with nothing of ours on the receiving side, and our stripes without gRPC (direct.py)
-            + [{"name": f"grpc{t} floor: {c} calls dropping every message, tuned", "kind": "floor", "channels": c, "streams": 1,
-                "settings": "tuned", "tls": bool(t)} for t in ("", "+tls")]
+            + [{"name": f"grpc{t} floor: {c} calls dropping every message, tuned", "kind": "floor", "channels": c,
+                "streams": 1, "settings": "tuned", "tls": bool(t)} for t in ("", "+tls")]
             + [{"name": f"direct{t} stripes, 1 stream x {c} channels, tuned", "kind": "direct", "streams": 1,
                 "channels": c, "settings": "tuned", "tls": bool(t), "direct": True} for t in ("", "+tls")]
             + [{"name": f"int4 end to end, 4 streams x {c} channels, tuned", "kind": "int4",

@@ -1,18 +1,15 @@
 """A real run with direct stripes (transport.direct_port): the learners' striped uploads reach the syncer
 over plain connections, not gRPC, and every copy still ends bit-identical."""
 import json
-import socket
-
 from wan_diloco import spec as rt
 from wan_diloco.runtime.launch import launch
+from wan_diloco.runtime.launch_cluster import free_port
 
 from .conftest import micro_config
 
 
 def test_a_run_with_direct_stripes_ends_bit_identical_with_its_uploads_sent_direct(tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     # One fragment of the micro model with a wider feed-forward (~230 KB) is at least twice stripe_min_bytes:
     # each upload is striped over 2 connections.
     path = micro_config(tmp_path, learners=2, steps=24, min_step_s=0.05, learner={"num_fragments": 1}, model={"d_ff": 256},

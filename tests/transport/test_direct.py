@@ -3,12 +3,12 @@ import asyncio
 import dataclasses
 import json
 import socket
-import struct
 
 import grpc
 import pytest
 
 from wan_diloco.config import ConfigError
+from wan_diloco.runtime.launch_cluster import free_port
 from wan_diloco.transport import Frame, TransportConfig, TransportError, encode_message
 from wan_diloco.transport.dev_certs import make_dev_certs
 from wan_diloco.transport.direct import HELLO, LENGTH, MAGIC, REPLY, VERSION
@@ -16,12 +16,6 @@ from wan_diloco.transport.security import ListenError, derive_token
 
 from .conftest import SMALL, TOKEN, arun, client_for, syncer
 from .test_stripes import fragment, stripes_of, until
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def direct(config=SMALL, **kw) -> TransportConfig:
@@ -288,5 +282,20 @@ def test_stopping_the_server_closes_direct_connections():
     arun(main())
 
 
-def test_the_length_prefix_is_big_endian():
-    assert LENGTH.pack(1) == b"\0\0\0\1" and struct.calcsize(">I") == LENGTH.size
+def test_the_wire_is_as_documented_byte_for_byte():
+    """docs/protocol.md's hello and reply, written by hand (big-endian lengths), not with the module's structs."""
+    body = json.dumps({"sender": "learner-0", "token": TOKEN}).encode()
+
+    async def main():
+        async with syncer(config=direct()) as (server, handler):
+            reader, writer = await asyncio.open_connection("127.0.0.1", server._direct.port)
+            writer.write(b"WDLD" + bytes([1]) + len(body).to_bytes(4, "big") + body)
+            got = await asyncio.wait_for(reader.readexactly(5), 10)
+            writer.write((5).to_bytes(4, "big") + b"hello")  # a stripe header that is no message
+            refused = await asyncio.wait_for(reader.read(), 10)
+            writer.close()
+            return got, refused
+
+    got, refused = arun(main())
+    assert got == bytes([0]) + (0).to_bytes(4, "big")  # OK, empty
+    assert refused[0] == CODE["INVALID_ARGUMENT"] and int.from_bytes(refused[1:5], "big") == len(refused) - 5

@@ -105,9 +105,10 @@ def encode_host(arrays: Sequence[np.ndarray], sizes: Sequence[int], fmt: Format,
     the whole-array expression), or the values ``produce(t, lo, hi)`` makes for values [lo, hi) of tensor
     t (float32; it may return this thread's ``buffers.thread_scratch``), and, with ``decode``, decode
     them; with ``residual`` also keep what the codes dropped. The items of blocks are ``pack.unpack``'s
-    (``chunks.block_items``), so Σx² is its sum to the bit. ``sink(item, codes, scales)``: takes each item's codes and scales where it wants them
-    (``pack.pack_host``: straight into the payload's raw bytes) instead of per-tensor arrays. ``hold`` False:
-    each item is decoded into a scratch for its residual only (no decoded values or Σx² come back)."""
+    (``chunks.block_items``), so Σx² is its sum to the bit. ``sink(item, codes, scales)``: takes each item's
+    codes and scales where it wants them (``pack.pack_host``: straight into the payload's raw bytes) instead
+    of per-tensor arrays. ``hold`` False: each item is decoded into a scratch for its residual only (no
+    decoded values or Σx² come back)."""
     bs, cb = fmt.block_size, code_bytes_per_block(fmt.bits, fmt.block_size)
     residual = residual and decode
     out, dec, res = [], [], []
