@@ -28,7 +28,7 @@ from .messages import (
 )
 from .metrics import TransportMetrics
 from .probe import LinkSample, rate_from_transfer
-from .retry import RETRYABLE, Backoff, TransportError
+from .retry import Backoff, TransportError, worth_retrying
 from .security import bearer_metadata, call_token, channel_credentials, check_token, require_secure_or_loopback
 from .server import SERVICE, sender_metadata
 from .stripe_fetch import fetch_assembler, fetch_striped
@@ -127,7 +127,7 @@ class SyncerClient:
                 return await attempt()
             except grpc.aio.AioRpcError as e:
                 self.metrics.error(rpc, e.code().name)
-                if e.code() in RETRYABLE and not self._closed and await backoff.wait():
+                if worth_retrying(e) and not self._closed and await backoff.wait():
                     continue
                 raise TransportError(rpc, e.code(), e.details() or "") from None
 
@@ -249,7 +249,7 @@ class SyncerClient:
                         backoff.reset()
                         continue  # a renewal: the next call takes over (its update went back to the mailbox)
                     self.metrics.error("Subscribe", e.code().name)
-                    if e.code() in RETRYABLE and await backoff.wait():
+                    if worth_retrying(e) and await backoff.wait():
                         continue
                     raise TransportError("Subscribe", e.code(), e.details() or "") from None
                 finally:
@@ -368,7 +368,7 @@ class SyncerClient:
                 # Nothing arrived yet: try again as asked. Part arrived: only a resumable object
                 # (etag) can continue where it stopped; any other would have to start over,
                 # which the caller (holding the first part) must decide.
-                retry = e.code() in RETRYABLE and not self._closed and (total is None or etag)
+                retry = worth_retrying(e) and not self._closed and (total is None or etag)
                 # The call's deadline is sized for max_message_bytes; an object larger than that (a
                 # learner's whole state) that was still arriving goes on in a new call.
                 retry = retry or (e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and index > 0 and bool(etag)

@@ -10,6 +10,15 @@ import grpc
 from .config import TransportConfig
 
 RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE})
+# grpcio's asyncio client reports a client-streaming call that the server ended (a refusal, say) while
+# we were still writing as this, instead of the server's status (grpc/grpc#36066): the real answer is
+# unknown, so it is asked again, within the same budget.
+STATUS_LOST = (grpc.StatusCode.INTERNAL, "Internal error from Core")
+
+
+def worth_retrying(error: grpc.aio.AioRpcError) -> bool:
+    """A failure another try may get past: the syncer unreachable, or its answer lost by grpcio."""
+    return error.code() in RETRYABLE or (error.code(), error.details()) == STATUS_LOST
 
 
 class TransportError(Exception):
