@@ -641,6 +641,37 @@ def end_to_end(layout_name: str, layout, shards: int, M: int, payloads: Path, in
     return row_of(results, logs, layout, shards, M, elapsed)
 
 
+def upload_round_trips(logs: list[dict], t_from: float, t_to: float) -> list[float]:
+    """Seconds from each upload's start (within [t_from, t_to]) to its learner holding the update that
+    merged it (the fragment's next version): the learner's view of a round, wherever its time went (the
+    upload waiting for the syncer, the merge, or the update waiting in the learner's mailbox)."""
+    trips = []
+    for lg in logs:
+        got: dict = {}
+        for p, v, t in lg["recv"]:
+            got.setdefault(p, []).append((t, v))
+        for p, c, t0, _ in lg["sent"]:
+            if t_from <= t0 <= t_to:
+                t = min((t for t, v in got.get(p, ()) if v >= c + 1 and t >= t0), default=None)
+                if t is not None:
+                    trips.append(t - t0)
+    return trips
+
+
+def fragment_cycles(logs: list[dict], t_from: float, t_to: float) -> list[float]:
+    """Seconds between a learner's uploads of the same fragment in consecutive cycles (both starting within
+    [t_from, t_to]): how often each fragment gets synced, the cadence the learners see."""
+    cycles = []
+    for lg in logs:
+        starts: dict = {}
+        for p, c, t0, _ in lg["sent"]:
+            starts.setdefault(p, {})[c] = t0
+        for by_cycle in starts.values():
+            cycles += [by_cycle[c + 1] - t0 for c, t0 in by_cycle.items()
+                       if c + 1 in by_cycle and t_from <= t0 and by_cycle[c + 1] <= t_to]
+    return cycles
+
+
 def row_of(results: list[dict], logs: list[dict], layout, shards: int, M: int, elapsed: float) -> dict:
     """The schema's row from the shards' windows and the learners' logs. The shards run at once, each
     over its own (overlapping) window: rates add up; CPU seconds add up; latencies are pooled."""
@@ -676,6 +707,8 @@ def row_of(results: list[dict], logs: list[dict], layout, shards: int, M: int, e
             if len(ts) == len(logs):
                 to_all.append(max(ts) - t_in)
     pct = lambda xs, q: float(np.percentile(xs, q)) if xs else None  # noqa: E731
+    t_from, t_to = min(r["A"]["t"] for r in results), max(r["B"]["t"] for r in results)
+    trips, cycles = upload_round_trips(logs, t_from, t_to), fragment_cycles(logs, t_from, t_to)
     learner_cpu = sum(lg["cpu_s"] for lg in logs)
     sys_s = sum(delta(r, "sys_s") for r in results)
     user_s = sum(delta(r, "user_s") for r in results)
@@ -702,6 +735,9 @@ def row_of(results: list[dict], logs: list[dict], layout, shards: int, M: int, e
         "window_s": max(windows), "window_s_per_shard": windows,
         "merged_gb_s_per_shard": [delta(r, "merged_bytes") / w / GB for r, w in zip(results, windows)],
         "round_latency_ms_p90": 1e3 * pct(to_all, 90) if to_all else None,
+        "upload_round_trip_ms": 1e3 * pct(trips, 50) if trips else None,
+        "upload_round_trip_ms_p90": 1e3 * pct(trips, 90) if trips else None,
+        "fragment_cycle_ms": 1e3 * pct(cycles, 50) if cycles else None,
         "round_latency_to_publish_ms": 1e3 * pct(to_publish, 50) if to_publish else None,
         "syncer_cpu_cores_busy": sum(delta(r, "cpu_s") / w for r, w in zip(results, windows)),
         # Kernel time (page faults and zeroing of freshly allocated arrays, mostly) over all CPU time.
@@ -883,7 +919,9 @@ def main(argv=None) -> int:
             log(f"e2e S={S} M={M}: {row['fragments_per_s']:.2f} fragments/s, "
                 f"{row['merged_gb_s']:.3f} GB/s merged ({row['merged_gb_s_per_core']:.3f} per core), "
                 f"in {row['in_gbit_s']:.3f} / out {row['out_gbit_s']:.3f} Gbit/s, latency "
-                f"{row['round_latency_ms'] or float('nan'):.0f} ms; CPU s/GB " + ", ".join(
+                f"{row['round_latency_ms'] or float('nan'):.0f} ms, upload round trip "
+                f"{row['upload_round_trip_ms'] or float('nan'):.0f} ms, fragment cycle "
+                f"{row['fragment_cycle_ms'] or float('nan'):.0f} ms; CPU s/GB " + ", ".join(
                     f"{k} {v:.2f}" for k, v in row["cpu_split"].items()))
     e2e_s = time.perf_counter() - t2
     for r in rows:
@@ -904,7 +942,9 @@ def main(argv=None) -> int:
                 "merged, merged_gb_s their fp32-equivalent bytes (fragments x fragment fp32 size) per second, "
                 "merged_gb_s_per_core the same per syncer CPU second; in/out: the syncer's transport bytes; "
                 "round_latency_ms: median, syncer handler gets a round's last contribution -> the last learner has "
-                "the broadcast; cpu_split: syncer CPU seconds per GB fp32 merged (decode includes the upload checks, "
+                "the broadcast; upload_round_trip_ms: median, a learner starts an upload -> it has the update that "
+                "merged it (wherever the wait was: its upload, the merge or its mailbox); fragment_cycle_ms: median, "
+                "one learner's upload of a fragment -> its upload of the same fragment in the next cycle; cpu_split: syncer CPU seconds per GB fp32 merged (decode includes the upload checks, "
                 "outer includes applying the step to Θ, transport is the rest of the process's CPU: gRPC, "
                 "reassembly, serde, fan-out). inprocess: the same stages on SyncerCore alone, per round.",
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),

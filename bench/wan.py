@@ -312,6 +312,7 @@ def _minor_faults(pid: int) -> int:
 
 DIRECT_PORT = 47_001  # in the emulated hub's own namespace: nothing else listens there
 TRANSPORT_ROUNDS = 4  # the first on fresh connections (cold), the median of the others is the row's figure
+TRANSPORT_OUT = ROOT / "bench" / "results" / "transport_wan.json"
 TUNED_HOST, DEFAULT_HOST = 256 << 20, 4 << 20  # TCP buffer maximum of the emulated hosts (tcp_rmem/tcp_wmem)
 SETTINGS_ARGS = {
     "default": lambda rate, rtt_ms: [],
@@ -324,6 +325,10 @@ SETTINGS_ARGS = {
     # Stripes over plain TLS connections into the receiver's buffer (transport.direct_port), not gRPC.
     "direct-tuned": lambda rate, rtt_ms: ["--tuned", f"{rate},{rtt_ms}", "--direct-port", str(DIRECT_PORT)],
     "direct-auto": lambda rate, rtt_ms: ["--auto-channels", "--direct-port", str(DIRECT_PORT)],
+    # tune_for_link's settings on 4 connections (it opens 2 on 256 MiB hosts): a smaller window each.
+    "tuned-4": lambda rate, rtt_ms: ["--tuned", f"{rate},{rtt_ms}", "--channels", "4"],
+    "direct-tuned-4": lambda rate, rtt_ms: ["--tuned", f"{rate},{rtt_ms}", "--channels", "4",
+                                            "--direct-port", str(DIRECT_PORT)],
 }
 
 
@@ -348,9 +353,9 @@ def raw_tls(emu, host: str, tls: Path, mib: int) -> dict:
 
 
 def transport_rows(cases: list[tuple[float, float, int, tuple[str, ...]]], workdir: Path, fragments: int = 4,
-                   iperf: bool = False, on_row=None) -> list[dict]:
+                   iperf: bool = False, on_row=None, rounds: int = TRANSPORT_ROUNDS) -> list[dict]:
     """One row per (rate Gbit/s, RTT ms, host TCP buffer bytes) and setting of the case: a client in one
-    emulated region uploads ``fragments`` fragments at once to a server in the other, TRANSPORT_ROUNDS
+    emulated region uploads ``fragments`` fragments at once to a server in the other, ``rounds``
     times. With ``iperf``, each row also has, measured first through the same emulated link, iperf3's rate
     and CPU per GiB and raw TLS over TCP's (the receiver's own reference), and where the server's CPU went
     (``perf_split``, sampled during the uploads)."""
@@ -380,14 +385,14 @@ def transport_rows(cases: list[tuple[float, float, int, tuple[str, ...]]], workd
                     with perf_split.profile(srv.pid, split) if iperf else contextlib.nullcontext():
                         res = emu.exec("far", [sys.executable, PEER, "upload", "--target", f"{host}:{port}",
                                                "--tls", str(tls), "--mib", str(mib), "--fragments", str(fragments),
-                                               "--rounds", str(TRANSPORT_ROUNDS), *extra],
+                                               "--rounds", str(rounds), *extra],
                                        timeout=300)
                     got = json.loads(res.stdout.strip().splitlines()[-1])
                     wall = time.monotonic() - t0
                     got["forwarder_cores"] = (_cpu_s(pid) - cpu0) / wall if pid else None
                     got["server_cores"] = (_cpu_s(srv.pid) - srv_cpu0) / wall
                     # Probes and handshakes included: an upper bound of the receiver's cost per GiB uploaded.
-                    gib = TRANSPORT_ROUNDS * got["bytes_per_round"] / (1 << 30)
+                    gib = rounds * got["bytes_per_round"] / (1 << 30)
                     got["server_cpu_s_per_gib"] = (_cpu_s(srv.pid) - srv_cpu0) / gib
                     # 262,144 would be every page of every GiB received faulted in afresh
                     got["server_minor_faults_per_gib"] = round((_minor_faults(srv.pid) - srv_faults0) / gib)
@@ -446,6 +451,10 @@ def main(argv=None) -> int:
     ap.add_argument("--settings", default="default,tuned,auto,auto-unstriped",
                     help=f"with --case: comma-separated, of {', '.join(SETTINGS_ARGS)}")
     ap.add_argument("--fragments", type=int, default=4, help="with --case: concurrent uploads per round")
+    ap.add_argument("--rounds", type=int, default=TRANSPORT_ROUNDS,
+                    help="with --case: rounds on the same connections (the first cold, the row's figure the "
+                         "median of the rest): more show the rate once TCP's windows have grown")
+    ap.add_argument("--case-out", type=Path, default=TRANSPORT_OUT, help="with --case: where the rows go")
     args = ap.parse_args(argv)
     if (why := unavailable_reason()) is not None:
         print(f"bench/wan.py: the emulated WAN {why}", file=sys.stderr)
@@ -490,10 +499,10 @@ def main(argv=None) -> int:
             save({"benchmark": "transport through the emulated WAN (bench/wan.py --transport-only --case)",
                   "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
                               "loadavg_1m_at_end": round(os.getloadavg()[0], 2)},
-                  "rounds": TRANSPORT_ROUNDS, "transport": rows, "partial": partial},
-                 ROOT / "bench" / "results" / "transport_wan.json")
+                  "rounds": args.rounds, "transport": rows, "partial": partial}, args.case_out)
         with tempfile.TemporaryDirectory(prefix="wan-bench-") as tmp:
-            write(transport_rows(cases, Path(tmp), args.fragments, iperf=True, on_row=write), partial=False)
+            write(transport_rows(cases, Path(tmp), args.fragments, iperf=True, on_row=write, rounds=args.rounds),
+                  partial=False)
         return 0
     if args.transport_only:
         out = json.loads(args.out.read_text())

@@ -6,10 +6,12 @@ from pathlib import Path
 
 import pytest
 
+from bench.syncer import fragment_cycles, upload_round_trips
+
 ROOT = Path(__file__).resolve().parents[2]
 SPLIT = {"transport", "decode", "merge", "outer", "encode"}
 ROW = {"shards", "learners", "fragments_per_s", "merged_gb_s", "merged_gb_s_per_core", "in_gbit_s", "out_gbit_s",
-       "round_latency_ms", "cpu_split"}
+       "round_latency_ms", "upload_round_trip_ms", "fragment_cycle_ms", "cpu_split"}
 
 
 @pytest.mark.slow  # syncer shards and learner processes: 40-70 s
@@ -66,3 +68,13 @@ def test_bench_syncer_tiny_run(tmp_path):
     assert ceiling["per_learner_link_gbit_s"] == pytest.approx(ceiling["wire_in_gbit_s"] / 2)
     assert doc["planner"]["merged_fp32_gb_s_one_shard_by_learners"] == {"2": row["merged_gb_s"]}
     assert doc["planner"]["merged_fp32_gb_s_by_shards_and_learners"]["S=2,M=2"] == two["merged_gb_s"]
+
+
+def test_an_upload_round_trip_ends_at_the_first_update_of_its_fragment_past_its_version():
+    # learner log rows: sent [fragment, cycle, t_start, t_acked], recv [fragment, to_version, t]
+    log = {"sent": [[0, 0, 1.0, 1.2], [0, 1, 2.0, 2.1], [1, 0, 0.5, 0.6], [1, 1, 2.2, 2.3]],
+           "recv": [[1, 1, 0.9], [0, 1, 1.5], [0, 3, 3.0], [0, 2, 2.7], [0, 1, 2.05]]}
+    # (1, 0) started before the window, (1, 1) never got its update: neither counts
+    assert upload_round_trips([log], 0.8, 2.5) == pytest.approx([0.5, 0.7])
+    # fragment 0's cycles 0 -> 1 (1.0 s); fragment 1's 0 -> 1 starts before the window
+    assert fragment_cycles([log], 0.8, 2.5) == pytest.approx([1.0])
