@@ -74,7 +74,7 @@ from wan_diloco.regions.topology import regions_from_mapping  # noqa: E402
 from wan_diloco.runtime.launch import RunState, launch  # noqa: E402
 from wan_diloco.transport.dev_certs import make_dev_certs  # noqa: E402
 
-from bench import perf_split  # noqa: E402
+from bench import perf_split, tcp_info  # noqa: E402
 
 LARGE = {"params": 1e10, "step_s": 1.0, "rate_gbit_s": 2.0, "rtt_ms": 80.0}
 STEP_S = 0.3  # every learner step padded to this (4 learners + syncer share 2 cores: ~0.2 s of compute)
@@ -332,6 +332,23 @@ SETTINGS_ARGS = {
 }
 
 
+def router_drops(emu) -> dict:
+    """Packets the emulated links dropped so far, by where: ``queue`` (the shapers' queues: a link's own
+    BDP-sized buffer overflowing, as a real WAN's would) and ``tun`` (the delay forwarder not reading in
+    time: this machine's CPU, not the link)."""
+    def query(argv):
+        res = subprocess.run(argv, capture_output=True, text=True, timeout=10)
+        return json.loads(res.stdout or "[]") if res.returncode == 0 else []
+    drops = {"queue": 0, "tun": 0}
+    for q in query(["tc", "-n", emu.router, "-s", "-j", "qdisc", "show"]):
+        drops["tun" if "tun" in q.get("dev", "") else "queue"] += q.get("drops", 0)
+    for link in query(["ip", "-n", emu.router, "-s", "-j", "link", "show"]):
+        if "tun" in link.get("ifname", ""):
+            stats = link.get("stats64", {})
+            drops["tun"] += stats.get("tx", {}).get("dropped", 0) + stats.get("rx", {}).get("dropped", 0)
+    return drops
+
+
 def raw_tls(emu, host: str, tls: Path, mib: int) -> dict:
     """Raw TLS over TCP through the same link (``wan_peer.py tls-sink``/``tls-send``): rate, the receiver's
     and sender's CPU seconds per GiB, and where the receiver's went (``perf_split``)."""
@@ -382,7 +399,10 @@ def transport_rows(cases: list[tuple[float, float, int, tuple[str, ...]]], workd
                     # The same bytes a round whatever the fragments, each within the 1 GiB message limit.
                     mib = min(1000, max(16, mib * 4 // fragments))
                     split: dict = {}
-                    with perf_split.profile(srv.pid, split) if iperf else contextlib.nullcontext():
+                    tcp: list = []  # the uploading side's connections, as its kernel saw them
+                    drops0 = router_drops(emu)
+                    with perf_split.profile(srv.pid, split) if iperf else contextlib.nullcontext(), \
+                            tcp_info.sampled(emu, "far", host, tcp):
                         res = emu.exec("far", [sys.executable, PEER, "upload", "--target", f"{host}:{port}",
                                                "--tls", str(tls), "--mib", str(mib), "--fragments", str(fragments),
                                                "--rounds", str(rounds), *extra],
@@ -396,6 +416,8 @@ def transport_rows(cases: list[tuple[float, float, int, tuple[str, ...]]], workd
                     got["server_cpu_s_per_gib"] = (_cpu_s(srv.pid) - srv_cpu0) / gib
                     # 262,144 would be every page of every GiB received faulted in afresh
                     got["server_minor_faults_per_gib"] = round((_minor_faults(srv.pid) - srv_faults0) / gib)
+                    got["sender_tcp"] = tcp
+                    got["link_drops"] = {k: v - drops0[k] for k, v in router_drops(emu).items()}
                 finally:
                     srv.stdin.close()
                     srv.wait(10)

@@ -4,7 +4,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -16,6 +15,7 @@ import pytest
 
 from wan_diloco.config import ConfigError, from_mapping
 from wan_diloco.runtime import multihost as mh
+from wan_diloco.runtime.launch_cluster import free_port
 
 STEPS = 10
 
@@ -55,12 +55,6 @@ _WORKER = textwrap.dedent("""
                       "devices": len(mesh.devices.flat), "local": len(mesh.local_devices),
                       "step": int(mh.to_host(state.step))}))
 """ % STEPS)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _env(devices: int) -> dict:
