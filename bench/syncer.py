@@ -944,7 +944,8 @@ def main(argv=None) -> int:
                 "round_latency_ms: median, syncer handler gets a round's last contribution -> the last learner has "
                 "the broadcast; upload_round_trip_ms: median, a learner starts an upload -> it has the update that "
                 "merged it (wherever the wait was: its upload, the merge or its mailbox); fragment_cycle_ms: median, "
-                "one learner's upload of a fragment -> its upload of the same fragment in the next cycle; cpu_split: syncer CPU seconds per GB fp32 merged (decode includes the upload checks, "
+                "one learner's upload of a fragment -> its upload of the same fragment in the next cycle; "
+                "cpu_split: syncer CPU seconds per GB fp32 merged (decode includes the upload checks, "
                 "outer includes applying the step to Θ, transport is the rest of the process's CPU: gRPC, "
                 "reassembly, serde, fan-out). inprocess: the same stages on SyncerCore alone, per round.",
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),

@@ -18,8 +18,8 @@ def parse_ss(text: str) -> list[dict]:
         if not line.strip():
             continue
         if not line[0].isspace():  # "ESTAB 0 0 local:port peer:port"
-            parts = line.split()
-            conns.append({"local": parts[-2] if len(parts) >= 5 else "?", "peer": parts[-1] if len(parts) >= 5 else "?"})
+            local, peer = line.split()[-2:] if len(line.split()) >= 5 else ("?", "?")
+            conns.append({"local": local, "peer": peer})
             continue
         if not conns:
             continue

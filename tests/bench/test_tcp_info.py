@@ -15,10 +15,10 @@ SS_LINE = ("ESTAB 0      3012218 10.77.0.2:35808 10.77.0.1:443\n"
            "rwnd_limited:44ms(14.3%) sndbuf_limited:12ms(3.9%) retrans:0/2 rcv_space:65495 minrtt:100.1\n")
 
 
-def test_each_connection_gets_its_peer_and_counters_in_ms():
+def test_each_connection_gets_its_addresses_and_counters_in_ms():
     (conn,) = parse_ss(SS_LINE)
-    assert conn == {"local": "10.77.0.2:35808", "peer": "10.77.0.1:443", "mss": 1448, "cwnd": 4000, "ssthresh": 3000, "bytes_sent": 834662256,
-                    "bytes_retrans": 2896, "busy": 308.0, "rwnd_limited": 44.0, "sndbuf_limited": 12.0,
+    assert conn == {"local": "10.77.0.2:35808", "peer": "10.77.0.1:443", "mss": 1448, "cwnd": 4000,
+                    "ssthresh": 3000, "bytes_sent": 834662256, "bytes_retrans": 2896, "busy": 308.0, "rwnd_limited": 44.0, "sndbuf_limited": 12.0,
                     "retrans_segs": 2, "minrtt": 100.1}
     assert parse_ss("") == [] and parse_ss("\t cwnd:10\n") == []  # an info line without its connection
 
