@@ -39,12 +39,16 @@ fat links (256 MB) and with Linux's default (4 MiB): default settings,
 ``transport.tune_for_link`` for the known link, and connections widened from
 link probes as learners do (``auto``). Each is ``TRANSPORT_ROUNDS`` rounds of
 4 concurrent uploads of about a second of link each; the first round is on
-fresh connections (``cold_gbit_s``), the row's figure is the median of the rest.
+fresh connections (``cold_gbit_s``), the row's figure is the median of the rest
+(``--rounds`` for more). Each row also has the sending kernel's view of its
+connections (``sender_tcp``: congestion window, retransmitted bytes) and the
+packets the emulated link dropped meanwhile (``link_drops``).
 
     python -m bench.wan --quick     # ~6 min: dp and decoupled int4 + transport at 1 Gbit/s
     python -m bench.wan             # every method, every bit width, every transport link, the link events
     python -m bench.wan --transport-only   # rerun the transport rows into an existing wan.json
     python -m bench.wan --transport-only --case 2,50,4 --fragments 1   # one link, into transport_wan.json
+    python -m bench.wan --transport-only --case 5,100,256,tuned --rounds 12 --case-out F   # warm connections
 Needs root (network namespaces). Writes bench/results/wan.json (+ wan.png).
 """
 from __future__ import annotations
